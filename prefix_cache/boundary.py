@@ -1,0 +1,64 @@
+"""The two-probe static-prefix computation: pure functions over a render callable.
+
+    static   = leading system/developer messages
+    A, B     = render(static + [user PROBE_A]), render(static + [user PROBE_B])
+    scaffold = common_prefix_len(A, B)          # ends before any probe text
+    boundary = common_prefix_len(prompt_ids, A[:scaffold])
+
+The probes differ in their first token, so the scaffold stops where the user text would start,
+whatever the template injected before it (default system block, tools, dates). The boundary is
+then cut where the real prompt leaves that scaffold, so it never over-reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+PROBE_A = "Hi"
+PROBE_B = "Tell me a joke."
+
+Message = Mapping[str, Any]
+RenderIds = Callable[[list[Message]], list[int]]
+
+# Lists are compared a chunk at a time with C-level slice equality; only the chunk holding the
+# first difference is walked in Python. On a hit the whole static part matches, so this is one
+# slice compare for thousands of tokens.
+_CHUNK = 256
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    start = 0
+    while start < n:
+        stop = min(start + _CHUNK, n)
+        if a[start:stop] != b[start:stop]:
+            for i in range(start, stop):
+                if a[i] != b[i]:
+                    return i
+        start = stop
+    return n
+
+
+def probe_conversations(static: Sequence[Message]) -> tuple[list[Message], list[Message]]:
+    """The two probe conversations: the static messages followed by each probe user turn."""
+    return (
+        [*static, {"role": "user", "content": PROBE_A}],
+        [*static, {"role": "user", "content": PROBE_B}],
+    )
+
+
+def static_prefix_ids(render: RenderIds, static: Sequence[Message]) -> list[int]:
+    """Token ids of the template's scaffold for these static messages (two probe renders)."""
+    conv_a, conv_b = probe_conversations(static)
+    a = render(conv_a)
+    b = render(conv_b)
+    return a[: common_prefix_len(a, b)]
+
+
+def system_end(prompt_ids: Sequence[int], static_ids: Sequence[int]) -> int:
+    """specprefill_system_end: where the prompt leaves the static scaffold."""
+    return common_prefix_len(prompt_ids, static_ids)

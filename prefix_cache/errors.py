@@ -1,0 +1,27 @@
+"""The exceptions the library raises; each maps to one HTTP status in the service."""
+
+from __future__ import annotations
+
+
+class PrefixCacheError(Exception):
+    """Base of every error this package raises on purpose."""
+
+
+class InvalidRequestError(PrefixCacheError, ValueError):
+    """The request itself is malformed (roles, types, reserved kwargs): the client's fault, a 400."""
+
+
+class NoChatTemplateError(PrefixCacheError):
+    """The tokenizer has no chat template and none was given."""
+
+
+class TemplateRenderError(PrefixCacheError):
+    """The chat template raised while rendering; the message is the template's own."""
+
+
+class StoreUnavailableError(PrefixCacheError):
+    """A store could not answer (down, slow, full). The cache treats it as a miss, never as a failure."""
+
+
+class EntryError(PrefixCacheError):
+    """A stored entry is corrupt, of another format version, or belongs to other inputs."""

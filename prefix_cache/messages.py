@@ -1,0 +1,81 @@
+"""Request validation and the static part of a conversation: the leading system/developer run."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import InvalidRequestError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+STATIC_ROLES = frozenset(("system", "developer"))
+
+# apply_chat_template's own parameters: a kwarg with one of these names would either collide with
+# the call we make or change how the prompt is tokenized, so it is refused rather than ignored.
+RESERVED_KWARGS = frozenset((
+    "conversation", "tools", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+))
+
+
+def count_static(messages: Sequence[Mapping[str, Any]]) -> int:
+    """Number of leading messages whose role is system or developer."""
+    n = 0
+    for message in messages:
+        if message.get("role") not in STATIC_ROLES:
+            break
+        n += 1
+    return n
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the shape the templates rely on; raise InvalidRequestError naming the bad field."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of message objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(f"messages[{i}] must be an object, got {type(message).__name__}")
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role: {role!r} is not one of {', '.join(ROLES)}"
+            )
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise InvalidRequestError(
+                f"messages[{i}].content must be a string, a list of content parts or null"
+            )
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    raise InvalidRequestError(f"messages[{i}].content[{j}] must be an object")
+    return messages
+
+
+def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Tools are a list of JSON-schema objects; an empty list means no tools."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequestError("tools must be a list of tool objects")
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise InvalidRequestError(f"tools[{i}] must be an object")
+    return tools or None
+
+
+def validate_kwargs(kwargs: Any) -> dict[str, Any]:
+    """chat_template_kwargs: an object of template variables, none of them reserved."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise InvalidRequestError("chat_template_kwargs must be an object")
+    for name in kwargs:
+        if not isinstance(name, str):
+            raise InvalidRequestError("chat_template_kwargs keys must be strings")
+        if name in RESERVED_KWARGS:
+            raise InvalidRequestError(
+                f"chat_template_kwargs may not set {name!r}: it is a parameter of the render itself"
+            )
+    return kwargs

@@ -1,0 +1,93 @@
+"""Independent references the cache is checked against, written apart from prefix_cache.
+
+Nothing here imports prefix_cache: the point is to recompute the answer another way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+STATIC = ("system", "developer")
+UNRELATED_TEXTS = (
+    "Hi",
+    "Tell me a joke.",
+    "What is the capital of France?",
+    "Summarize this paragraph for me please",
+    "42",
+    "¿Dónde está la biblioteca?",
+)
+
+
+def cpl(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def render(tok: Any, messages: list[dict], tools: list | None, kwargs: dict | None,
+           template: str | None, tokenize: bool = True) -> Any:
+    """apply_chat_template the transformers way; tools=[] for templates that need a list."""
+    def call(t: list | None) -> Any:
+        return tok.apply_chat_template(
+            messages, tools=t, chat_template=template, add_generation_prompt=True,
+            tokenize=tokenize, return_dict=False, **(kwargs or {}))
+    if tools:
+        return call(tools)
+    try:
+        return call(None)
+    except Exception:
+        return call([])
+
+
+def leading_static(messages: list[dict]) -> list[dict]:
+    out = []
+    for m in messages:
+        if m["role"] not in STATIC:
+            break
+        out.append(m)
+    return out
+
+
+def two_probe(tok: Any, messages: list[dict], tools: list | None = None,
+              kwargs: dict | None = None, template: str | None = None) -> int:
+    """The reference algorithm of ARCHITECTURE.md, straight from its definition."""
+    static = leading_static(messages)
+    if not static or len(static) == len(messages):
+        return 0
+    prompt = render(tok, messages, tools, kwargs, template)
+    a = render(tok, static + [{"role": "user", "content": "Hi"}], tools, kwargs, template)
+    b = render(tok, static + [{"role": "user", "content": "Tell me a joke."}], tools, kwargs, template)
+    return cpl(prompt, a[: cpl(a, b)])
+
+
+def multi_probe(tok: Any, messages: list[dict], tools: list | None = None,
+                kwargs: dict | None = None, template: str | None = None,
+                static: list[dict] | None = None) -> int:
+    """Brute force: the longest prefix the prompt shares with renders of many unrelated user texts."""
+    static = leading_static(messages) if static is None else static
+    if len(static) == len(messages):
+        return 0
+    prompt = render(tok, messages, tools, kwargs, template)
+    n = len(prompt)
+    for text in UNRELATED_TEXTS:
+        probe = render(tok, static + [{"role": "user", "content": text}], tools, kwargs, template)
+        n = min(n, cpl(prompt, probe))
+    return n
+
+
+def first_user_text_index(tok: Any, messages: list[dict], tools: list | None = None,
+                          kwargs: dict | None = None, template: str | None = None) -> int:
+    """Token index where the first user message's text starts in the rendered prompt."""
+    first = next(m for m in messages if m["role"] == "user")
+    content = first["content"]
+    if not isinstance(content, str):
+        content = next(p["text"] for p in content if p.get("type") == "text")
+    text = render(tok, messages, tools, kwargs, template, tokenize=False)
+    pos = text.find(content.strip())
+    assert pos >= 0, "first user text not found in the rendered prompt"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    head = tok(text[:pos], add_special_tokens=False)["input_ids"]
+    return cpl(ids, head)
