@@ -43,6 +43,21 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def packed_prefix_len(a: bytes, b: bytes, width: int = 4) -> int:
+    """Common prefix length, in items of ``width`` bytes, of two packed id arrays (memcmp only)."""
+    n = min(len(a), len(b)) // width * width
+    if a[:n] == b[:n]:
+        return n // width
+    lo, hi = 0, n // width  # invariant: first lo items equal, first hi items differ
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[: mid * width] == b[: mid * width]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
 def probe_conversations(static: Sequence[Message]) -> tuple[list[Message], list[Message]]:
     """The two probe conversations: the static messages followed by each probe user turn."""
     return (

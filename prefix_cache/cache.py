@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import boundary, keys
-from .entry import decode_entry, encode_entry
+from .entry import Entry, decode_entry, encode_entry, pack_ids
 from .errors import EntryError, InvalidRequestError, PrefixCacheError, StoreUnavailableError
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
 from .render import TemplateRenderer, get_renderer
@@ -111,13 +111,14 @@ class StaticPrefixCache:
             prompt = self._prompt(plan, prompt_ids)
             if plan.static is None:
                 return self._none(prompt)
-            static_ids, cache = self._read(plan, self._get(plan.key))
-            if static_ids is None:
-                static_ids, cache = self._await_flight_sync(plan)
+            entry = self._read(plan, self._get(plan.key))
+            if entry is not None:
+                return self._hit(plan, prompt, entry)
+            static_ids = self._await_flight_sync(plan)
         except PrefixCacheError:
             self.stats.add(errors=1)
             raise
-        return self._result(plan, prompt, static_ids, cache)
+        return self._miss(plan, prompt, static_ids)
 
     async def aresolve(
         self,
@@ -142,20 +143,20 @@ class StaticPrefixCache:
                 prompt = self._prompt(plan, prompt_ids)
             if plan.static is None:
                 return self._none(prompt)
-            static_ids, cache = self._read(plan, await self._aget(plan.key))
-            if static_ids is None:
-                flight, leader = self._flights.claim(plan.key)
-                if leader:
-                    loop.run_in_executor(self._executor, self._lead, plan, flight)
-                else:
-                    self.stats.add(coalesced=1)
-                # Shielded: a cancelled request must not cancel the flight others wait on.
-                static_ids = await asyncio.shield(asyncio.wrap_future(flight))
-                cache = MISS
+            entry = self._read(plan, await self._aget(plan.key))
+            if entry is not None:
+                return self._hit(plan, prompt, entry)
+            flight, leader = self._flights.claim(plan.key)
+            if leader:
+                loop.run_in_executor(self._executor, self._lead, plan, flight)
+            else:
+                self.stats.add(coalesced=1)
+            # Shielded: a cancelled request must not cancel the flight others wait on.
+            static_ids = await asyncio.shield(asyncio.wrap_future(flight))
         except PrefixCacheError:
             self.stats.add(errors=1)
             raise
-        return self._result(plan, prompt, static_ids, cache)
+        return self._miss(plan, prompt, static_ids)
 
     def close(self) -> None:
         """Stop the render threads and close the store."""
@@ -196,32 +197,40 @@ class StaticPrefixCache:
         self.stats.add(none=1)
         return PrefixResult(0, prompt, NONE, "")
 
-    def _result(self, plan: _Plan, prompt: list[int], static_ids: list[int],
-                cache: str) -> PrefixResult:
+    def _miss(self, plan: _Plan, prompt: list[int], static_ids: list[int]) -> PrefixResult:
         end = boundary.system_end(prompt, static_ids)
-        return PrefixResult(end, prompt, cache, plan.key, len(static_ids))
+        return PrefixResult(end, prompt, MISS, plan.key, len(static_ids))
 
-    def _read(self, plan: _Plan, value: bytes | None) -> tuple[list[int] | None, str]:
+    def _hit(self, plan: _Plan, prompt: list[int], entry: Entry) -> PrefixResult:
+        # Same cut as _miss, done on packed bytes: the stored ids are never unpacked.
+        n = entry.n_static
+        try:
+            head = pack_ids(prompt[:n])
+        except (OverflowError, TypeError) as exc:
+            raise InvalidRequestError("prompt_ids must be token ids in [0, 2**32)") from exc
+        end = boundary.packed_prefix_len(head, entry.packed_ids)
+        self.stats.add(hits=1, render_seconds_saved=entry.render_seconds)
+        return PrefixResult(end, prompt, HIT, plan.key, n)
+
+    def _read(self, plan: _Plan, value: bytes | None) -> Entry | None:
         """Decode a stored value; anything that is not exactly ours counts as a miss."""
         if value is None:
             self.stats.add(misses=1)
-            return None, MISS
+            return None
         try:
-            entry = decode_entry(value, plan.key, plan.check)
+            return decode_entry(value, plan.key, plan.check)
         except EntryError as exc:
             log.warning("rejected stored entry %s: %s", plan.key, exc)
             self.stats.add(misses=1, verification_failures=1)
-            return None, MISS
-        self.stats.add(hits=1, render_seconds_saved=entry.render_seconds)
-        return entry.static_ids, HIT
+            return None
 
-    def _await_flight_sync(self, plan: _Plan) -> tuple[list[int], str]:
+    def _await_flight_sync(self, plan: _Plan) -> list[int]:
         flight, leader = self._flights.claim(plan.key)
         if leader:
             self._lead(plan, flight)
         else:
             self.stats.add(coalesced=1)
-        return flight.result(), MISS
+        return flight.result()
 
     def _lead(self, plan: _Plan, flight: Future[list[int]]) -> None:
         """Compute the scaffold once, publish it to waiters, store it, then end the flight."""

@@ -31,27 +31,49 @@ _SWAP = sys.byteorder == "big"
 _MAX_RENDER_US = 0xFFFF_FFFF
 
 
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes; OverflowError if one does not fit."""
+    packed = array(_U32, ids)
+    if _SWAP:
+        packed.byteswap()
+    return packed.tobytes()
+
+
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A decoded entry: the static scaffold's token ids and what it cost to compute."""
+    """A decoded entry: the static scaffold's token ids (packed) and what it cost to compute.
+
+    The ids stay packed: on a hit, comparing the prompt's packed prefix with them is a memcmp,
+    several times cheaper than building a list of Python ints and comparing element by element.
+    """
 
     key: str
     check: int
-    static_ids: list[int]
+    packed_ids: bytes
     render_seconds: float
+
+    @property
+    def n_static(self) -> int:
+        return len(self.packed_ids) // 4
+
+    @property
+    def static_ids(self) -> list[int]:
+        ids = array(_U32)
+        ids.frombytes(self.packed_ids)
+        if _SWAP:
+            ids.byteswap()
+        return ids.tolist()
 
 
 def encode_entry(key: str, check: int, static_ids: Sequence[int], render_seconds: float) -> bytes:
     """Serialize one entry; token ids must fit in uint32."""
     key_bytes = key.encode()
-    ids = array(_U32, static_ids)
-    if _SWAP:
-        ids.byteswap()
+    ids = pack_ids(static_ids)
     render_us = min(max(int(render_seconds * 1e6), 0), _MAX_RENDER_US)
     body = (
-        _HEADER.pack(MAGIC, VERSION, len(key_bytes), check, render_us, len(ids))
+        _HEADER.pack(MAGIC, VERSION, len(key_bytes), check, render_us, len(ids) // 4)
         + key_bytes
-        + ids.tobytes()
+        + ids
     )
     return body + _DIGEST.pack(xxhash.xxh3_64_intdigest(body))
 
@@ -76,8 +98,4 @@ def decode_entry(data: bytes, key: str, check: int) -> Entry:
         raise EntryError("entry belongs to another key")
     if stored_check != check:
         raise EntryError("entry check value mismatch (key collision)")
-    ids = array(_U32)
-    ids.frombytes(data[_HEADER.size + key_len : body_len])
-    if _SWAP:
-        ids.byteswap()
-    return Entry(key, stored_check, ids.tolist(), render_us / 1e6)
+    return Entry(key, stored_check, bytes(data[_HEADER.size + key_len : body_len]), render_us / 1e6)

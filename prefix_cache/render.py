@@ -9,7 +9,7 @@ Renderers are memoized per tokenizer object, so the fingerprint is computed once
 
 from __future__ import annotations
 
-import datetime
+from datetime import datetime
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -70,7 +70,7 @@ class TemplateRenderer:
 
     def date_tag(self) -> str | None:
         """Today's date as strftime_now would see it (local time), for templates that read it."""
-        return datetime.datetime.now().strftime("%Y-%m-%d") if self.uses_date else None
+        return datetime.now().strftime("%Y-%m-%d") if self.uses_date else None
 
     def _apply(self, messages: Sequence[Mapping[str, Any]], tools: list | None,
                kwargs: Mapping[str, Any]) -> list[int]:

@@ -12,8 +12,6 @@ UNRELATED_TEXTS = (
     "Hi",
     "Tell me a joke.",
     "What is the capital of France?",
-    "Summarize this paragraph for me please",
-    "42",
     "¿Dónde está la biblioteca?",
 )
 

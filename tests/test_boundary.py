@@ -32,6 +32,18 @@ def test_common_prefix_len(a: list[int], b: list[int], n: int) -> None:
     assert common_prefix_len(a, b) == n == common_prefix_len(b, a)
 
 
+@pytest.mark.parametrize("a,b", [
+    ([], []), ([1], []), ([1, 2, 3], [1, 2, 3]), ([1, 2, 3], [1, 2, 4]), ([5], [6]),
+    ([256], [1]), ([1 << 24], [1]), (list(range(1000)), list(range(1000)) + [7]),
+    (list(range(999)), list(range(600)) + [0] * 400), ([7] * 65, [7] * 64 + [8]),
+])
+def test_packed_prefix_len_agrees_with_list_version(a: list[int], b: list[int]) -> None:
+    from prefix_cache.boundary import packed_prefix_len
+    from prefix_cache.entry import pack_ids
+
+    assert packed_prefix_len(pack_ids(a), pack_ids(b)) == common_prefix_len(a, b)
+
+
 def test_probes_differ_in_their_first_character() -> None:
     assert PROBE_A[0] != PROBE_B[0]
 

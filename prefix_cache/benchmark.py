@@ -1,0 +1,173 @@
+"""`prefix-cache bench`: cached hit vs uncached two-probe vs naive subtraction, side by side.
+
+For each tool count, the same requests (a fixed system prompt and tools, a different user turn
+each time, prompt ids given as an engine would) are timed by all three methods in rotating
+order within one loop, so machine noise lands on all of them alike; medians and ratios are
+reported, never absolute thresholds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from . import boundary
+from .cache import StaticPrefixCache
+from .render import get_renderer
+
+SYSTEM_PROMPT = (
+    "You are a senior software engineering agent working inside a monorepo. Follow the "
+    "repository conventions, keep changes minimal, run the tests after every edit, and explain "
+    "each decision briefly. Never push to main directly; open a pull request instead. "
+) * 4
+
+
+def bench_tools(n: int) -> list[dict[str, Any]]:
+    """n realistic tool schemas (names, descriptions, typed parameters)."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"workspace_tool_{i}",
+                "description": f"Tool {i}: operates on files, processes or the network of the "
+                               "workspace and returns a JSON result describing what happened.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string", "description": "Path relative to the repo root."},
+                        "pattern": {"type": "string", "description": "Glob or regex to match."},
+                        "limit": {"type": "integer", "description": "Maximum items.", "default": 50},
+                        "dry_run": {"type": "boolean", "description": "Report without changing."},
+                    },
+                    "required": ["path"],
+                },
+            },
+        }
+        for i in range(n)
+    ]
+
+
+def _time(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    import transformers
+
+    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}, transformers {transformers.__version__}")
+
+
+def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int) -> dict[str, Any]:
+    """Time the three methods over ``n_requests`` requests of one agent with ``n_tools`` tools."""
+    tools = bench_tools(n_tools) or None
+    system = {"role": "system", "content": SYSTEM_PROMPT}
+    renderer = get_renderer(tokenizer, template, tools)
+    requests = []
+    for i in range(n_requests):
+        messages = [system, {"role": "user", "content": f"Request {i}: fix the failing test in module_{i}.py"}]
+        requests.append((messages, renderer.render_ids(messages, tools, {})))
+    cache = StaticPrefixCache()
+    cache.resolve(tokenizer, requests[0][0], tools, prompt_ids=requests[0][1], chat_template=template)
+
+    def uncached(messages: list[dict[str, Any]], prompt: list[int]) -> int:
+        static = messages[:1]
+        ids = boundary.static_prefix_ids(lambda c: renderer.render_ids(c, tools, {}), static)
+        return boundary.system_end(prompt, ids)
+
+    def hit(messages: list[dict[str, Any]], prompt: list[int]) -> int:
+        r = cache.resolve(tokenizer, messages, tools, prompt_ids=prompt, chat_template=template)
+        assert r.hit
+        return r.specprefill_system_end
+
+    def naive(messages: list[dict[str, Any]], prompt: list[int]) -> int:
+        rest = renderer.render_ids(messages[1:], tools, {})
+        return len(prompt) - len(rest)
+
+    methods = {"uncached": uncached, "hit": hit, "naive": naive}
+    times: dict[str, list[float]] = {name: [] for name in methods}
+    answers: dict[str, set[int]] = {name: set() for name in methods}
+    order = list(methods)
+    for i, (messages, prompt) in enumerate(requests):
+        for name in order[i % 3:] + order[: i % 3]:  # rotate who goes first
+            seconds, answer = _time(lambda: methods[name](messages, prompt))
+            times[name].append(seconds)
+            answers[name].add(answer)
+    assert answers["hit"] == answers["uncached"], (answers["hit"], answers["uncached"])
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    return {
+        "tools": n_tools,
+        "static_tokens": next(iter(answers["uncached"])),
+        "prompt_tokens": len(requests[0][1]),
+        "uncached_ms": med["uncached"] * 1e3,
+        "hit_us": med["hit"] * 1e6,
+        "speedup": med["uncached"] / med["hit"],
+        "naive_ms": med["naive"] * 1e3,
+        "naive_boundary": sorted(answers["naive"]),
+        "requests": n_requests,
+    }
+
+
+def format_table(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| tools | boundary (tokens) | naive boundary | uncached two-probe (median) | naive subtraction (median) | cached hit (median) | hit speedup vs uncached |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        naive = ",".join(str(v) for v in r["naive_boundary"][:3])
+        lines.append(
+            f"| {r['tools']} | {r['static_tokens']} | {naive} | {r['uncached_ms']:.2f} ms | "
+            f"{r['naive_ms']:.2f} ms | {r['hit_us']:.1f} µs | **{r['speedup']:.0f}x** |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_benchmark(args: argparse.Namespace) -> int:
+    from .demo import DEMO_TEMPLATE
+    from .offline_tokenizers import load_tokenizer
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    if args.chat_template:
+        template = Path(args.chat_template).read_text(encoding="utf-8")
+        template_name = Path(args.chat_template).name
+    else:
+        template, template_name = DEMO_TEMPLATE, "the demo Qwen3-style template"
+    counts = [int(x) for x in args.tools.split(",") if x.strip()]
+    rows = []
+    for n in counts:
+        row = run_case(tokenizer, template, n, args.requests_per_case)
+        rows.append(row)
+        print(f"tools={n:3d} boundary={row['static_tokens']:6d} uncached={row['uncached_ms']:8.2f} ms "
+              f"hit={row['hit_us']:8.1f} us speedup={row['speedup']:7.0f}x naive={row['naive_ms']:.2f} ms "
+              f"naive_boundary={row['naive_boundary'][:3]}", flush=True)
+    header = (
+        f"Tokenizer `{args.tokenizer}` (real, offline), template {template_name}, "
+        f"{args.requests_per_case} requests per row, medians. Machine: {_machine()}.\n"
+        f"Command: `prefix-cache bench --tokenizer {args.tokenizer}"
+        f"{' --chat-template ' + args.chat_template if args.chat_template else ''}"
+        f" --tools {args.tools} --requests-per-case {args.requests_per_case}`"
+    )
+    table = format_table(rows, header)
+    print(table)
+    if args.output:
+        Path(args.output).write_text(table, encoding="utf-8")
+    return 0

@@ -1,0 +1,171 @@
+"""The ``prefix-cache`` command line: ``boundary`` (and ``bench``).
+
+stdout carries only result lines (one JSON object per request, in input order); logs go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from .errors import NoChatTemplateError, PrefixCacheError
+
+log = logging.getLogger("prefix_cache.cli")
+
+EXIT_OK, EXIT_FAILED = 0, 2
+
+
+def _read_requests(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]:
+    """(body, None) for each request, or (None, error) for one that cannot be parsed."""
+    if args.request is not None:
+        raw = sys.stdin.buffer.read() if args.request == "-" else Path(args.request).read_bytes()
+        yield _parse(raw)
+        return
+    stream = sys.stdin.buffer if args.requests == "-" else open(args.requests, "rb")
+    with stream:
+        for line in stream:
+            if line.strip():
+                yield _parse(line)
+
+
+def _parse(raw: bytes) -> tuple[Any, str | None]:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return None, f"invalid JSON: {exc}"
+    if not isinstance(body, dict):
+        return None, "a request must be a JSON object (an OpenAI chat body)"
+    return body, None
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    sys.stdout.buffer.write(orjson.dumps(obj) + b"\n")
+    sys.stdout.buffer.flush()
+
+
+def cmd_boundary(args: argparse.Namespace) -> int:
+    from .cache import StaticPrefixCache
+    from .model_dir import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.model, args.chat_template)
+    except (NoChatTemplateError, ValueError, OSError) as exc:
+        print(f"prefix-cache: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    cache = StaticPrefixCache(_open_store(args))
+    failed = 0
+    for body, error in _read_requests(args):
+        if error is None:
+            try:
+                result = cache.resolve(
+                    tokenizer,
+                    body.get("messages"),
+                    body.get("tools"),
+                    body.get("chat_template_kwargs"),
+                    namespace=args.namespace,
+                    model=Path(args.model).name,
+                )
+            except (PrefixCacheError, ValueError) as exc:
+                error = str(exc)
+            except Exception as exc:  # one bad request must not end the run
+                log.exception("unexpected failure")
+                error = f"{type(exc).__name__}: {exc}"
+        if error is not None:
+            failed += 1
+            _emit({"error": error})
+            continue
+        _emit({
+            "specprefill_system_end": result.specprefill_system_end,
+            "prompt_tokens": len(result.prompt_ids),
+            "cache": result.cache,
+            "key": result.key,
+        })
+    stats = cache.stats.snapshot()
+    log.info("hits=%d misses=%d none=%d renders=%d errors=%d", stats["hits"], stats["misses"],
+             stats["none"], stats["renders"], failed)
+    cache.close()
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def _open_store(args: argparse.Namespace) -> Any:
+    from .store import MemoryStore
+
+    return MemoryStore()
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .benchmark import run_benchmark
+
+    return run_benchmark(args)
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from .demo import demo_model_dir
+
+    print(demo_model_dir())
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefix-cache", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("boundary", help="compute specprefill_system_end for chat requests")
+    b.add_argument("--model", required=True, metavar="DIR",
+                   help="model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)")
+    b.add_argument("--chat-template", metavar="FILE", help="Jinja chat template overriding the folder's")
+    src = b.add_mutually_exclusive_group(required=True)
+    src.add_argument("--request", metavar="FILE", help="one OpenAI chat body ('-' for stdin)")
+    src.add_argument("--requests", metavar="FILE.jsonl", help="one OpenAI chat body per line")
+    b.add_argument("--namespace", default="default", metavar="NS", help="tenant namespace of the keys")
+    b.set_defaults(func=cmd_boundary)
+
+    bench = sub.add_parser("bench", help="benchmark cached vs uncached boundaries")
+    bench.add_argument("--requests-per-case", type=int, default=200, metavar="N")
+    bench.add_argument("--tools", default="0,1,4,16,64", help="comma-separated tool counts")
+    bench.add_argument("--tokenizer", default="qwen3.5", help="offline tokenizer name (real vocab)")
+    bench.add_argument("--chat-template", metavar="FILE", help="template (default: the demo one)")
+    bench.add_argument("--output", metavar="FILE", help="also write the markdown table here")
+    bench.set_defaults(func=cmd_bench)
+    demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
+                          "tool-rendering template) and print its path")
+    demo.set_defaults(func=cmd_demo_model)
+    return parser
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is at the time of the record, never to stdout."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: Any) -> None:
+        pass
+
+
+def _configure_logging(verbose: bool) -> None:
+    logger = logging.getLogger("prefix_cache")
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

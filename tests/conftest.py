@@ -1,0 +1,51 @@
+"""Shared fixtures: real tokenizers built offline once per machine (disk cache), tool sets."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SHARED_TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "chat_templates"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def make_tools(n: int, seed: int = 0) -> list[dict[str, Any]]:
+    """n distinct OpenAI function tools of realistic size."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"tool_{seed}_{i}",
+                "description": f"Tool number {i}: reads, edits or searches files in the workspace.",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string", "description": "Path relative to the root."},
+                        "limit": {"type": "integer", "description": "Maximum results.", "default": 20},
+                        "recursive": {"type": "boolean"},
+                    },
+                    "required": ["path"],
+                },
+            },
+        }
+        for i in range(n)
+    ]
+
+
+@pytest.fixture(scope="session")
+def qwen3() -> Any:
+    from prefix_cache.offline_tokenizers import load_tokenizer
+
+    return load_tokenizer("qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama3() -> Any:
+    from prefix_cache.offline_tokenizers import load_tokenizer
+
+    return load_tokenizer("llama3.1")

@@ -1,0 +1,67 @@
+"""The binary entry: round trip, and every kind of damage detected."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from prefix_cache.entry import VERSION, decode_entry, encode_entry
+from prefix_cache.errors import EntryError
+
+KEY, CHECK = "spc:default:m:00ff", 0x1234_5678_9ABC_DEF0
+IDS = [0, 1, 151643, 2**32 - 1, 42] * 100
+
+
+def test_round_trip() -> None:
+    entry = decode_entry(encode_entry(KEY, CHECK, IDS, 0.0375), KEY, CHECK)
+    assert entry.static_ids == IDS and entry.key == KEY and entry.check == CHECK
+    assert entry.render_seconds == pytest.approx(0.0375, abs=1e-6)
+
+
+def test_compact() -> None:
+    assert len(encode_entry(KEY, CHECK, IDS, 0.01)) == 4 * len(IDS) + len(KEY) + 24 + 8
+
+
+def test_empty_ids_round_trip() -> None:
+    assert decode_entry(encode_entry(KEY, CHECK, [], 0.0), KEY, CHECK).static_ids == []
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1:]
+
+
+GOOD = encode_entry(KEY, CHECK, IDS, 0.01)
+DAMAGE = {
+    "empty": b"",
+    "random bytes": bytes(range(256)) * 3,
+    "truncated": GOOD[:-9],
+    "one byte short": GOOD[:-1],
+    "one byte extra": GOOD + b"\x00",
+    "flipped token id": _flip(GOOD, len(GOOD) - 20),
+    "flipped header": _flip(GOOD, 12),
+    "other version": GOOD[:4] + bytes([VERSION + 1]) + GOOD[5:],
+}
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGE))
+def test_damage_is_detected(name: str) -> None:
+    with pytest.raises(EntryError):
+        decode_entry(DAMAGE[name], KEY, CHECK)
+
+
+def test_foreign_key_detected() -> None:
+    with pytest.raises(EntryError, match="another key"):
+        decode_entry(GOOD, KEY + "0", CHECK)
+
+
+def test_collision_detected_by_check_value() -> None:
+    with pytest.raises(EntryError, match="collision"):
+        decode_entry(GOOD, KEY, CHECK ^ 1)
+
+
+def test_token_ids_out_of_range_refused() -> None:
+    with pytest.raises(OverflowError):
+        encode_entry(KEY, CHECK, [2**32], 0.0)
+    with pytest.raises(OverflowError):
+        encode_entry(KEY, CHECK, [-1], 0.0)
