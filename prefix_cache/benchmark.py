@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from . import boundary
 from .cache import StaticPrefixCache
 from .render import get_renderer
@@ -87,17 +89,17 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int) -> di
     cache = StaticPrefixCache()
     cache.resolve(tokenizer, requests[0][0], tools, prompt_ids=requests[0][1], chat_template=template)
 
-    def uncached(messages: list[dict[str, Any]], prompt: list[int]) -> int:
+    def uncached(messages: list[dict[str, Any]], tools: Any, prompt: list[int]) -> int:
         static = messages[:1]
         ids = boundary.static_prefix_ids(lambda c: renderer.render_ids(c, tools, {}), static)
         return boundary.system_end(prompt, ids)
 
-    def hit(messages: list[dict[str, Any]], prompt: list[int]) -> int:
+    def hit(messages: list[dict[str, Any]], tools: Any, prompt: list[int]) -> int:
         r = cache.resolve(tokenizer, messages, tools, prompt_ids=prompt, chat_template=template)
         assert r.hit
         return r.specprefill_system_end
 
-    def naive(messages: list[dict[str, Any]], prompt: list[int]) -> int:
+    def naive(messages: list[dict[str, Any]], tools: Any, prompt: list[int]) -> int:
         rest = renderer.render_ids(messages[1:], tools, {})
         return len(prompt) - len(rest)
 
@@ -106,8 +108,12 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int) -> di
     answers: dict[str, set[int]] = {name: set() for name in methods}
     order = list(methods)
     for i, (messages, prompt) in enumerate(requests):
+        raw = orjson.dumps({"messages": messages, "tools": tools, "prompt_ids": prompt})
         for name in order[i % 3:] + order[: i % 3]:  # rotate who goes first
-            seconds, answer = _time(lambda: methods[name](messages, prompt))
+            # Each call gets its own freshly parsed request, as a server would hand it over.
+            body = orjson.loads(raw)
+            seconds, answer = _time(
+                lambda: methods[name](body["messages"], body["tools"], body["prompt_ids"]))
             times[name].append(seconds)
             answers[name].add(answer)
     assert answers["hit"] == answers["uncached"], (answers["hit"], answers["uncached"])

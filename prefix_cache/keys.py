@@ -48,6 +48,8 @@ def canonical_json(value: Any) -> bytes:
     orjson writes NaN and infinities as null, which would make them share a key with a real null;
     only output that contains null takes the slower stdlib path, which spells them out.
     """
+    if value is None:
+        return b"null"
     try:
         data = orjson.dumps(value)
     except TypeError as exc:
