@@ -77,8 +77,13 @@ def _machine() -> str:
             f"Python {platform.python_version()}, transformers {transformers.__version__}")
 
 
-def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int) -> dict[str, Any]:
-    """Time the three methods over ``n_requests`` requests of one agent with ``n_tools`` tools."""
+def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int,
+             redis_url: str | None = None) -> dict[str, Any]:
+    """Time the methods over ``n_requests`` requests of one agent with ``n_tools`` tools.
+
+    With ``redis_url``, two more: a hit served by Redis itself (no memory tier) and a hit served
+    by the memory tier of a tiered store, plus the bytes Redis spends on the entry.
+    """
     tools = bench_tools(n_tools) or None
     system = {"role": "system", "content": SYSTEM_PROMPT}
     renderer = get_renderer(tokenizer, template, tools)
@@ -103,22 +108,54 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int) -> di
         rest = renderer.render_ids(messages[1:], tools, {})
         return len(prompt) - len(rest)
 
-    methods = {"uncached": uncached, "hit": hit, "naive": naive}
+    methods: dict[str, Callable[..., int]] = {"uncached": uncached, "hit": hit, "naive": naive}
+    extra: dict[str, Any] = {}
+    if redis_url:
+        from .store.memory import MemoryStore
+        from .store.redis import RedisStore
+        from .store.tiered import TieredStore
+
+        redis_store = RedisStore(redis_url, timeout_seconds=1.0)
+        redis_store.purge("spc:*")
+        remote = StaticPrefixCache(redis_store)
+        tiered = StaticPrefixCache(TieredStore(MemoryStore(), RedisStore(redis_url, timeout_seconds=1.0),
+                                               local_ttl_seconds=3600))
+        for c in (remote, tiered):
+            warm = c.resolve(tokenizer, requests[0][0], tools, prompt_ids=requests[0][1], chat_template=template)
+        extra["redis_entry_bytes"] = redis_store.memory_usage(warm.key)
+        extra["value_bytes"] = len(redis_store.get(warm.key) or b"")
+
+        def via(c: StaticPrefixCache) -> Callable[..., int]:
+            def run(messages: list[dict[str, Any]], tools: Any, prompt: list[int]) -> int:
+                r = c.resolve(tokenizer, messages, tools, prompt_ids=prompt, chat_template=template)
+                assert r.hit
+                return r.specprefill_system_end
+            return run
+
+        methods["redis_hit"] = via(remote)
+        methods["tiered_hit"] = via(tiered)
     times: dict[str, list[float]] = {name: [] for name in methods}
     answers: dict[str, set[int]] = {name: set() for name in methods}
     order = list(methods)
     for i, (messages, prompt) in enumerate(requests):
         raw = orjson.dumps({"messages": messages, "tools": tools, "prompt_ids": prompt})
-        for name in order[i % 3:] + order[: i % 3]:  # rotate who goes first
+        k = i % len(order)
+        for name in order[k:] + order[:k]:  # rotate who goes first
             # Each call gets its own freshly parsed request, as a server would hand it over.
             body = orjson.loads(raw)
             seconds, answer = _time(
                 lambda: methods[name](body["messages"], body["tools"], body["prompt_ids"]))
             times[name].append(seconds)
             answers[name].add(answer)
-    assert answers["hit"] == answers["uncached"], (answers["hit"], answers["uncached"])
+    for name in methods:
+        if name.endswith("hit"):
+            assert answers[name] == answers["uncached"], (name, answers[name], answers["uncached"])
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    return {
+    if redis_url:
+        extra.update(redis_hit_us=med["redis_hit"] * 1e6, tiered_hit_us=med["tiered_hit"] * 1e6,
+                     redis_speedup=med["uncached"] / med["redis_hit"],
+                     tiered_speedup=med["uncached"] / med["tiered_hit"])
+    return {**extra,
         "tools": n_tools,
         "static_tokens": next(iter(answers["uncached"])),
         "prompt_tokens": len(requests[0][1]),
@@ -147,6 +184,22 @@ def format_table(rows: list[dict[str, Any]], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def format_redis_table(rows: list[dict[str, Any]], header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| tools | boundary (tokens) | uncached two-probe | Redis hit | speedup | tiered (memory) hit | speedup | entry value | Redis MEMORY USAGE | bytes per static token |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['tools']} | {r['static_tokens']} | {r['uncached_ms']:.2f} ms | {r['redis_hit_us']:.1f} µs | "
+            f"**{r['redis_speedup']:.0f}x** | {r['tiered_hit_us']:.1f} µs | **{r['tiered_speedup']:.0f}x** | "
+            f"{r['value_bytes']} B | {r['redis_entry_bytes']} B | {r['redis_entry_bytes'] / max(r['static_tokens'], 1):.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def run_benchmark(args: argparse.Namespace) -> int:
     from .demo import DEMO_TEMPLATE
     from .offline_tokenizers import load_tokenizer
@@ -160,8 +213,11 @@ def run_benchmark(args: argparse.Namespace) -> int:
     counts = [int(x) for x in args.tools.split(",") if x.strip()]
     rows = []
     for n in counts:
-        row = run_case(tokenizer, template, n, args.requests_per_case)
+        row = run_case(tokenizer, template, n, args.requests_per_case, args.redis)
         rows.append(row)
+        if args.redis:
+            print(f"  redis_hit={row['redis_hit_us']:.1f} us ({row['redis_speedup']:.0f}x) "
+                  f"tiered_hit={row['tiered_hit_us']:.1f} us entry={row['redis_entry_bytes']} B", flush=True)
         print(f"tools={n:3d} boundary={row['static_tokens']:6d} uncached={row['uncached_ms']:8.2f} ms "
               f"hit={row['hit_us']:8.1f} us speedup={row['speedup']:7.0f}x naive={row['naive_ms']:.2f} ms "
               f"naive_boundary={row['naive_boundary'][:3]}", flush=True)
@@ -173,6 +229,9 @@ def run_benchmark(args: argparse.Namespace) -> int:
         f" --tools {args.tools} --requests-per-case {args.requests_per_case}`"
     )
     table = format_table(rows, header)
+    if args.redis:
+        table += "\n" + format_redis_table(rows, "Same run, the shared store: a hit served by Redis "
+                                           "(loopback, no memory tier) and by the tiered store's memory tier.")
     print(table)
     if args.output:
         Path(args.output).write_text(table, encoding="utf-8")

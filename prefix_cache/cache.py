@@ -233,7 +233,7 @@ class StaticPrefixCache:
         return flight.result()
 
     def _lead(self, plan: _Plan, flight: Future[list[int]]) -> None:
-        """Compute the scaffold once, publish it to waiters, store it, then end the flight."""
+        """Compute the scaffold once, store it, publish it to waiters, then end the flight."""
         try:
             try:
                 ids = self._recheck(plan)
@@ -244,9 +244,16 @@ class StaticPrefixCache:
             except BaseException as exc:  # waiters get the same error the leader got
                 flight.set_exception(exc)
                 return
+            # Store first, then publish: a caller that sees this result and asks again at once
+            # must find the entry (a bounded wait: store calls are under a short timeout).
+            try:
+                self._put(plan, ids, seconds)
+            except Exception:  # an unstorable entry still answers this request
+                log.exception("could not store entry %s", plan.key)
             flight.set_result(ids)
-            self._put(plan, ids, seconds)
         finally:
+            if not flight.done():  # never leave waiters hanging
+                flight.set_exception(RuntimeError("static-prefix computation was abandoned"))
             self._flights.release(plan.key, flight)
 
     def _recheck(self, plan: _Plan) -> list[int] | None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,10 +56,10 @@ def cmd_boundary(args: argparse.Namespace) -> int:
 
     try:
         tokenizer = load_tokenizer(args.model, args.chat_template)
+        cache = StaticPrefixCache(_open_store(args))
     except (NoChatTemplateError, ValueError, OSError) as exc:
         print(f"prefix-cache: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    cache = StaticPrefixCache(_open_store(args))
     failed = 0
     for body, error in _read_requests(args):
         if error is None:
@@ -94,9 +95,9 @@ def cmd_boundary(args: argparse.Namespace) -> int:
 
 
 def _open_store(args: argparse.Namespace) -> Any:
-    from .store import MemoryStore
+    from .store.factory import open_store
 
-    return MemoryStore()
+    return open_store(args.redis)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -125,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--request", metavar="FILE", help="one OpenAI chat body ('-' for stdin)")
     src.add_argument("--requests", metavar="FILE.jsonl", help="one OpenAI chat body per line")
     b.add_argument("--namespace", default="default", metavar="NS", help="tenant namespace of the keys")
+    b.add_argument("--redis", metavar="URL", default=os.environ.get("PREFIX_CACHE_REDIS_URL"),
+                   help="shared store: redis://, rediss://, unix://, redis+cluster:// "
+                        "(env PREFIX_CACHE_REDIS_URL; default: in-memory)")
     b.set_defaults(func=cmd_boundary)
 
     bench = sub.add_parser("bench", help="benchmark cached vs uncached boundaries")
@@ -133,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokenizer", default="qwen3.5", help="offline tokenizer name (real vocab)")
     bench.add_argument("--chat-template", metavar="FILE", help="template (default: the demo one)")
     bench.add_argument("--output", metavar="FILE", help="also write the markdown table here")
+    bench.add_argument("--redis", metavar="URL", help="also time Redis and tiered hits (flushes spc:* keys)")
     bench.set_defaults(func=cmd_bench)
     demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
                           "tool-rendering template) and print its path")

@@ -55,9 +55,9 @@ class StoreContract:
 
     def test_ttl_expires(self) -> None:
         store = self.make_store()
-        store.put("spc:ns:m:short", b"v", ttl_seconds=1.0)
+        store.put("spc:ns:m:short", b"v", ttl_seconds=0.2)
         store.put("spc:ns:m:long", b"v", ttl_seconds=100.0)
-        self.tick(store, 2.0)
+        self.tick(store, 0.4)
         assert store.get("spc:ns:m:short") is None
         assert store.get("spc:ns:m:long") == b"v"
 

@@ -1,0 +1,255 @@
+"""Redis (and Redis Cluster) store on redis-py: the shared tier across workers and replicas.
+
+Values are the core's binary entries, stored as-is under the cache's namespaced keys, with a TTL.
+Timeouts default to tens of milliseconds and client retries are off: a slow or dead Redis must
+cost a bounded delay and then a recompute, never a stall. Every redis-py and socket error is
+converted to ``StoreUnavailableError`` in one place (``_guard``), and a circuit breaker stops
+calls while the server is known to be down, so a dead Redis costs one timeout per probe window,
+not one per request. It reconnects by itself: the half-open probe is an ordinary call.
+
+The sync client serves ``get``/``put`` (used from render threads and sync callers), the asyncio
+client serves ``aget``/``aput``; both share one breaker, since both talk to the same server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+from ..errors import StoreUnavailableError
+from .base import Store
+from .breaker import CircuitBreaker, ExponentialBackoff
+
+T = TypeVar("T")
+
+DEFAULT_TIMEOUT_SECONDS = 0.05
+DEFAULT_TTL_SECONDS = 7 * 24 * 3600.0
+DEFAULT_MAX_CONNECTIONS = 32
+SCAN_COUNT = 1000
+DELETE_BATCH = 500
+
+
+def _is_outage(exc: BaseException) -> bool:
+    """Connection loss and timeouts mean the server is unreachable; an error reply does not."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError))
+
+
+class RedisStore(Store):
+    """A store on one Redis server or a Redis Cluster (``cluster=True``)."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        cluster: bool = False,
+        ttl_seconds: float | None = DEFAULT_TTL_SECONDS,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        connect_timeout_seconds: float | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        breaker: CircuitBreaker | None = None,
+    ) -> None:
+        if timeout_seconds <= 0:
+            raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds}")
+        if ttl_seconds is not None and ttl_seconds <= 0:
+            raise ValueError(f"ttl_seconds must be positive or None, got {ttl_seconds}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        self.url = url
+        self.cluster = cluster
+        self.ttl_seconds = ttl_seconds
+        self.breaker = breaker or CircuitBreaker(ExponentialBackoff(0.5, 30.0))
+        self._options: dict[str, Any] = {
+            "socket_timeout": timeout_seconds,
+            "socket_connect_timeout": connect_timeout_seconds or timeout_seconds,
+            "max_connections": max_connections,
+        }
+        self._sync: Any = None
+        # One asyncio client per event loop: a client's connections belong to the loop they
+        # were made on.
+        self._async: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self.calls = 0          # calls that reached the network (for tests and stats)
+        self.errors = 0
+        self.skipped = 0        # calls refused by the open breaker
+
+    # -- clients ---------------------------------------------------------------------------
+
+    def _client(self) -> Any:
+        if self._sync is None:
+            with self._lock:
+                if self._sync is None:
+                    self._sync = self._make_client(asyncio_client=False)
+        return self._sync
+
+    def _aclient(self) -> Any:
+        loop = asyncio.get_running_loop()
+        client = self._async.get(loop)
+        if client is None:
+            client = self._async[loop] = self._make_client(asyncio_client=True)
+        return client
+
+    def _make_client(self, asyncio_client: bool) -> Any:
+        from redis.backoff import NoBackoff
+
+        if asyncio_client:
+            from redis.asyncio import Redis
+            from redis.asyncio.cluster import RedisCluster
+            from redis.asyncio.retry import Retry
+        else:
+            from redis import Redis  # type: ignore[assignment]
+            from redis.cluster import RedisCluster  # type: ignore[assignment]
+            from redis.retry import Retry  # type: ignore[assignment]
+        no_retry = Retry(NoBackoff(), 0)  # the breaker and the recompute are our retry
+        if self.cluster:
+            return RedisCluster.from_url(self.url, retry=no_retry, cluster_error_retry_attempts=1,
+                                         **self._options)
+        return Redis.from_url(self.url, retry=no_retry, **self._options)
+
+    # -- the one place errors are converted ----------------------------------------------------
+
+    def _admit(self) -> None:
+        if not self.breaker.allow():
+            self.skipped += 1
+            raise StoreUnavailableError("redis circuit open: skipping the store")
+        self.calls += 1
+
+    def _failed(self, exc: BaseException) -> StoreUnavailableError:
+        self.errors += 1
+        if _is_outage(exc):
+            self.breaker.record_failure()
+        else:
+            self.breaker.record_success()  # the server answered; it is up, just refusing
+        return StoreUnavailableError(f"redis: {type(exc).__name__}: {exc}")
+
+    def _call(self, fn: Callable[[Any], T]) -> T:
+        self._admit()
+        try:
+            result = fn(self._client())
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        self.breaker.record_success()
+        return result
+
+    async def _acall(self, fn: Callable[[Any], Awaitable[T]]) -> T:
+        self._admit()
+        try:
+            result = await fn(self._aclient())
+        except Exception as exc:
+            raise self._failed(exc) from exc
+        self.breaker.record_success()
+        return result
+
+    def _px(self, ttl_seconds: float | None) -> int | None:
+        ttl = self.ttl_seconds if ttl_seconds is None else ttl_seconds
+        return None if ttl is None else max(1, int(ttl * 1000))
+
+    # -- the store interface -----------------------------------------------------------------
+
+    def get(self, key: str) -> bytes | None:
+        return self._call(lambda r: r.get(key))
+
+    def put(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
+        px = self._px(ttl_seconds)
+        self._call(lambda r: r.set(key, value, px=px))
+
+    def delete(self, key: str) -> bool:
+        return bool(self._call(lambda r: r.delete(key)))
+
+    def purge(self, pattern: str) -> int:
+        def run(r: Any) -> int:
+            removed, batch = 0, []
+            for key in r.scan_iter(match=pattern, count=SCAN_COUNT):  # SCAN, never KEYS
+                batch.append(key)
+                if len(batch) >= DELETE_BATCH:
+                    removed += r.delete(*batch)
+                    batch = []
+            if batch:
+                removed += r.delete(*batch)
+            return removed
+        return self._call(run)
+
+    async def aget(self, key: str) -> bytes | None:
+        return await self._acall(lambda r: r.get(key))
+
+    async def aput(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
+        px = self._px(ttl_seconds)
+        await self._acall(lambda r: r.set(key, value, px=px))
+
+    async def adelete(self, key: str) -> bool:
+        return bool(await self._acall(lambda r: r.delete(key)))
+
+    async def apurge(self, pattern: str) -> int:
+        return await asyncio.to_thread(self.purge, pattern)
+
+    def memory_usage(self, key: str) -> int | None:
+        """Bytes Redis spends on one key (MEMORY USAGE), for the benchmark."""
+        return self._call(lambda r: r.memory_usage(key))
+
+    def ping(self) -> bool:
+        """True if the server answers now (ignores the breaker: readiness wants the truth)."""
+        try:
+            return bool(self._client().ping())
+        except Exception:
+            return False
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "backend": "redis-cluster" if self.cluster else "redis",
+            "url": _redact(self.url),
+            "breaker": self.breaker.state,
+            "breaker_opened": self.breaker.times_opened,
+            "calls": self.calls,
+            "errors": self.errors,
+            "skipped": self.skipped,
+        }
+
+    def close(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+        self._async.clear()
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for stats and logs."""
+    parts = urlsplit(url)
+    if parts.password:
+        netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+        return urlunsplit(parts._replace(netloc=netloc))
+    return url
+
+
+def open_redis_store(url: str, **options: Any) -> Store:
+    """A Redis store from a URL, with a memory tier in front unless ``tiered=False``.
+
+    ``redis+cluster://host:port`` (or ``?cluster=1``) selects Redis Cluster; ``rediss://`` TLS;
+    ``unix:///path/redis.sock`` a local socket.
+    """
+    from .memory import MemoryStore
+    from .tiered import TieredStore
+
+    parts = urlsplit(url)
+    query = parse_qs(parts.query)
+    cluster = parts.scheme.startswith("redis+cluster") or query.get("cluster", ["0"])[0] in ("1", "true")
+    if parts.scheme.startswith("redis+cluster"):
+        scheme = "rediss" if parts.scheme.endswith("s") else "redis"
+        url = urlunsplit(parts._replace(scheme=scheme))
+    if "cluster" in query:
+        kept = "&".join(f"{k}={v[0]}" for k, v in query.items() if k != "cluster")
+        url = urlunsplit(urlsplit(url)._replace(query=kept))
+    if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
+        raise ValueError(f"unsupported store URL scheme in {_redact(url)!r}: use redis://, "
+                         "rediss://, unix:// or redis+cluster://")
+    tiered = options.pop("tiered", True)
+    local_ttl = options.pop("local_ttl_seconds", None)
+    memory_opts = {k: options.pop(k) for k in ("max_bytes", "max_entries") if k in options}
+    remote = RedisStore(url, cluster=cluster, **options)
+    if not tiered:
+        return remote
+    return TieredStore(MemoryStore(**memory_opts), remote, local_ttl_seconds=local_ttl)

@@ -1,0 +1,74 @@
+"""Memory in front of Redis: write-through, and a Redis hit fills memory.
+
+Coherence with purges done elsewhere (another replica's admin purge, a TTL in Redis) comes from a
+short memory TTL (``local_ttl_seconds``, default 10 s), not from RESP3 client tracking. Tracking
+in redis-py works only for the sync, non-cluster client with protocol 3, and this store uses the
+asyncio client and Redis Cluster too; one mechanism that works for every client is simpler to
+trust. A stale memory entry is never wrong (entries are immutable functions of their key and
+verified on read); the TTL only bounds how long a purged entry can still be served locally.
+Purges and deletes through this store clear memory at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import Store
+from .memory import MemoryStore
+
+DEFAULT_LOCAL_TTL_SECONDS = 10.0
+
+
+class TieredStore(Store):
+    """``local`` (memory) over ``remote`` (Redis). Remote failures still raise, so they are counted,
+    but a write that reached memory is served from memory meanwhile."""
+
+    def __init__(self, local: MemoryStore, remote: Store,
+                 local_ttl_seconds: float | None = DEFAULT_LOCAL_TTL_SECONDS) -> None:
+        self.local = local
+        self.remote = remote
+        self.local_ttl_seconds = DEFAULT_LOCAL_TTL_SECONDS if local_ttl_seconds is None else local_ttl_seconds
+        if self.local_ttl_seconds <= 0:
+            raise ValueError(f"local_ttl_seconds must be positive, got {local_ttl_seconds}")
+
+    def _local_ttl(self, ttl_seconds: float | None) -> float:
+        return self.local_ttl_seconds if ttl_seconds is None else min(ttl_seconds, self.local_ttl_seconds)
+
+    def get(self, key: str) -> bytes | None:
+        value = self.local.get(key)
+        if value is None:
+            value = self.remote.get(key)
+            if value is not None:
+                self.local.put(key, value, self.local_ttl_seconds)
+        return value
+
+    async def aget(self, key: str) -> bytes | None:
+        value = self.local.get(key)
+        if value is None:
+            value = await self.remote.aget(key)
+            if value is not None:
+                self.local.put(key, value, self.local_ttl_seconds)
+        return value
+
+    def put(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
+        self.local.put(key, value, self._local_ttl(ttl_seconds))
+        self.remote.put(key, value, ttl_seconds)
+
+    async def aput(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
+        self.local.put(key, value, self._local_ttl(ttl_seconds))
+        await self.remote.aput(key, value, ttl_seconds)
+
+    def delete(self, key: str) -> bool:
+        in_local = self.local.delete(key)
+        return self.remote.delete(key) or in_local
+
+    def purge(self, pattern: str) -> int:
+        local = self.local.purge(pattern)
+        return max(self.remote.purge(pattern), local)
+
+    def stats(self) -> dict[str, Any]:
+        return {"backend": "tiered", "local": self.local.stats(), "remote": self.remote.stats()}
+
+    def close(self) -> None:
+        self.local.close()
+        self.remote.close()
