@@ -54,12 +54,6 @@ def bench_tools(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def _time(fn: Callable[[], Any]) -> tuple[float, Any]:
-    start = time.perf_counter()
-    out = fn()
-    return time.perf_counter() - start, out
-
-
 def _machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -143,8 +137,10 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int,
         for name in order[k:] + order[:k]:  # rotate who goes first
             # Each call gets its own freshly parsed request, as a server would hand it over.
             body = orjson.loads(raw)
-            seconds, answer = _time(
-                lambda: methods[name](body["messages"], body["tools"], body["prompt_ids"]))
+            method = methods[name]
+            start = time.perf_counter()
+            answer = method(body["messages"], body["tools"], body["prompt_ids"])
+            seconds = time.perf_counter() - start
             times[name].append(seconds)
             answers[name].add(answer)
     for name in methods:

@@ -106,6 +106,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_benchmark(args)
 
 
+def cmd_stats(args: argparse.Namespace) -> int:
+    from .errors import StoreUnavailableError
+    from .inventory import inventory
+    from .store.factory import open_store
+
+    if not args.redis:
+        print("prefix-cache stats: give --redis URL (a memory store lives only inside its process)",
+              file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        store = open_store(args.redis, tiered=False, timeout_seconds=args.timeout)
+        summary = inventory(store, args.prefix, args.namespace, args.model)
+    except (ValueError, StoreUnavailableError) as exc:
+        print(f"prefix-cache stats: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    _emit(summary)
+    return EXIT_OK
+
+
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from .demo import demo_model_dir
 
@@ -139,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--output", metavar="FILE", help="also write the markdown table here")
     bench.add_argument("--redis", metavar="URL", help="also time Redis and tiered hits (flushes spc:* keys)")
     bench.set_defaults(func=cmd_bench)
+    st = sub.add_parser("stats", help="entries and bytes per tenant and model in a shared store")
+    st.add_argument("--redis", metavar="URL", default=os.environ.get("PREFIX_CACHE_REDIS_URL"))
+    st.add_argument("--prefix", default="spc", help="key prefix (default spc)")
+    st.add_argument("--namespace", metavar="NS", help="only this tenant")
+    st.add_argument("--model", help="only this model label")
+    st.add_argument("--timeout", type=float, default=5.0, help="Redis timeout in seconds for the scan")
+    st.set_defaults(func=cmd_stats)
+
     demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
                           "tool-rendering template) and print its path")
     demo.set_defaults(func=cmd_demo_model)

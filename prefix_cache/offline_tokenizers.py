@@ -22,11 +22,11 @@ import shutil
 import struct
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from importlib import util as _importlib_util
 from pathlib import Path
-from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # type hints only; importing these at runtime is what we avoid
@@ -496,7 +496,7 @@ def default_cache_dir() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "prefix-cache" / "tokenizers"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _version_tag(name: str) -> str:
     """Recipe version plus a short hash of the versions whose output the folder depends on."""
     from importlib.metadata import PackageNotFoundError, version
@@ -594,7 +594,7 @@ def tokenizer_dir(name: str, cache_dir: Path | None = None) -> Path:
     return final
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(name: str, root: Path) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 

@@ -9,10 +9,10 @@ Renderers are memoized per tokenizer object, so the fingerprint is computed once
 
 from __future__ import annotations
 
-from datetime import datetime
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
 import orjson

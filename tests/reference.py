@@ -18,7 +18,7 @@ UNRELATED_TEXTS = (
 
 def cpl(a: list[int], b: list[int]) -> int:
     n = 0
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=False):
         if x != y:
             break
         n += 1

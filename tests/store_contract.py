@@ -89,6 +89,13 @@ class StoreContract:
             th.join()
         assert all(store.get(f"spc:ns:m:{t}-49") == bytes([t, 49]) for t in range(4))
 
+    def test_scan_lists_keys_with_sizes(self) -> None:
+        store = self.make_store()
+        store.put("spc:t1:m:a", b"12345")
+        store.put("spc:t1:m:b", b"1")
+        store.put("spc:t2:m:c", b"123")
+        assert sorted(store.scan("spc:t1:*:*")) == [("spc:t1:m:a", 5), ("spc:t1:m:b", 1)]
+
     def test_binary_values_kept_exactly(self) -> None:
         store = self.make_store()
         value = bytes(range(256)) * 64

@@ -106,7 +106,7 @@ def test_template_error_is_a_line_not_a_crash(model_dir, tmp_path, capsysbinary)
     path.write_text(json.dumps(body("a")) + "\n" + json.dumps(body("b")) + "\n")
     code, lines, _ = run_cli(["boundary", "--model", str(model_dir), "--chat-template", str(bad),
                               "--requests", str(path)], capsysbinary)
-    assert code == 2 and len(lines) == 2 and all("chat template error" in l["error"] for l in lines)
+    assert code == 2 and len(lines) == 2 and all("chat template error" in line["error"] for line in lines)
 
 
 def test_missing_model_folder(tmp_path, capsysbinary) -> None:

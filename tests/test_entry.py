@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import struct
-
 import pytest
 
 from prefix_cache.entry import VERSION, decode_entry, encode_entry

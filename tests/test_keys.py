@@ -6,12 +6,12 @@ import copy
 import re
 import subprocess
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
-from prefix_cache import InvalidRequestError, StaticPrefixCache
-from prefix_cache import keys
+from prefix_cache import InvalidRequestError, StaticPrefixCache, keys
 from prefix_cache.render import get_renderer, tokenizer_fingerprint
 
 from .conftest import make_tools

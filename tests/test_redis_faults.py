@@ -203,6 +203,7 @@ def test_second_process_hits_what_the_first_computed(server, tmp_path) -> None:
 
 def test_cli_with_dead_redis_still_answers(tmp_path) -> None:
     from prefix_cache.demo import demo_model_dir
+
     from .redis_server import free_port
 
     model = demo_model_dir(tmp_path / "models")

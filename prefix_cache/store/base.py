@@ -9,6 +9,7 @@ never blocks (memory); network stores override them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -43,9 +44,13 @@ class Store(ABC):
     async def apurge(self, pattern: str) -> int:
         return self.purge(pattern)
 
+    def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
+        """(key, value bytes) for every key matching ``pattern``, for inventories; may be slow."""
+        raise NotImplementedError(f"{type(self).__name__} cannot list its keys")
+
     def stats(self) -> dict[str, Any]:
         """Backend figures for metrics (entries, bytes, evictions ...); may be empty."""
         return {}
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op for stores without resources
         """Release connections; the store is not used afterwards."""

@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .base import Store
@@ -102,6 +102,12 @@ class MemoryStore(Store):
             for key in doomed:
                 self._drop(key)
         return len(doomed)
+
+    def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
+        match = re.compile(fnmatch.translate(pattern)).match
+        with self._lock:
+            items = [(key, len(value)) for key, (value, _) in self._data.items() if match(key)]
+        yield from items
 
     def keys(self) -> list[str]:
         """Live keys, oldest first (for admin listings and tests)."""

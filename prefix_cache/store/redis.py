@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
@@ -174,6 +174,27 @@ class RedisStore(Store):
                 removed += r.delete(*batch)
             return removed
         return self._call(run)
+
+    def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
+        def run(r: Any) -> list[tuple[str, int]]:
+            out: list[tuple[str, int]] = []
+            batch: list[bytes] = []
+
+            def flush() -> None:
+                pipe = r.pipeline(transaction=False)
+                for key in batch:
+                    pipe.strlen(key)
+                out.extend((k.decode(errors="replace"), n) for k, n in zip(batch, pipe.execute(), strict=True))
+                batch.clear()
+
+            for key in r.scan_iter(match=pattern, count=SCAN_COUNT):
+                batch.append(key)
+                if len(batch) >= DELETE_BATCH:
+                    flush()
+            if batch:
+                flush()
+            return out
+        return iter(self._call(run))
 
     async def aget(self, key: str) -> bytes | None:
         return await self._acall(lambda r: r.get(key))

@@ -11,6 +11,7 @@ Purges and deletes through this store clear memory at once.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from .base import Store
@@ -65,6 +66,9 @@ class TieredStore(Store):
     def purge(self, pattern: str) -> int:
         local = self.local.purge(pattern)
         return max(self.remote.purge(pattern), local)
+
+    def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
+        return self.remote.scan(pattern)  # the shared tier is the inventory
 
     def stats(self) -> dict[str, Any]:
         return {"backend": "tiered", "local": self.local.stats(), "remote": self.remote.stats()}

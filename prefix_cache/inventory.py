@@ -1,0 +1,30 @@
+"""What a store holds, by tenant and model: read off the keys, which carry both in the clear."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from .keys import key_pattern
+
+
+def summarize(entries: Iterable[tuple[str, int]]) -> dict[str, Any]:
+    """Counts and value bytes per namespace and per model from ``(key, bytes)`` pairs."""
+    total = {"entries": 0, "bytes": 0}
+    namespaces: dict[str, dict[str, Any]] = {}
+    for key, size in entries:
+        parts = key.split(":")
+        if len(parts) != 4:
+            continue  # not one of ours
+        _, namespace, model, _ = parts
+        ns = namespaces.setdefault(namespace, {"entries": 0, "bytes": 0, "models": {}})
+        m = ns["models"].setdefault(model, {"entries": 0, "bytes": 0})
+        for bucket in (total, ns, m):
+            bucket["entries"] += 1
+            bucket["bytes"] += size
+    return {**total, "namespaces": dict(sorted(namespaces.items()))}
+
+
+def inventory(store: Any, prefix: str, namespace: str | None = None, model: str | None = None) -> dict[str, Any]:
+    """The summary of every entry under ``prefix`` (optionally one namespace and/or model)."""
+    return summarize(store.scan(key_pattern(prefix, namespace, model)))
