@@ -24,6 +24,7 @@ from . import boundary, keys
 from .entry import Entry, decode_entry, encode_entry, pack_ids
 from .errors import EntryError, InvalidRequestError, PrefixCacheError, StoreUnavailableError
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
+from .observer import CacheObserver
 from .render import TemplateRenderer, get_renderer
 from .singleflight import SingleFlight
 from .stats import CacheStats
@@ -60,6 +61,9 @@ class _Plan:
     static: list[dict[str, Any]] | None  # None: nothing to protect, boundary 0
     key: str
     check: int
+    namespace: str
+    model: str
+    started: float
 
 
 class StaticPrefixCache:
@@ -73,6 +77,7 @@ class StaticPrefixCache:
         ttl_seconds: float | None = None,
         protect_default_prefix: bool = False,
         max_render_threads: int | None = None,
+        observer: CacheObserver | None = None,
     ) -> None:
         self.store: Store = store if store is not None else MemoryStore()
         self.prefix = keys.validate_label(prefix, "key prefix")
@@ -84,6 +89,7 @@ class StaticPrefixCache:
         # are protected too.
         self.protect_default_prefix = protect_default_prefix
         self.stats = CacheStats()
+        self.observer = observer or CacheObserver()
         self._flights = SingleFlight()
         self._executor = ThreadPoolExecutor(
             max_workers=max_render_threads or min(8, (os.cpu_count() or 2) + 2),
@@ -110,13 +116,13 @@ class StaticPrefixCache:
                               chat_template, namespace, model)
             prompt = self._prompt(plan, prompt_ids)
             if plan.static is None:
-                return self._none(prompt)
+                return self._none(plan, prompt)
             entry = self._read(plan, self._get(plan.key))
             if entry is not None:
                 return self._hit(plan, prompt, entry)
             static_ids = self._await_flight_sync(plan)
-        except PrefixCacheError:
-            self.stats.add(errors=1)
+        except PrefixCacheError as exc:
+            self._failed(namespace, model, tokenizer, exc)
             raise
         return self._miss(plan, prompt, static_ids)
 
@@ -142,7 +148,7 @@ class StaticPrefixCache:
             else:
                 prompt = self._prompt(plan, prompt_ids)
             if plan.static is None:
-                return self._none(prompt)
+                return self._none(plan, prompt)
             entry = self._read(plan, await self._aget(plan.key))
             if entry is not None:
                 return self._hit(plan, prompt, entry)
@@ -153,10 +159,15 @@ class StaticPrefixCache:
                 self.stats.add(coalesced=1)
             # Shielded: a cancelled request must not cancel the flight others wait on.
             static_ids = await asyncio.shield(asyncio.wrap_future(flight))
-        except PrefixCacheError:
-            self.stats.add(errors=1)
+        except PrefixCacheError as exc:
+            self._failed(namespace, model, tokenizer, exc)
             raise
         return self._miss(plan, prompt, static_ids)
+
+    def _failed(self, namespace: str, model: str | None, tokenizer: Any, exc: Exception) -> None:
+        self.stats.add(errors=1)
+        label = keys.model_label(model or getattr(tokenizer, "name_or_path", "") or "model")
+        self.observer.failed(namespace=namespace, model=label, error=exc)
 
     def close(self) -> None:
         """Stop the render threads and close the store."""
@@ -167,6 +178,7 @@ class StaticPrefixCache:
 
     def _plan(self, tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
               chat_template: str | None, namespace: str, model: str | None) -> _Plan:
+        started = time.perf_counter()
         keys.validate_label(namespace, "namespace")
         messages = validate_messages(messages)
         tools = validate_tools(tools)
@@ -174,16 +186,17 @@ class StaticPrefixCache:
         renderer = get_renderer(tokenizer, chat_template, tools)
         n_static = count_static(messages)
         everything_static = n_static == len(messages)
+        label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
         if everything_static or (n_static == 0 and not self.protect_default_prefix):
-            return _Plan(renderer, messages, tools, kwargs, None, "", 0)
+            return _Plan(renderer, messages, tools, kwargs, None, "", 0, namespace, label, started)
         static = messages[:n_static]
         material = keys.key_material(
             namespace=namespace, identity=renderer.identity, static=static,
             tools=tools, kwargs=kwargs, date=renderer.date_tag(),
         )
-        label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
         key = keys.format_key(self.prefix, namespace, label, keys.key_hash(material))
-        return _Plan(renderer, messages, tools, kwargs, static, key, keys.check_value(material))
+        return _Plan(renderer, messages, tools, kwargs, static, key, keys.check_value(material),
+                     namespace, label, started)
 
     def _prompt(self, plan: _Plan, prompt_ids: Sequence[int] | None) -> list[int]:
         if prompt_ids is not None:
@@ -193,13 +206,20 @@ class StaticPrefixCache:
         self.stats.add(prompt_renders=1)
         return plan.renderer.render_ids(plan.messages, plan.tools, plan.kwargs)
 
-    def _none(self, prompt: list[int]) -> PrefixResult:
+    def _none(self, plan: _Plan, prompt: list[int]) -> PrefixResult:
         self.stats.add(none=1)
-        return PrefixResult(0, prompt, NONE, "")
+        return self._report(plan, PrefixResult(0, prompt, NONE, ""))
 
     def _miss(self, plan: _Plan, prompt: list[int], static_ids: list[int]) -> PrefixResult:
         end = boundary.system_end(prompt, static_ids)
-        return PrefixResult(end, prompt, MISS, plan.key, len(static_ids))
+        return self._report(plan, PrefixResult(end, prompt, MISS, plan.key, len(static_ids)))
+
+    def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:
+        self.observer.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
+                               seconds=time.perf_counter() - plan.started,
+                               static_tokens=result.static_tokens,
+                               boundary=result.specprefill_system_end)
+        return result
 
     def _hit(self, plan: _Plan, prompt: list[int], entry: Entry) -> PrefixResult:
         # Same cut as _miss, done on packed bytes: the stored ids are never unpacked.
@@ -210,7 +230,8 @@ class StaticPrefixCache:
             raise InvalidRequestError("prompt_ids must be token ids in [0, 2**32)") from exc
         end = boundary.packed_prefix_len(head, entry.packed_ids)
         self.stats.add(hits=1, render_seconds_saved=entry.render_seconds)
-        return PrefixResult(end, prompt, HIT, plan.key, n)
+        self.observer.saved(model=plan.model, seconds=entry.render_seconds)
+        return self._report(plan, PrefixResult(end, prompt, HIT, plan.key, n))
 
     def _read(self, plan: _Plan, value: bytes | None) -> Entry | None:
         """Decode a stored value; anything that is not exactly ours counts as a miss."""
@@ -222,6 +243,7 @@ class StaticPrefixCache:
         except EntryError as exc:
             log.warning("rejected stored entry %s: %s", plan.key, exc)
             self.stats.add(misses=1, verification_failures=1)
+            self.observer.verification_failure()
             return None
 
     def _await_flight_sync(self, plan: _Plan) -> list[int]:
@@ -274,6 +296,7 @@ class StaticPrefixCache:
         )
         elapsed = time.perf_counter() - started
         self.stats.add(renders=2, render_seconds=elapsed)
+        self.observer.computed(model=plan.model, seconds=elapsed, static_tokens=len(ids))
         return ids, elapsed
 
     # -- store access, failures converted to misses in one place -------------------------------
@@ -301,5 +324,6 @@ class StaticPrefixCache:
 
     def _store_failed(self, op: str, exc: StoreUnavailableError) -> None:
         self.stats.add(store_errors=1)
+        self.observer.store_error(op=op)
         log.warning("store %s failed, computing instead: %s", op, exc)
 

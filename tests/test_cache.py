@@ -266,3 +266,38 @@ def test_namespaces_never_share_an_entry(qwen3) -> None:
     b = cache.resolve(qwen3, conv(), chat_template=TEMPLATE, namespace="tenant-b")
     assert a.cache == b.cache == "miss" and a.key != b.key
     assert a.key.split(":")[1] == "tenant-a" and b.key.split(":")[1] == "tenant-b"
+
+
+class RecordingObserver:
+    """Collects every event the cache reports (the base class is the no-op reference)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda **kw: self.events.append((name, kw))
+
+
+def test_observer_sees_every_event(qwen3) -> None:
+    obs = RecordingObserver()
+    store = MemoryStore()
+    cache = StaticPrefixCache(store, observer=obs)  # type: ignore[arg-type]
+    miss = cache.resolve(qwen3, conv(), chat_template=TEMPLATE, namespace="t1", model="m")
+    cache.resolve(qwen3, conv(), chat_template=TEMPLATE, namespace="t1", model="m")
+    cache.resolve(qwen3, [{"role": "user", "content": "x"}], chat_template=TEMPLATE, namespace="t1", model="m")
+    store.put(miss.key, b"junk")
+    cache.resolve(qwen3, conv(), chat_template=TEMPLATE, namespace="t1", model="m")
+    with pytest.raises(InvalidRequestError):
+        cache.resolve(qwen3, [{"role": "robot"}], chat_template=TEMPLATE, namespace="t1", model="m")
+    names = [name for name, _ in obs.events]
+    assert names == ["computed", "resolved", "saved", "resolved", "resolved",
+                     "verification_failure", "computed", "resolved", "failed"]
+    resolved = [kw for name, kw in obs.events if name == "resolved"]
+    assert [r["cache"] for r in resolved] == ["miss", "hit", "none", "miss"]
+    assert all(r["namespace"] == "t1" and r["model"] == "m" and r["seconds"] > 0 for r in resolved)
+    assert resolved[0]["boundary"] == miss.specprefill_system_end
+    assert resolved[0]["static_tokens"] == miss.static_tokens
+
+    broken = RecordingObserver()
+    StaticPrefixCache(BrokenStore(), observer=broken).resolve(qwen3, conv(), chat_template=TEMPLATE)  # type: ignore[arg-type]
+    assert ("store_error", {"op": "get"}) in broken.events
