@@ -1,0 +1,264 @@
+"""Prometheus metrics for the cache, and the JSON stats the dashboard reads, from one source.
+
+Metrics are recorded at event time through a ``CacheObserver`` (so prometheus-client's
+multiprocess mode aggregates them across uvicorn workers when ``PROMETHEUS_MULTIPROC_DIR`` is
+set), and the JSON stats are computed from the same collected samples, so ``/metrics``, the stats
+endpoint and the dashboard can never disagree. Base units, ``_total`` counters.
+
+Tenant labels are bounded: the first ``max_tenants`` tenants seen keep their name (tenants are
+server-side configuration, so the names are the operator's, not the client's), the rest are
+folded into ``other``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.metrics_core import Metric
+
+from .observer import CacheObserver
+
+NS = "prefix_cache"
+OTHER = "other"
+LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                   0.1, 0.25, 0.5, 1.0, 2.5)
+TOKEN_BUCKETS = (0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+RESULTS = ("hit", "miss", "none", "error")
+
+
+class TenantLabels:
+    """Maps tenant names to a bounded set of label values."""
+
+    def __init__(self, max_tenants: int = 20) -> None:
+        if max_tenants < 1:
+            raise ValueError(f"max_tenants must be >= 1, got {max_tenants}")
+        self.max_tenants = max_tenants
+        self._known: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._known:
+            return tenant
+        with self._lock:
+            if len(self._known) < self.max_tenants:
+                self._known.add(tenant)
+                return tenant
+        return OTHER
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class Metrics(CacheObserver):
+    """The service's metrics; also the cache's observer."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_tenants: int = 20) -> None:
+        # In multiprocess mode the metric objects write to files and must not be registered
+        # (the scrape builds a fresh registry over the files); otherwise use our own registry so
+        # several apps in one process (tests) do not collide.
+        self._multiprocess = multiprocess_dir() is not None
+        self.registry = registry if registry is not None else CollectorRegistry()
+        reg = None if self._multiprocess else self.registry
+        self.tenant_label = TenantLabels(max_tenants)
+        self.requests = Counter(f"{NS}_requests_total", "Boundary requests by cache result.",
+                                ["result", "model", "tenant"], registry=reg)
+        self.renders = Counter(f"{NS}_renders_total", "Probe renders run (two per computation).",
+                               ["model"], registry=reg)
+        self.render_seconds = Histogram(f"{NS}_render_seconds", "Two-probe computation time.",
+                                        ["model"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.lookup_seconds = Histogram(f"{NS}_lookup_seconds",
+                                        "Boundary resolution time, end to end, by cache result.",
+                                        ["result"], buckets=LATENCY_BUCKETS, registry=reg)
+        self.saved_seconds = Counter(f"{NS}_render_seconds_saved_total",
+                                     "Estimated render time hits did not spend.", ["model"],
+                                     registry=reg)
+        self.static_tokens = Histogram(f"{NS}_static_prefix_tokens",
+                                       "specprefill_system_end of answered requests.", ["model"],
+                                       buckets=TOKEN_BUCKETS, registry=reg)
+        self.store_errors = Counter(f"{NS}_store_errors_total", "Store calls that failed.",
+                                    ["op"], registry=reg)
+        self.verification_failures = Counter(f"{NS}_verification_failures_total",
+                                             "Stored entries rejected on read.", registry=reg)
+        gauge_mode = {"multiprocess_mode": "livesum"}
+        self.store_entries = Gauge(f"{NS}_store_entries", "Entries in the in-process store.",
+                                   ["store"], registry=reg, **gauge_mode)
+        self.store_bytes = Gauge(f"{NS}_store_bytes", "Bytes in the in-process store.",
+                                 ["store"], registry=reg, **gauge_mode)
+        self.store_evictions = Gauge(f"{NS}_store_evictions", "Evictions so far (per process).",
+                                     ["store"], registry=reg, **gauge_mode)
+        self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
+                                  "1 while the shared store's circuit breaker is open.",
+                                  registry=reg, multiprocess_mode="max")
+
+    # -- observer ---------------------------------------------------------------------------
+
+    def resolved(self, *, cache: str, namespace: str, model: str, seconds: float,
+                 static_tokens: int, boundary: int) -> None:
+        self.requests.labels(cache, model, self.tenant_label(namespace)).inc()
+        self.lookup_seconds.labels(cache).observe(seconds)
+        self.static_tokens.labels(model).observe(boundary)
+
+    def failed(self, *, namespace: str, model: str, error: Exception) -> None:
+        self.requests.labels("error", model, self.tenant_label(namespace)).inc()
+
+    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
+        self.renders.labels(model).inc(2)
+        self.render_seconds.labels(model).observe(seconds)
+
+    def saved(self, *, model: str, seconds: float) -> None:
+        self.saved_seconds.labels(model).inc(seconds)
+
+    def store_error(self, *, op: str) -> None:
+        self.store_errors.labels(op).inc()
+
+    def verification_failure(self) -> None:
+        self.verification_failures.inc()
+
+    # -- store gauges -----------------------------------------------------------------------
+
+    def refresh_store(self, stats: dict[str, Any]) -> None:
+        """Copy a store's ``stats()`` into the gauges (memory tier figures, breaker state)."""
+        local = stats.get("local", stats)
+        if local.get("backend") == "memory":
+            self.store_entries.labels("memory").set(local.get("entries", 0))
+            self.store_bytes.labels("memory").set(local.get("bytes", 0))
+            self.store_evictions.labels("memory").set(local.get("evictions", 0))
+        remote = stats.get("remote", stats)
+        if "breaker" in remote:
+            self.breaker_open.set(1 if remote["breaker"] == "open" else 0)
+
+    # -- exposition -------------------------------------------------------------------------
+
+    def collect(self) -> list[Metric]:
+        """Every sample, aggregated across workers in multiprocess mode."""
+        return list(self._scrape_registry().collect())
+
+    def _scrape_registry(self) -> CollectorRegistry:
+        if not self._multiprocess:
+            return self.registry
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        return registry
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text format for ``GET /metrics`` and its content type."""
+        return generate_latest(self._scrape_registry()), CONTENT_TYPE_LATEST
+
+    def snapshot(self) -> dict[str, Any]:
+        """The JSON stats (dashboard, admin): counts, hit rate, percentiles, per tenant/model."""
+        return summarize_metrics(self.collect())
+
+
+def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
+    """Estimate a quantile from cumulative (upper bound, count) buckets, as histogram_quantile."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_bound, prev_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return prev_bound
+            span = count - prev_count
+            frac = (rank - prev_count) / span if span else 1.0
+            return prev_bound + (bound - prev_bound) * frac
+        prev_bound, prev_count = bound, count
+    return prev_bound
+
+
+def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
+    """Turn collected samples into the stats document."""
+    by_result = {r: 0.0 for r in RESULTS}
+    tenants: dict[str, dict[str, float]] = {}
+    models: dict[str, dict[str, float]] = {}
+    saved = renders = store_errors = verification = 0.0
+    entries = nbytes = evictions = breaker = 0.0
+    lookup: dict[str, dict[float, float]] = {}
+    render_buckets: dict[float, float] = {}
+    render_sum = render_count = 0.0
+    for family in families:
+        for s in family.samples:
+            name, labels, value = s.name, s.labels, s.value
+            if name == f"{NS}_requests_total":
+                by_result[labels["result"]] = by_result.get(labels["result"], 0.0) + value
+                for table, label in ((tenants, labels["tenant"]), (models, labels["model"])):
+                    row = table.setdefault(label, {r: 0.0 for r in RESULTS})
+                    row[labels["result"]] = row.get(labels["result"], 0.0) + value
+            elif name == f"{NS}_render_seconds_saved_total":
+                saved += value
+            elif name == f"{NS}_renders_total":
+                renders += value
+            elif name == f"{NS}_store_errors_total":
+                store_errors += value
+            elif name == f"{NS}_verification_failures_total":
+                verification += value
+            elif name == f"{NS}_store_entries":
+                entries += value
+            elif name == f"{NS}_store_bytes":
+                nbytes += value
+            elif name == f"{NS}_store_evictions":
+                evictions += value
+            elif name == f"{NS}_circuit_breaker_open":
+                breaker = max(breaker, value)
+            elif name == f"{NS}_lookup_seconds_bucket":
+                b = lookup.setdefault(labels["result"], {})
+                le = float(labels["le"])
+                b[le] = b.get(le, 0.0) + value
+            elif name == f"{NS}_render_seconds_bucket":
+                le = float(labels["le"])
+                render_buckets[le] = render_buckets.get(le, 0.0) + value
+            elif name == f"{NS}_render_seconds_sum":
+                render_sum += value
+            elif name == f"{NS}_render_seconds_count":
+                render_count += value
+
+    def pct(buckets: dict[float, float]) -> dict[str, float | None]:
+        ordered = sorted(buckets.items())
+        return {f"p{int(q * 100)}": _quantile(ordered, q) for q in (0.5, 0.95, 0.99)}
+
+    lookups = by_result["hit"] + by_result["miss"]
+
+    def rows(table: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
+        out = []
+        for label, row in table.items():
+            looked = row["hit"] + row["miss"]
+            out.append({"name": label, **{k: int(v) for k, v in row.items()},
+                        "requests": int(sum(row.values())),
+                        "hit_rate": row["hit"] / looked if looked else 0.0})
+        return sorted(out, key=lambda r: (-r["requests"], r["name"]))
+
+    return {
+        "requests": {k: int(v) for k, v in by_result.items()},
+        "requests_total": int(sum(by_result.values())),
+        "hits": int(by_result["hit"]),
+        "misses": int(by_result["miss"]),
+        "hit_rate": by_result["hit"] / lookups if lookups else 0.0,
+        "renders": int(renders),
+        "render_seconds_saved": saved,
+        "render_seconds_mean": render_sum / render_count if render_count else None,
+        "latency_seconds": {
+            "hit": pct(lookup.get("hit", {})),
+            "miss": pct(lookup.get("miss", {})),
+            "render": pct(render_buckets),
+        },
+        "store": {"entries": int(entries), "bytes": int(nbytes), "evictions": int(evictions),
+                  "errors": int(store_errors), "verification_failures": int(verification),
+                  "breaker_open": bool(breaker)},
+        "tenants": rows(tenants),
+        "models": rows(models),
+    }
