@@ -1,0 +1,43 @@
+"""The Grafana dashboard queries only metrics the service really exposes."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefix_cache import StaticPrefixCache
+from prefix_cache.metrics import Metrics
+
+from .templates import BEHAVIOURS
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
+METRIC = re.compile(r"\b(prefix_cache_[a-z_]+)")
+
+
+def queried_metrics() -> set[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs, "the dashboard has no queries"
+    return {m for e in exprs for m in METRIC.findall(e)}
+
+
+def exposed_metrics(text: str) -> set[str]:
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_every_dashboard_metric_is_exposed(qwen3) -> None:
+    metrics = Metrics()
+    cache = StaticPrefixCache(observer=metrics)
+    for i in range(3):
+        cache.resolve(qwen3, [{"role": "system", "content": "s"}, {"role": "user", "content": str(i)}],
+                      chat_template=BEHAVIOURS["default_system"])
+    metrics.store_error(op="get")
+    metrics.verification_failure()
+    metrics.refresh_store(cache.store.stats())
+    exposed = exposed_metrics(metrics.exposition()[0].decode())
+    missing = queried_metrics() - exposed
+    assert not missing, f"dashboard queries metrics /metrics does not have: {sorted(missing)}"
+    assert len(queried_metrics()) >= 10
