@@ -125,6 +125,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .service.server import flag_overrides, serve
+
+    return serve(flag_overrides(vars(args)))
+
+
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from .demo import demo_model_dir
 
@@ -166,6 +172,21 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0, help="Redis timeout in seconds for the scan")
     st.set_defaults(func=cmd_stats)
 
+    serve = sub.add_parser("serve", help="run the sidecar: OpenAI-compatible proxy that "
+                           "attaches the cached boundary (settings: prefix_cache.service.settings)")
+    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--workers", type=int, help="worker processes (default 1)")
+    serve.add_argument("--model", action="append", metavar="DIR",
+                       help="model folder, named after the folder (repeatable)")
+    serve.add_argument("--models", metavar="FILE",
+                       help="YAML/JSON: name -> {folder, template, upstream, engine, ...}")
+    serve.add_argument("--upstream", metavar="URL",
+                       help="OpenAI-compatible base URL for models that name no upstream")
+    serve.add_argument("--engine", choices=("mlx",), help="in-process engine (not available yet)")
+    serve.add_argument("--draft-model", metavar="DIR", help="draft model of the engine")
+    serve.add_argument("--redis", metavar="URL", help="shared store (default: in-process memory)")
+    serve.set_defaults(func=cmd_serve)
     demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
                           "tool-rendering template) and print its path")
     demo.set_defaults(func=cmd_demo_model)

@@ -1,0 +1,43 @@
+"""``/admin/``: stats and purges, for admin keys only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+
+from ..keys import key_pattern, model_label, validate_label
+from .body import read_json_object
+from .deps import State, require_admin
+from .errors import BadRequest
+from .schemas import PurgeRequest
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+
+
+@router.get("/stats")
+async def stats(state: State) -> dict[str, Any]:
+    """The cache's counters and the store's figures, per tenant included."""
+    return {
+        "cache": state.cache.stats.snapshot(),
+        "store": state.store.stats(),
+        "tenants": state.keyring.tenants,
+        "models": [m.name for m in state.models],
+    }
+
+
+@router.post("/purge")
+async def purge(request: Request, state: State) -> dict[str, Any]:
+    """Remove every entry of a tenant, of a model, or of a tenant's use of a model."""
+    _, body = await read_json_object(request, state.settings.max_body_bytes)
+    req = PurgeRequest.model_validate(body)
+    if req.tenant is None and req.model is None:
+        raise BadRequest("give 'tenant', 'model' or both")
+    try:
+        # A label never holds glob characters, so a purge cannot reach past what it names.
+        tenant = validate_label(req.tenant, "tenant") if req.tenant is not None else None
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    model = model_label(req.model) if req.model is not None else None
+    pattern = key_pattern(state.cache.prefix, tenant, model)
+    return {"purged": await state.store.apurge(pattern), "pattern": pattern}

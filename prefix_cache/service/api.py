@@ -1,0 +1,74 @@
+"""The OpenAI-compatible surface: models, chat completions, and the boundary itself."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..cache import PrefixResult
+from .body import read_json_object
+from .deps import State, Tenant
+from .errors import ClientDisconnected
+from .models import ServedModel
+from .relay import RelayResponse, until_disconnect
+from .schemas import BoundaryRequest, ChatRequest
+from .state import ServiceState
+
+router = APIRouter()
+
+
+def cache_headers(result: PrefixResult) -> dict[str, str]:
+    return {"x-prefix-cache": result.cache,
+            "x-specprefill-system-end": str(result.specprefill_system_end)}
+
+
+async def resolve(state: ServiceState, model: ServedModel, body: dict[str, Any],
+                  tenant: str) -> PrefixResult:
+    """The boundary of a validated body, in the tenant's namespace (renders off the loop)."""
+    return await state.cache.aresolve(
+        model.tokenizer, body["messages"], body.get("tools"), body.get("chat_template_kwargs"),
+        namespace=tenant, model=model.label,
+    )
+
+
+@router.get("/v1/models")
+async def list_models(state: State, tenant: Tenant) -> dict[str, Any]:
+    return {"object": "list", "data": [
+        {"id": m.name, "object": "model", "created": state.started_at, "owned_by": "prefix-cache"}
+        for m in state.models
+    ]}
+
+
+@router.post("/v1/prefix/boundary")
+async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Response:
+    _, body = await read_json_object(request, state.settings.max_body_bytes)
+    req = BoundaryRequest.model_validate(body)
+    result = await resolve(state, state.models.get(req.model), body, tenant)
+    out: dict[str, Any] = {
+        "specprefill_system_end": result.specprefill_system_end,
+        "prompt_tokens": len(result.prompt_ids),
+        "cache": result.cache,
+        "key": result.key,
+    }
+    if req.return_prompt_ids:
+        out["prompt_ids"] = result.prompt_ids
+    return Response(orjson.dumps(out), media_type="application/json",
+                    headers=cache_headers(result))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: State, tenant: Tenant) -> Response:
+    raw, body = await read_json_object(request, state.settings.max_body_bytes)
+    req = ChatRequest.model_validate(body)
+    model = state.models.get(req.model)
+    upstream = model.require_upstream()  # before resolving: a refused request caches nothing
+    result = await resolve(state, model, body, tenant)
+    content = upstream.forward_content(raw, body, result)
+    response, disconnected = await until_disconnect(request.receive,
+                                                    upstream.open(state.http, content))
+    if disconnected or response is None:
+        raise ClientDisconnected("the client disconnected before the upstream answered")
+    return RelayResponse(response, cache_headers(result))

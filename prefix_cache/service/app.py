@@ -1,0 +1,78 @@
+"""The sidecar's FastAPI app: one cache, one store, the configured models and tenants."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI
+
+from ..cache import StaticPrefixCache
+from ..render import get_renderer
+from ..store.base import Store
+from ..store.factory import open_store
+from . import admin, api, health
+from .errors import install_error_handlers
+from .models import ModelRegistry, load_model_specs
+from .quota import TenantQuotaStore
+from .settings import ServiceSettings
+from .state import ServiceState
+from .tenants import KeyRing
+
+# Connections kept to the upstreams: enough for many concurrent streams, bounded all the same.
+MAX_UPSTREAM_CONNECTIONS = 512
+
+
+def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
+    """Redis when configured; else memory sized to the sum of the tenants' byte quotas, so
+    the quotas, not the store's own LRU, decide what is evicted."""
+    if settings.uses_memory_store:
+        return open_store(None, max_bytes=n_tenants * settings.tenant_max_bytes)
+    try:
+        return open_store(settings.redis)
+    except ImportError as exc:
+        raise ValueError(f"--redis {settings.redis}: the Redis store is not available: {exc}") from exc
+
+
+def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:
+    """Everything a worker needs before it takes requests; ValueError on bad configuration."""
+    keyring = KeyRing.from_settings(settings)
+    registry = models if models is not None else ModelRegistry.from_specs(load_model_specs(settings))
+    for model in registry:
+        # The first render of a tokenizer fingerprints its whole vocabulary (once, ~1 s for 150k
+        # tokens) on the calling thread: do it now, not on the event loop of a first request.
+        get_renderer(model.tokenizer)
+    store = TenantQuotaStore(open_backing_store(settings, len(keyring.tenants)),
+                             max_entries=settings.tenant_max_entries,
+                             max_bytes=settings.tenant_max_bytes)
+    return ServiceState(settings, registry, keyring, store, StaticPrefixCache(store))
+
+
+def create_app(settings: ServiceSettings | None = None, *,
+               models: ModelRegistry | None = None) -> FastAPI:
+    """The app for ``settings`` (default: from the environment); ``models`` skips loading."""
+    state = build_state(settings or ServiceSettings(), models)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        s = state.settings
+        state.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(s.upstream_timeout_s, connect=s.upstream_connect_timeout_s),
+            limits=httpx.Limits(max_connections=MAX_UPSTREAM_CONNECTIONS,
+                                max_keepalive_connections=64),
+            trust_env=False,  # upstreams are configured here, never picked from proxy variables
+        )
+        try:
+            yield
+        finally:
+            await state.client.aclose()
+            state.cache.close()
+
+    app = FastAPI(title="prefix-cache sidecar", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service = state
+    install_error_handlers(app)
+    for module in (api, admin, health):
+        app.include_router(module.router)
+    return app

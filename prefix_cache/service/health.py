@@ -1,0 +1,49 @@
+"""``/healthz`` (the process is up) and ``/readyz`` (the store and every upstream answer)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from ..errors import StoreUnavailableError
+from .deps import State
+from .state import ServiceState
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(state: State) -> JSONResponse:
+    upstreams = {m.name: m.upstream for m in state.models if m.upstream is not None}
+    # One probe per distinct upstream, however many models share it.
+    probes = {u.health_url: u for u in upstreams.values()}
+    timeout = state.settings.ready_timeout_s
+    store, *answers = await asyncio.gather(
+        check_store(state),
+        *(u.probe(state.http, timeout) for u in probes.values()),
+    )
+    by_url = dict(zip(probes, answers, strict=True))
+    report = {name: by_url[u.health_url] for name, u in upstreams.items()}
+    ready = store["ok"] and all(r["ok"] for r in report.values())
+    return JSONResponse({"status": "ready" if ready else "not_ready", "store": store,
+                         "upstreams": report}, status_code=200 if ready else 503)
+
+
+async def check_store(state: ServiceState) -> dict[str, Any]:
+    """The store answers a read in time (a probe key no tenant can own: labels never start
+    with '_')."""
+    backend = type(state.store.inner).__name__
+    probe_key = f"{state.cache.prefix}:_readyz:_probe:0"
+    try:
+        await asyncio.wait_for(state.store.aget(probe_key), state.settings.ready_timeout_s)
+    except (StoreUnavailableError, TimeoutError) as exc:
+        return {"ok": False, "backend": backend, "error": type(exc).__name__}
+    return {"ok": True, "backend": backend}

@@ -1,0 +1,97 @@
+"""Relaying an upstream response to the client as it arrives; a client that leaves cancels it.
+
+Nothing is buffered: each chunk the upstream sends (an SSE event, a piece of JSON) is passed on
+as soon as it is read. Both the wait for the upstream's answer and the relay itself race the
+client's ``http.disconnect``: when the client goes, the upstream request is cancelled and its
+connection closed, so the engine stops generating for nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Mapping
+from typing import TypeVar
+
+import httpx
+import orjson
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from .errors import error_body
+
+log = logging.getLogger("prefix_cache.service")
+
+T = TypeVar("T")
+
+# Upstream response headers worth passing on; hop-by-hop ones and the upstream's own server
+# details stay behind. The body is relayed byte for byte, so its length and encoding stay true.
+RELAYED_HEADERS = ("content-type", "content-length", "content-encoding", "cache-control",
+                   "x-request-id")
+
+
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[T | None, bool]:
+    """Run ``work`` until it ends or the client disconnects; ``(result, disconnected)``.
+
+    On a disconnect ``work`` is cancelled and waited for, so it has closed what it opened.
+    An exception of ``work`` propagates.
+    """
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_for_disconnect(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.wait((task, watch))
+    if task.cancelled():
+        return None, True
+    return task.result(), False
+
+
+class RelayResponse(Response):
+    """An open upstream response, streamed to the client chunk by chunk, closed at the end."""
+
+    def __init__(self, upstream: httpx.Response, headers: Mapping[str, str]) -> None:
+        self.upstream = upstream
+        self.status_code = upstream.status_code
+        self.background = None
+        merged = {name: upstream.headers[name] for name in RELAYED_HEADERS
+                  if name in upstream.headers}
+        merged.update(headers)
+        self.is_event_stream = merged.get("content-type", "").startswith("text/event-stream")
+        if self.is_event_stream:
+            merged["x-accel-buffering"] = "no"  # tell proxies in front of us not to buffer either
+        self.init_headers(merged)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            _, disconnected = await until_disconnect(receive, self._relay(send))
+        finally:
+            await asyncio.shield(self.upstream.aclose())
+        if disconnected:
+            log.info("client disconnected mid-response; upstream request closed")
+
+    async def _relay(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as exc:
+            # The status is long sent; what is left is to end the body so the client sees why.
+            log.warning("upstream failed mid-response: %r", exc)
+            if self.is_event_stream:
+                event = error_body(f"the upstream failed mid-stream ({type(exc).__name__})",
+                                   "upstream_error", "upstream_interrupted")
+                await send({"type": "http.response.body",
+                            "body": b"data: " + orjson.dumps(event) + b"\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

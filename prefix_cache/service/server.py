@@ -1,0 +1,122 @@
+"""Running the sidecar on uvicorn: ``prefix-cache serve``.
+
+With one worker the app is built here and served in-process. With several, uvicorn starts
+worker processes that each build their own app from the same flags (handed over in the
+environment) and the same environment, so all of them serve the same configuration.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from .app import create_app, open_backing_store
+from .models import ModelRegistry, load_model_specs
+from .settings import ServiceSettings
+from .tenants import KeyRing
+
+log = logging.getLogger("prefix_cache.service")
+
+EXIT_OK, EXIT_CONFIG = 0, 2
+FLAGS_ENV = "PREFIX_CACHE_SERVE_FLAGS"  # not a settings field: read by worker processes only
+
+# argparse destination -> settings field
+FLAG_FIELDS = {
+    "host": "host", "port": "port", "workers": "workers", "model": "model_dirs",
+    "models": "models_file", "upstream": "upstream", "engine": "engine",
+    "draft_model": "draft_model", "redis": "redis",
+}
+
+
+def flag_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings the flags set explicitly (an absent flag leaves the environment's value)."""
+    return {field: args[flag] for flag, field in FLAG_FIELDS.items() if args.get(flag) is not None}
+
+
+def make_settings(overrides: Mapping[str, Any]) -> ServiceSettings:
+    """Settings from the flags and the environment; ValueError naming what is wrong."""
+    try:
+        return ServiceSettings(**overrides)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
+                             for e in exc.errors())
+        raise ValueError(f"invalid settings: {problems}") from None
+
+
+def startup_warnings(settings: ServiceSettings) -> list[str]:
+    warnings = []
+    if settings.workers > 1 and settings.uses_memory_store:
+        warnings.append(
+            f"--workers {settings.workers} with the in-process memory store: each worker has "
+            "its own cache, so hits (and tenant quotas) are per worker; pass --redis URL to "
+            "share entries across workers")
+    return warnings
+
+
+def log_config(level: str) -> dict[str, Any]:
+    """uvicorn's logging setup plus our own loggers, applied in every worker process."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["prefix_cache"] = {"handlers": ["default"], "level": level.upper(),
+                                         "propagate": False}
+    return config
+
+
+def serve(overrides: Mapping[str, Any]) -> int:
+    """Run until stopped; the exit code (2: the configuration cannot be served)."""
+    import uvicorn
+
+    try:
+        settings = make_settings(overrides)
+        keyring = KeyRing.from_settings(settings)
+        registry = ModelRegistry.from_specs(load_model_specs(settings))
+        if settings.workers == 1:
+            app = create_app(settings, models=registry)
+        else:  # each worker builds its own; check here that the store opens, so errors exit 2
+            app = None
+            open_backing_store(settings, len(keyring.tenants)).close()
+    except ValueError as exc:
+        print(f"prefix-cache serve: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    for warning in startup_warnings(settings):
+        log.warning(warning)
+    log.info("serving %s; %s; %s store", ", ".join(m.name for m in registry),
+             "open, namespace 'default'" if keyring.is_open else f"tenants {keyring.tenants}",
+             "memory" if settings.uses_memory_store else "redis")
+    common: dict[str, Any] = {
+        "host": settings.host, "port": settings.port, "log_level": settings.log_level,
+        "log_config": log_config(settings.log_level), "server_header": False,
+        "timeout_graceful_shutdown": 10,
+    }
+    # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: after a clean stop, exit 0.
+    try:
+        if app is not None:
+            server = uvicorn.Server(uvicorn.Config(app, **common))
+            server.run()
+            return EXIT_OK if server.started else EXIT_CONFIG
+        # Workers build their own app: hand them exactly the flags this process was given.
+        os.environ[FLAGS_ENV] = json.dumps({k: _jsonable(v) for k, v in overrides.items()})
+        uvicorn.run("prefix_cache.service.server:worker_app", factory=True,
+                    workers=settings.workers, **common)
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    return value if isinstance(value, (int, float, bool)) or value is None else str(value)
+
+
+def worker_app() -> Any:
+    """The app of one worker process (uvicorn factory)."""
+    return create_app(make_settings(json.loads(os.environ.get(FLAGS_ENV, "{}"))))

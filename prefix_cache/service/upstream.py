@@ -1,0 +1,138 @@
+"""Upstreams: the OpenAI-compatible servers chat completions are forwarded to, by kind.
+
+What is attached to the forwarded body depends on the upstream's kind:
+
+- ``openai``: nothing. Plain OpenAI-compatible servers would reject or silently drop extension
+  fields (mlx_lm.server drops them), so the client's bytes go out unchanged -- unless
+  ``upstream_model`` renames the model, the one field then rewritten.
+- ``specprefill``: our engines, which take the boundary instead of recomputing it: the body
+  gains ``specprefill_system_end`` and ``prompt_token_ids`` (the ids the boundary was cut
+  against, so the engine prefills exactly the prompt the boundary belongs to).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import orjson
+
+from ..cache import PrefixResult
+from .errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from .settings import UpstreamKind
+
+log = logging.getLogger("prefix_cache.service")
+
+KINDS: tuple[str, ...] = ("openai", "specprefill")
+DEFAULT_HEALTH_PATH = "/health"
+MAX_RELAYED_ERROR_BYTES = 64 * 1024  # an upstream error body is relayed, never hoarded
+
+
+def normalize_base_url(url: str) -> str:
+    """An OpenAI base URL (``http://host:port/v1``); a bare ``http://host:port`` gets ``/v1``."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"upstream URL {url!r} must be http:// or https:// with a host")
+    path = parts.path.rstrip("/") or "/v1"
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class Upstream:
+    """One upstream server: where it is, what kind it is, how it is called."""
+
+    base_url: str
+    kind: UpstreamKind = "openai"
+    model: str | None = None          # the model name sent upstream; None: the client's
+    api_key: str | None = None        # the sidecar's own key for the upstream, never the client's
+    health_path: str = DEFAULT_HEALTH_PATH
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"upstream kind {self.kind!r} is not one of {', '.join(KINDS)}")
+        object.__setattr__(self, "base_url", normalize_base_url(self.base_url))
+
+    @property
+    def chat_url(self) -> str:
+        return f"{self.base_url}/chat/completions"
+
+    @property
+    def health_url(self) -> str:
+        parts = urlsplit(self.base_url)
+        return urlunsplit((parts.scheme, parts.netloc, self.health_path, "", ""))
+
+    def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PrefixResult) -> bytes:
+        """The bytes to send upstream for a client body (``raw`` parsed is ``body``)."""
+        if self.kind == "openai" and self.model is None:
+            return raw  # unchanged, byte for byte
+        out = dict(body)
+        if self.model is not None:
+            out["model"] = self.model
+        if self.kind == "specprefill":
+            out["specprefill_system_end"] = result.specprefill_system_end
+            out["prompt_token_ids"] = result.prompt_ids
+        return orjson.dumps(out)
+
+    def headers(self) -> dict[str, str]:
+        headers = {
+            "content-type": "application/json",
+            # Relayed byte for byte: a compressed body would need its encoding kept in step.
+            "accept-encoding": "identity",
+        }
+        if self.api_key:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    async def open(self, client: httpx.AsyncClient, content: bytes) -> httpx.Response:
+        """Send a chat completion; the response is open (streaming) and 2xx, else raised.
+
+        The caller owns the returned response and must close it.
+        """
+        request = client.build_request("POST", self.chat_url, content=content,
+                                       headers=self.headers())
+        # Clients see what went wrong, not where: upstream addresses stay in the operator's log.
+        try:
+            response = await client.send(request, stream=True)
+        except httpx.TimeoutException as exc:
+            log.warning("upstream %s timed out: %r", self.chat_url, exc)
+            raise UpstreamTimeout("the upstream did not answer in time") from exc
+        except httpx.HTTPError as exc:
+            log.warning("upstream %s failed: %r", self.chat_url, exc)
+            raise UpstreamUnavailable(
+                f"the upstream is unreachable ({type(exc).__name__})") from exc
+        if response.status_code >= 400:
+            try:
+                body = await _read_capped(response, MAX_RELAYED_ERROR_BYTES)
+            finally:
+                await response.aclose()
+            raise UpstreamStatusError(response.status_code, body,
+                                      response.headers.get("content-type"))
+        return response
+
+    async def probe(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
+        """Readiness: the upstream answers HTTP below 500 at its health path."""
+        try:
+            response = await client.get(self.health_url, headers=self.headers(),
+                                        timeout=timeout_s)
+        except httpx.HTTPError as exc:  # the probe is public: the kind of failure, not details
+            return {"ok": False, "error": type(exc).__name__}
+        return {"ok": response.status_code < 500, "status": response.status_code}
+
+
+async def _read_capped(response: httpx.Response, limit: int) -> bytes:
+    """At most ``limit`` bytes of a response body."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in response.aiter_raw():
+            chunks.append(chunk[: limit - size])
+            size += len(chunks[-1])
+            if size >= limit:
+                break
+    except httpx.HTTPError:
+        pass  # what arrived before the failure is still the best message there is
+    return b"".join(chunks)
