@@ -62,6 +62,14 @@ def multiprocess_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
 
 
+def mark_process_dead() -> None:
+    """At a worker's exit: drop its live gauges from the multiprocess aggregate."""
+    if multiprocess_dir():
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(os.getpid())
+
+
 class Metrics(CacheObserver):
     """The service's metrics; also the cache's observer."""
 
@@ -90,6 +98,8 @@ class Metrics(CacheObserver):
                                        buckets=TOKEN_BUCKETS, registry=reg)
         self.store_errors = Counter(f"{NS}_store_errors_total", "Store calls that failed.",
                                     ["op"], registry=reg)
+        for op in ("get", "put"):  # exposed at zero, so dashboards and alerts see the series
+            self.store_errors.labels(op)
         self.verification_failures = Counter(f"{NS}_verification_failures_total",
                                              "Stored entries rejected on read.", registry=reg)
         gauge_mode = {"multiprocess_mode": "livesum"}

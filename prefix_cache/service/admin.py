@@ -20,6 +20,7 @@ async def stats(state: State) -> dict[str, Any]:
     """The cache's counters and the store's figures, per tenant included."""
     return {
         "cache": state.cache.stats.snapshot(),
+        "metrics": state.metrics.snapshot(),
         "store": state.store.stats(),
         "tenants": state.keyring.tenants,
         "models": [m.name for m in state.models],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,10 +10,11 @@ import httpx
 from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
+from ..metrics import Metrics, mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
-from . import admin, api, health
+from . import admin, api, dashboard, health
 from .errors import install_error_handlers
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
@@ -46,7 +48,9 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     store = TenantQuotaStore(open_backing_store(settings, len(keyring.tenants)),
                              max_entries=settings.tenant_max_entries,
                              max_bytes=settings.tenant_max_bytes)
-    return ServiceState(settings, registry, keyring, store, StaticPrefixCache(store))
+    metrics = Metrics(max_tenants=settings.metrics_max_tenants)
+    cache = StaticPrefixCache(store, observer=metrics)
+    return ServiceState(settings, registry, keyring, store, cache, metrics)
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -63,16 +67,19 @@ def create_app(settings: ServiceSettings | None = None, *,
                                 max_keepalive_connections=64),
             trust_env=False,  # upstreams are configured here, never picked from proxy variables
         )
+        gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
         try:
             yield
         finally:
+            gauges.cancel()
             await state.client.aclose()
             state.cache.close()
+            mark_process_dead()
 
     app = FastAPI(title="prefix-cache sidecar", lifespan=lifespan,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = state
     install_error_handlers(app)
-    for module in (api, admin, health):
+    for module in (api, admin, health, dashboard):
         app.include_router(module.router)
     return app

@@ -31,6 +31,8 @@ TENANT_MAX_BYTES                                bytes one tenant's entries may t
 UPSTREAM_TIMEOUT_S                              longest wait for the next upstream byte (600)
 UPSTREAM_CONNECT_TIMEOUT_S                      upstream connect timeout (10)
 READY_TIMEOUT_S                                 per-check timeout of GET /readyz (2)
+METRICS_MAX_TENANTS                             tenants with their own metrics label (20); the
+                                                rest are folded into "other"
 LOG_LEVEL                                       uvicorn log level (info)
 =========================  ===================  ================================================
 """
@@ -85,6 +87,7 @@ class ServiceSettings(BaseSettings):
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=10.0, gt=0)
     ready_timeout_s: float = Field(default=2.0, gt=0)
+    metrics_max_tenants: int = Field(default=20, gt=0)
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
 
     @field_validator("model_dirs", mode="before")

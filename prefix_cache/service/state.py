@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..cache import StaticPrefixCache
+from ..metrics import Metrics
 from .models import ModelRegistry
 from .quota import TenantQuotaStore
 from .settings import ServiceSettings
@@ -23,6 +24,7 @@ class ServiceState:
     keyring: KeyRing
     store: TenantQuotaStore
     cache: StaticPrefixCache
+    metrics: Metrics
     client: httpx.AsyncClient | None = None  # opened by the app's lifespan, on its event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 

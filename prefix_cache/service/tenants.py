@@ -7,7 +7,10 @@ side channel nor a memory dump gives the keys themselves away.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
+import hmac
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -99,6 +102,46 @@ class KeyRing:
         if digest in self._tenants:
             raise Forbidden("this key is not an admin key", code="admin_key_required")
         raise Unauthorized("invalid API key")
+
+
+    # -- the dashboard: a browser page, so Basic auth and a cookie besides Bearer ---------------
+
+    @property
+    def has_admins(self) -> bool:
+        return bool(self._admins)
+
+    def dashboard_cookie(self) -> str:
+        """A cookie value any worker can check: an HMAC under an admin key's digest."""
+        digest = min(self._admins)
+        return hmac.new(digest, b"prefix-cache-dashboard", hashlib.sha256).hexdigest()
+
+    def dashboard_allowed(self, authorization: str | None, cookie: str | None) -> bool:
+        """Open when no admin key is configured; else an admin key as Bearer, as the Basic-auth
+        password (what a browser's login prompt sends), or the dashboard cookie."""
+        if not self._admins:
+            return True
+        if cookie:
+            for digest in self._admins:
+                good = hmac.new(digest, b"prefix-cache-dashboard", hashlib.sha256).hexdigest()
+                if hmac.compare_digest(good, cookie):
+                    return True
+        key = _bearer(authorization) or _basic_password(authorization)
+        return key is not None and _digest(key) in self._admins
+
+
+def _basic_password(authorization: str | None) -> str | None:
+    """The password of an ``Authorization: Basic ...`` header, or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "basic":
+        return None
+    try:
+        decoded = base64.b64decode(token.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    _, sep, password = decoded.partition(":")
+    return password if sep and password else None
 
 
 def _read_keys_file(path: Path) -> tuple[dict[str, str], list[str]]:

@@ -1,0 +1,96 @@
+"""``GET /metrics`` (Prometheus), ``GET /dashboard`` (a live page) and its JSON stats.
+
+The page and its stats need an admin key when one is configured: as Bearer, or as the password
+of the browser's Basic-auth prompt; the page then sets a cookie so its own polling is
+authenticated. ``/metrics`` is open, as Prometheus scrapers expect; its tenant labels are the
+operator's configured tenant names, bounded in number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from importlib import resources
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse, Response
+
+from .deps import State
+from .state import ServiceState
+
+router = APIRouter()
+
+COOKIE = "prefix_cache_dashboard"
+GAUGE_REFRESH_SECONDS = 2.0
+_PAGE = resources.files("prefix_cache").joinpath("static/dashboard.html")
+
+
+def _challenge() -> Response:
+    return Response(
+        b'{"error": {"message": "the dashboard needs an admin key (Bearer, or as the password '
+        b'of the login prompt)", "type": "invalid_request_error", "code": "invalid_api_key"}}',
+        status_code=401, media_type="application/json",
+        headers={"WWW-Authenticate": 'Basic realm="prefix-cache dashboard", charset="UTF-8"'},
+    )
+
+
+def _allowed(request: Request, state: ServiceState) -> bool:
+    return state.keyring.dashboard_allowed(request.headers.get("authorization"),
+                                           request.cookies.get(COOKIE))
+
+
+def refresh_gauges(state: ServiceState) -> None:
+    state.metrics.refresh_store(state.store.stats())
+
+
+async def refresh_gauges_forever(state: ServiceState) -> None:
+    """Keep this worker's store gauges current, so a scrape answered by any worker is right."""
+    while True:
+        try:
+            refresh_gauges(state)
+        except Exception:  # metrics must never take the worker down
+            pass
+        await asyncio.sleep(GAUGE_REFRESH_SECONDS)
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    refresh_gauges(state)
+    body, content_type = state.metrics.exposition()
+    return Response(body, media_type=content_type)
+
+
+@router.get("/dashboard")
+async def dashboard(request: Request, state: State) -> Response:
+    if not _allowed(request, state):
+        return _challenge()
+    page = HTMLResponse(_PAGE.read_text(encoding="utf-8"),
+                        headers={"Cache-Control": "no-store"})
+    if state.keyring.has_admins:
+        page.set_cookie(COOKIE, state.keyring.dashboard_cookie(), httponly=True,
+                        samesite="strict", path="/dashboard")
+    return page
+
+
+def stats_document(state: ServiceState) -> dict[str, Any]:
+    """What the page draws: the metrics summary plus store health, from this worker's view."""
+    refresh_gauges(state)
+    store_stats = state.store.stats()
+    remote = store_stats.get("remote", store_stats)
+    return {
+        "metrics": state.metrics.snapshot(),
+        "cache": state.cache.stats.snapshot(),
+        "store_backend": store_stats.get("backend", "memory"),
+        "store_health": {"breaker": remote.get("breaker"), "reachable": remote.get("breaker") != "open"},
+        "models": [m.name for m in state.models],
+    }
+
+
+@router.get("/dashboard/stats.json")
+async def dashboard_stats(request: Request, state: State) -> Response:
+    if not _allowed(request, state):
+        return _challenge()
+    import orjson
+
+    return Response(orjson.dumps(stats_document(state)), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
