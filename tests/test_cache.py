@@ -47,7 +47,9 @@ class RenderSpy:
                 time.sleep(delay)
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(tokenizer, "apply_chat_template", spy)
+        # setitem, not setattr: undoing setattr on an instance would leave the bound method of
+        # this tokenizer in its __dict__, and copies of it would then render with this one.
+        monkeypatch.setitem(tokenizer.__dict__, "apply_chat_template", spy)
 
 
 def test_hit_runs_no_probe_render(qwen3, monkeypatch) -> None:

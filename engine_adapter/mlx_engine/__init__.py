@@ -1,0 +1,19 @@
+"""The in-process MLX engine: continuous batching on mlx-lm, static-prefix KV reuse, SpecPrefill.
+
+Importing this package imports mlx; ``import engine_adapter`` alone does not.
+"""
+
+from .engine import MLXEngine
+from .kv_store import StaticKVStore
+from .request import EngineError, GenerationRequest, PrefillInfo, TokenEvent
+from .specprefill import SpecPrefillConfig
+
+__all__ = [
+    "EngineError",
+    "GenerationRequest",
+    "MLXEngine",
+    "PrefillInfo",
+    "SpecPrefillConfig",
+    "StaticKVStore",
+    "TokenEvent",
+]

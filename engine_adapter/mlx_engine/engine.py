@@ -1,0 +1,491 @@
+"""The batched engine: continuous batching on mlx-lm's BatchGenerator, with the static prefix's
+KV reused across requests and SpecPrefill on the rest of long prompts.
+
+    submit(request) ──> engine thread: admit ──> BatchGenerator.insert ──> next() ──> events
+    admit, dense:       KV of [0, boundary) in the store?  hit:  insert(rest, caches=[restored])
+                                                            miss: insert_segments([static, rest]),
+                                                                  snapshot at the segment's end
+    admit, SpecPrefill: static part restored or dense (and stored), draft scores the rest, the
+                        target prefills the kept tokens at their positions, insert([last token])
+
+Everything that touches the models runs on the engine's one thread; callers get tokens through
+a callback, a blocking iterator (``generate``) or an async iterator (``agenerate``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, StopSequences
+
+from . import cache as kv
+from .kv_store import Key, StaticKVStore, prefix_key
+from .prefill import DEFAULT_STEP, dense_prefill, sparse_prefill
+from .request import (
+    DENSE,
+    SPECPREFILL,
+    EngineError,
+    GenerationRequest,
+    PrefillInfo,
+    TokenEvent,
+)
+from .sampling import make_sampler
+from .specprefill import SpecPrefillConfig, score_tokens, select_chunks
+
+log = logging.getLogger("engine_adapter.mlx_engine")
+
+Deliver = Callable[[Any], None]  # gets TokenEvents, then possibly one exception
+TARGET_ID, DRAFT_ID = "target", "draft"
+
+
+@dataclass(slots=True)
+class _Sequence:
+    request: GenerationRequest
+    deliver: Deliver
+    submitted: float
+    sampler: Any
+    uid: int | None = None
+    emitted: int = 0
+    info: PrefillInfo | None = None
+    snapshot_at: int = 0       # >0: store the KV of [0, snapshot_at) when that segment is done
+    leads: Key | None = None   # the static prefix this request computes for parked followers
+    parked_on: Key | None = None
+    may_park: bool = True
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Counters since the engine started."""
+
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    specprefill: int = 0
+    fallbacks: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    parked: int = 0            # waited for a request computing the same static prefix
+    last_fallback: str | None = None
+
+
+def vocab_size(model: Any) -> int | None:
+    """The model's vocabulary size when its config says it."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "vocab_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+class MLXEngine:
+    """A batched MLX engine for one target model (and optionally a SpecPrefill draft)."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        draft_model: Any | None = None,
+        kv_store: StaticKVStore | None = None,
+        reuse_static_kv: bool = True,
+        specprefill: SpecPrefillConfig | None = None,
+        stop_token_ids: Sequence[int] = (),
+        max_batch_size: int = 16,
+        prefill_batch_size: int = 8,
+        prefill_step_size: int = DEFAULT_STEP,
+        tokenizer: Any | None = None,
+    ) -> None:
+        if max_batch_size < 1 or prefill_batch_size < 1 or prefill_step_size < 1:
+            raise ValueError("max_batch_size, prefill_batch_size and prefill_step_size "
+                             "must be >= 1")
+        self.model = model
+        self.draft_model = draft_model
+        self.tokenizer = tokenizer
+        self.kv_store: StaticKVStore | None = None
+        if reuse_static_kv:
+            self.kv_store = kv_store if kv_store is not None else StaticKVStore()
+        self.specprefill = specprefill or SpecPrefillConfig()
+        self.stop_token_ids = tuple(stop_token_ids)
+        self.vocab_size = vocab_size(model)
+        self.stats = EngineStats()
+        self._positioned = kv.supports_positioned_cache(model)
+        self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
+        self._step_size = prefill_step_size
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._wake = threading.Condition()
+        self._closed = False
+        self._by_id: dict[str, _Sequence] = {}
+        self._by_uid: dict[int, _Sequence] = {}
+        # Single flight per static prefix: while one request prefills it, later ones with the
+        # same (namespace, prefix ids) wait here and then restore it instead of recomputing.
+        self._computing: dict[Key, list[_Sequence]] = {}
+        self._generator: BatchGenerator  # made on the engine thread (mlx streams are per thread)
+        self._start_error: BaseException | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise EngineError("the engine thread could not start") from self._start_error
+
+    @classmethod
+    def load(cls, model_dir: str | Path, draft_dir: str | Path | None = None,
+             **options: Any) -> MLXEngine:
+        """An engine for an mlx-lm model folder (and a draft folder with the same vocabulary)."""
+        from mlx_lm import load
+
+        loaded = load(str(model_dir))
+        model, tokenizer = loaded[0], loaded[1]
+        draft = load(str(draft_dir))[0] if draft_dir is not None else None
+        options.setdefault("stop_token_ids", sorted(tokenizer.eos_token_ids))
+        return cls(model, draft_model=draft, tokenizer=tokenizer, **options)
+
+    # -- the caller's side ------------------------------------------------------------------
+
+    def submit(self, request: GenerationRequest, deliver: Deliver) -> None:
+        """Queue a request; ``deliver`` gets its TokenEvents (or one exception) on the engine
+        thread, and must not block."""
+        request.validate(self.vocab_size)
+        sampler = make_sampler(request.temperature, request.top_p, request.seed)
+        seq = _Sequence(request, deliver, time.perf_counter(), sampler)
+        self._post("submit", seq)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request early; its consumer gets nothing more."""
+        self._post("cancel", request_id)
+
+    def generate(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+        """Tokens of one request as they come (blocking); closing the iterator cancels it."""
+        events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.submit(request, events.put)
+        done = False
+        try:
+            while not done:
+                item = events.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            if not done:
+                self.cancel(request.request_id)
+
+    async def agenerate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Tokens of one request as they come, for asyncio (a FastAPI streaming response)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Any] = asyncio.Queue()
+
+        def deliver(item: Any) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        self.submit(request, deliver)
+        done = False
+        try:
+            while not done:
+                item = await events.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finish_reason is not None
+                yield item
+        finally:
+            if not done:
+                self.cancel(request.request_id)
+
+    def snapshot_stats(self) -> dict[str, Any]:
+        """Engine and KV-store counters as a plain dict."""
+        s = self.stats
+        out = {k: getattr(s, k) for k in ("requests", "completed", "cancelled", "failed",
+                                          "specprefill", "fallbacks", "reused_tokens",
+                                          "prefilled_tokens", "generated_tokens",
+                                          "parked", "last_fallback")}
+        out["active"] = len(self._by_id)
+        if self.kv_store is not None:
+            out["kv_store"] = {**self.kv_store.stats.as_dict(), "entries": len(self.kv_store),
+                               "bytes": self.kv_store.nbytes, "max_bytes": self.kv_store.max_bytes}
+        return out
+
+    def close(self) -> None:
+        """Finish the engine thread; requests still running get an EngineError."""
+        self._post("close", None)
+        self._thread.join()
+
+    def __enter__(self) -> MLXEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _post(self, kind: str, item: Any) -> None:
+        with self._wake:
+            if self._closed:
+                raise EngineError("the engine is closed")
+            if kind == "close":
+                self._closed = True
+            self._inbox.append((kind, item))
+            self._wake.notify()
+
+    # -- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._generator = self._new_generator()
+        except BaseException as exc:
+            self._start_error = exc
+            return
+        finally:
+            self._ready.set()
+        while True:
+            with self._wake:
+                while not self._inbox and not self._by_uid:  # parked requests wait on a leader
+                    self._wake.wait()
+                work = list(self._inbox)
+                self._inbox.clear()
+            for kind, item in work:
+                if kind == "submit":
+                    self._admit(item)
+                elif kind == "cancel":
+                    self._drop(item)
+                else:
+                    self._fail_all(EngineError("the engine was closed"))
+                    self._generator.close()
+                    return
+            if self._by_uid:
+                try:
+                    self._step()
+                except Exception as exc:  # a failed model step fails what was running, not the engine
+                    log.exception("engine step failed")
+                    self._fail_all(EngineError(f"model step failed: {exc}"))
+                    self._generator.close()
+                    self._generator = self._new_generator()
+
+    def _new_generator(self) -> BatchGenerator:
+        max_batch, prefill_batch, step = self._batch
+        return BatchGenerator(
+            self.model, stop_tokens=[[t] for t in self.stop_token_ids] or None,
+            completion_batch_size=max_batch, prefill_batch_size=prefill_batch,
+            prefill_step_size=step,
+        )
+
+    def _step(self) -> None:
+        prompt_responses, responses = self._generator.next()
+        for r in prompt_responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is not None and seq.snapshot_at and r.end_of_segment \
+                    and r.progress[0] == seq.snapshot_at:
+                self._store_segment(seq)
+        for r in responses:
+            seq = self._by_uid.get(r.uid)
+            if seq is not None:
+                self._emit(seq, r)
+
+    def _emit(self, seq: _Sequence, r: Any) -> None:
+        first = seq.emitted == 0
+        event = TokenEvent(
+            seq.request.request_id, int(r.token), seq.emitted, r.finish_reason,
+            time.perf_counter() - seq.submitted,
+            r.logprobs if seq.request.return_logprobs else None,
+            seq.info if first else None,
+        )
+        seq.emitted += 1
+        self.stats.generated_tokens += 1
+        if r.finish_reason is not None:
+            self._forget(seq)
+            self.stats.completed += 1
+        self._send(seq, event)
+
+    def _send(self, seq: _Sequence, item: Any) -> None:
+        try:
+            seq.deliver(item)
+        except Exception:  # a consumer that went away (closed event loop) must not stop the engine
+            log.warning("could not deliver to request %s", seq.request.request_id, exc_info=True)
+
+    def _forget(self, seq: _Sequence) -> None:
+        self._by_id.pop(seq.request.request_id, None)
+        if seq.uid is not None:
+            self._by_uid.pop(seq.uid, None)
+        if seq.parked_on is not None:
+            waiting = self._computing.get(seq.parked_on, [])
+            if seq in waiting:
+                waiting.remove(seq)
+            seq.parked_on = None
+        if seq.leads is not None:  # gone before its static prefix was stored: let another lead
+            self._release(seq, stored=False)
+
+    def _release(self, leader: _Sequence, stored: bool) -> None:
+        """Start the requests parked on ``leader``'s static prefix: they restore it if it was
+        stored; if it could not be (too big for the store) they compute it side by side."""
+        key, leader.leads = leader.leads, None
+        for seq in self._computing.pop(key, []) if key is not None else []:
+            seq.parked_on = None
+            # Leader gone before storing: the first follower leads now, the others park on it.
+            seq.may_park = stored or leader.request.request_id not in self._by_id
+            self._start(seq)
+
+    def _drop(self, request_id: str) -> None:
+        seq = self._by_id.get(request_id)
+        if seq is None:
+            return
+        if seq.uid is not None:
+            self._generator.remove([seq.uid])
+        self._forget(seq)
+        self.stats.cancelled += 1
+
+    def _fail_all(self, exc: Exception) -> None:
+        self._computing.clear()
+        for seq in list(self._by_id.values()):
+            seq.leads = seq.parked_on = None
+            self._forget(seq)
+            self.stats.failed += 1
+            self._send(seq, exc)
+
+    # -- admission: how a prompt gets into the KV cache ---------------------------------------
+
+    def _admit(self, seq: _Sequence) -> None:
+        req = seq.request
+        if req.request_id in self._by_id:
+            self._send(seq, EngineError(f"request id {req.request_id!r} is already running"))
+            return
+        self.stats.requests += 1
+        self._by_id[req.request_id] = seq
+        self._start(seq)
+
+    def _start(self, seq: _Sequence) -> None:
+        req = seq.request
+        ids = list(req.prompt_ids)
+        # The last prompt token is the one generation starts from: it is never part of a snapshot.
+        static = min(req.specprefill_system_end, len(ids) - 1)
+        if static and self.kv_store is not None and self._positioned and seq.may_park:
+            key = prefix_key(req.namespace, TARGET_ID, ids[:static])[0]
+            if key in self._computing:
+                self._computing[key].append(seq)
+                seq.parked_on = key
+                self.stats.parked += 1
+                return
+        try:
+            with mx.stream(self._generator.stream):
+                fallback = None
+                if self._wants_specprefill(req, len(ids) - static):
+                    try:
+                        self._admit_sparse(seq, ids, static)
+                        return
+                    except Exception as exc:  # any failure: dense prefill, same answer class
+                        fallback = f"{type(exc).__name__}: {exc}"
+                        log.warning("SpecPrefill failed, dense prefill instead: %s", fallback)
+                        self.stats.fallbacks += 1
+                        self.stats.last_fallback = fallback
+                elif req.specprefill and self.draft_model is None:
+                    fallback = "no draft model"
+                self._admit_dense(seq, ids, static, fallback)
+        except Exception as exc:
+            log.exception("could not admit request %s", req.request_id)
+            self._forget(seq)
+            self.stats.failed += 1
+            self._send(seq, EngineError(f"could not start the request: {exc}"))
+
+    def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
+        if self.draft_model is None or not self._positioned or req.specprefill is False:
+            return False
+        threshold = req.specprefill_threshold
+        return rest > (self.specprefill.threshold if threshold is None else threshold)
+
+    def _insert(self, seq: _Sequence, segments: list[list[int]], cache: list[Any]) -> None:
+        req = seq.request
+        stops = None
+        if req.stop_token_ids is not None:
+            stops = [StopSequences([[t] for t in req.stop_token_ids])]
+        (seq.uid,) = self._generator.insert_segments(
+            [segments], max_tokens=[req.max_tokens], caches=[cache],
+            samplers=[seq.sampler], stop_sequences=stops,
+        )
+        self._by_uid[seq.uid] = seq
+
+    def _admit_dense(self, seq: _Sequence, ids: list[int], static: int,
+                     fallback: str | None) -> None:
+        req = seq.request
+        reused = 0
+        if self.kv_store is not None and self._positioned and static > 0:
+            snap = self.kv_store.get(req.namespace, TARGET_ID, ids[:static])
+            if snap is not None:
+                reused = static
+                self._insert(seq, [ids[static:]], kv.restore(snap))
+            else:
+                seq.snapshot_at = static
+                self._insert(seq, [ids[:static], ids[static:]], kv.make_cache(self.model))
+                seq.leads = prefix_key(req.namespace, TARGET_ID, ids[:static])[0]
+                self._computing.setdefault(seq.leads, [])
+        else:
+            self._insert(seq, [ids], kv.make_cache(self.model))
+        seq.info = PrefillInfo(len(ids), static, reused, len(ids) - reused, DENSE,
+                               fallback=fallback)
+        self.stats.reused_tokens += reused
+        self.stats.prefilled_tokens += len(ids) - reused
+
+    def _store_segment(self, seq: _Sequence) -> None:
+        n = seq.snapshot_at
+        seq.snapshot_at = 0
+        extracted = self._generator.extract_cache([seq.uid]).get(seq.uid)
+        stored = False
+        if extracted is None or kv.cache_size(extracted[0]) != n:
+            log.warning("static segment of %s not where expected; not stored",
+                        seq.request.request_id)
+        elif self.kv_store is not None:
+            ids = seq.request.prompt_ids
+            stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n],
+                                       kv.snapshot(extracted[0], n))
+        if seq.leads is not None:
+            self._release(seq, stored)
+
+    def _static_cache(self, model: Any, model_id: str, namespace: str, ids: list[int],
+                      static: int) -> tuple[list[Any], int]:
+        """A per-sequence cache holding [0, static): restored (reused tokens) or computed."""
+        if static and self.kv_store is not None:
+            snap = self.kv_store.get(namespace, model_id, ids[:static])
+            if snap is not None:
+                return kv.restore(snap), static
+        cache = kv.make_cache(model)
+        if static:
+            dense_prefill(model, ids[:static], cache, self._step_size)
+            if self.kv_store is not None:
+                self.kv_store.put(namespace, model_id, ids[:static], kv.snapshot(cache, static))
+        return cache, 0
+
+    def _admit_sparse(self, seq: _Sequence, ids: list[int], static: int) -> None:
+        req = seq.request
+        spec = self.specprefill
+        draft_vocab = vocab_size(self.draft_model)
+        if draft_vocab is not None and max(ids) >= draft_vocab:
+            raise ValueError(f"token id {max(ids)} is outside the draft's vocabulary "
+                             f"({draft_vocab})")
+        n = len(ids)
+        target, reused = self._static_cache(self.model, TARGET_ID, req.namespace, ids, static)
+        draft, _ = self._static_cache(self.draft_model, DRAFT_ID, req.namespace, ids, static)
+        importance = score_tokens(self.draft_model, ids, static, draft,
+                                  lookahead=spec.lookahead, pool_kernel=spec.pool_kernel,
+                                  step=self._step_size)
+        del draft
+        keep_pct = req.specprefill_keep_pct or spec.keep_pct
+        kept = select_chunks(importance, keep_pct, spec.chunk_size, spec.tail_tokens)
+        # The final prompt token is generation's first input: BatchGenerator feeds it.
+        positions = [static + i for i in kept if static + i != n - 1]
+        sparse_prefill(self.model, ids, positions, target, self._step_size)
+        shift = (n - 1) - kv.cache_size(target)
+        for layer in target:
+            layer.position_shift = shift
+        self._insert(seq, [[ids[-1]]], target)
+        computed = (static - reused) + len(positions) + 1
+        seq.info = PrefillInfo(n, static, reused, computed, SPECPREFILL,
+                               kept_tokens=len(positions) + 1)
+        self.stats.specprefill += 1
+        self.stats.reused_tokens += reused
+        self.stats.prefilled_tokens += computed

@@ -1,0 +1,134 @@
+"""The static-prefix KV store: an LRU bounded in bytes, namespaced, keyed by exact prefix ids.
+
+    key = (namespace, model_id, xxh3_128(prefix ids as uint32))
+
+A namespace (tenant) never reads another's entry, even for the same prefix ids: a shared entry
+would leak through time to first token what another tenant sent. The model id keeps the target's
+and the draft's KV apart. Entries keep their packed ids and are compared on every hit, so even a
+colliding hash cannot hand out the KV of other tokens. No mlx import: a snapshot is opaque here
+(anything with ``nbytes``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import xxhash
+
+from prefix_cache.entry import pack_ids
+
+DEFAULT_MAX_BYTES = 1 << 30
+
+
+class Snapshot(Protocol):
+    """What the store holds: a KV snapshot that knows its size."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+Key = tuple[str, str, bytes]
+
+
+@dataclass(slots=True)
+class _Entry:
+    packed_ids: bytes
+    snapshot: Any
+    nbytes: int
+
+
+@dataclass(slots=True)
+class KVStoreStats:
+    """Counters of one store (a snapshot is a plain dict: ``stats.as_dict()``)."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    rejected: int = 0      # bigger than the whole store
+    by_namespace: dict[str, int] = field(default_factory=dict)  # entries per namespace
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"hits": self.hits, "misses": self.misses, "puts": self.puts,
+                "evictions": self.evictions, "rejected": self.rejected,
+                "by_namespace": dict(self.by_namespace)}
+
+
+def prefix_key(namespace: str, model_id: str, prefix_ids: Sequence[int]) -> tuple[Key, bytes]:
+    """The store key for these exact prefix ids, and the packed ids it is checked against."""
+    packed = pack_ids(prefix_ids)
+    return (namespace, model_id, xxhash.xxh3_128_digest(packed)), packed
+
+
+class StaticKVStore:
+    """LRU of static-prefix KV snapshots, at most ``max_bytes`` in all; thread-safe."""
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if not isinstance(max_bytes, int) or max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.stats = KVStoreStats()
+        self._entries: OrderedDict[Key, _Entry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, namespace: str, model_id: str, prefix_ids: Sequence[int]) -> Any | None:
+        """The snapshot for exactly these prefix ids in this namespace, or None."""
+        key, packed = prefix_key(namespace, model_id, prefix_ids)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None or entry.packed_ids != packed:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.stats.hits += 1
+            return entry.snapshot
+
+    def put(self, namespace: str, model_id: str, prefix_ids: Sequence[int],
+            snapshot: Snapshot) -> bool:
+        """Store a snapshot, evicting least recently used entries; False if it cannot fit."""
+        size = int(snapshot.nbytes)
+        key, packed = prefix_key(namespace, model_id, prefix_ids)
+        with self._lock:
+            if size > self.max_bytes:
+                self.stats.rejected += 1
+                return False
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self._forget(key, old)
+            while self._entries and self._bytes + size > self.max_bytes:
+                victim_key, victim = self._entries.popitem(last=False)
+                self._forget(victim_key, victim)
+                self.stats.evictions += 1
+            self._entries[key] = _Entry(packed, snapshot, size)
+            self._bytes += size
+            self.stats.puts += 1
+            ns = self.stats.by_namespace
+            ns[namespace] = ns.get(namespace, 0) + 1
+            return True
+
+    def purge(self, namespace: str | None = None) -> int:
+        """Drop every entry (of one namespace, when given); the number dropped."""
+        with self._lock:
+            doomed = [k for k in self._entries if namespace is None or k[0] == namespace]
+            for key in doomed:
+                self._forget(key, self._entries.pop(key))
+            return len(doomed)
+
+    def _forget(self, key: Key, entry: _Entry) -> None:
+        self._bytes -= entry.nbytes
+        ns = self.stats.by_namespace
+        ns[key[0]] -= 1
+        if not ns[key[0]]:
+            del ns[key[0]]

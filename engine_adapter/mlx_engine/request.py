@@ -1,0 +1,95 @@
+"""What goes into the engine (a request) and what comes out (token events)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _new_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One completion: prompt token ids, the static-prefix boundary, sampling, a namespace.
+
+    ``specprefill`` None means "on when the engine has a draft model and more than the
+    threshold of tokens follow the boundary"; False turns it off, True asks for it (a request
+    still gets dense prefill when the engine has no draft). ``stop_token_ids`` None uses the
+    engine's (the model's end-of-turn tokens).
+    """
+
+    prompt_ids: Sequence[int]
+    max_tokens: int = 256
+    specprefill_system_end: int = 0
+    namespace: str = "default"
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    specprefill: bool | None = None
+    specprefill_keep_pct: float | None = None
+    specprefill_threshold: int | None = None
+    stop_token_ids: Sequence[int] | None = None
+    return_logprobs: bool = False
+    request_id: str = field(default_factory=_new_id)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field."""
+        ids = self.prompt_ids
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise ValueError("prompt_ids must be a non-empty list of token ids")
+        if not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError("prompt_ids must be non-negative ints")
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise ValueError(f"prompt_ids has id {max(ids)}, outside the vocabulary ({vocab_size})")
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        end = self.specprefill_system_end
+        if not isinstance(end, int) or not 0 <= end <= len(ids):
+            raise ValueError(f"specprefill_system_end must be in [0, {len(ids)}], got {end!r}")
+        if not isinstance(self.namespace, str) or not self.namespace:
+            raise ValueError(f"namespace must be a non-empty string, got {self.namespace!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.specprefill_keep_pct is not None and not 0.0 < self.specprefill_keep_pct <= 1.0:
+            raise ValueError(f"specprefill_keep_pct must be in (0, 1], got {self.specprefill_keep_pct}")
+        if self.specprefill_threshold is not None and self.specprefill_threshold < 0:
+            raise ValueError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
+
+
+DENSE, SPECPREFILL = "dense", "specprefill"
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillInfo:
+    """How a request's prompt got into the target's KV cache."""
+
+    prompt_tokens: int
+    static_tokens: int         # the boundary used: min(specprefill_system_end, prompt_tokens - 1)
+    reused_tokens: int         # restored from the static-prefix KV store, not computed
+    prefilled_tokens: int      # target-model tokens computed for this prompt
+    mode: str                  # DENSE or SPECPREFILL
+    kept_tokens: int | None = None   # SpecPrefill: tokens after the boundary that were kept
+    fallback: str | None = None      # why SpecPrefill was wanted but dense ran
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One generated token; the last one of a request has a finish_reason."""
+
+    request_id: str
+    token: int
+    index: int                          # 0 for the first generated token
+    finish_reason: str | None = None    # "stop", "length" or None
+    elapsed_s: float = 0.0              # since the request was submitted (index 0: the TTFT)
+    logprobs: Any | None = None         # mx.array (vocab,) when the request asked for them
+    prefill: PrefillInfo | None = None  # on the first event only
+
+
+class EngineError(RuntimeError):
+    """The engine could not run a request (it was closed, or the model step failed)."""

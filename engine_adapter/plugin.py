@@ -1,0 +1,151 @@
+"""A plug-in for engines that compute ``specprefill_system_end`` themselves.
+
+oMLX-style engines call ``self._inject_specprefill_system_end(messages, prompt, tools,
+chat_template_kwargs, kwargs)`` after rendering a chat request, and read
+``kwargs["specprefill_system_end"]``. Their own version subtracts a second render, which is wrong
+on real templates (default system blocks, tools in the second render), and the vision-language
+engine's copy even renders without the request's tools and chat_template_kwargs. This module
+routes that computation through ``StaticPrefixCache`` instead: the two-probe boundary, with the
+probe renders done once per distinct static prefix, per namespace.
+
+    boundary = SpecPrefillBoundary(StaticPrefixCache(), namespace="tenant-42")
+    install(engine, boundary)          # engine._inject_specprefill_system_end now uses it
+
+Both engine shapes are handled:
+
+- text engine: ``prompt`` is the rendered string; it is tokenized the transformers way
+  (``add_special_tokens=False``), or with the ``encode`` callable given;
+- vision-language engine: ``prompt`` is the token ids the engine will prefill (image
+  placeholders already expanded); they are used as they are. Messages may carry image content
+  parts; the static prefix is rendered with the request's tools and chat_template_kwargs.
+
+A failure never fails the request: ``kwargs`` is left without a boundary (dense prefill).
+No mlx import here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from prefix_cache import StaticPrefixCache
+from prefix_cache.cache import PrefixResult
+
+log = logging.getLogger("engine_adapter.plugin")
+
+KWARG = "specprefill_system_end"
+
+Namespace = str | Callable[[Mapping[str, Any]], str]
+Encode = Callable[[str], Sequence[int]]
+
+
+def _encode_plain(tokenizer: Any, prompt: str) -> list[int]:
+    # A rendered template already holds its special tokens: add none (the transformers way).
+    return list(tokenizer.encode(prompt, add_special_tokens=False))
+
+
+class SpecPrefillBoundary:
+    """Computes an engine request's ``specprefill_system_end`` through a StaticPrefixCache."""
+
+    def __init__(
+        self,
+        cache: StaticPrefixCache | None = None,
+        *,
+        tokenizer: Any | None = None,
+        chat_template: str | None = None,
+        namespace: Namespace = "default",
+        model: str | None = None,
+        encode: Encode | None = None,
+    ) -> None:
+        self.cache = cache if cache is not None else StaticPrefixCache()
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.namespace = namespace
+        self.model = model
+        self.encode = encode
+        self.last: PrefixResult | None = None  # the latest result, for logs and tests
+
+    def __call__(self, messages: Sequence[Mapping[str, Any]], prompt: str | Sequence[int],
+                 tools: Sequence[Mapping[str, Any]] | None,
+                 chat_template_kwargs: Mapping[str, Any] | None, kwargs: dict[str, Any],
+                 *, tokenizer: Any | None = None) -> None:
+        """Set ``kwargs["specprefill_system_end"]`` (oMLX's ``_inject_...`` signature)."""
+        plan = self._plan(prompt, kwargs, tokenizer)
+        if plan is None:
+            return
+        tok, ids, namespace = plan
+        try:
+            result = self.cache.resolve(
+                tok, list(messages), _listed(tools), _dict(chat_template_kwargs),
+                prompt_ids=ids, chat_template=self.chat_template, namespace=namespace,
+                model=self.model)
+        except Exception as exc:
+            log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
+            return
+        self._apply(result, kwargs)
+
+    async def ainject(self, messages: Sequence[Mapping[str, Any]], prompt: str | Sequence[int],
+                      tools: Sequence[Mapping[str, Any]] | None,
+                      chat_template_kwargs: Mapping[str, Any] | None, kwargs: dict[str, Any],
+                      *, tokenizer: Any | None = None) -> None:
+        """The same for asyncio engines: renders on a miss run off the event loop."""
+        plan = self._plan(prompt, kwargs, tokenizer)
+        if plan is None:
+            return
+        tok, ids, namespace = plan
+        try:
+            result = await self.cache.aresolve(
+                tok, list(messages), _listed(tools), _dict(chat_template_kwargs),
+                prompt_ids=ids, chat_template=self.chat_template, namespace=namespace,
+                model=self.model)
+        except Exception as exc:
+            log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
+            return
+        self._apply(result, kwargs)
+
+    def _plan(self, prompt: str | Sequence[int], kwargs: Mapping[str, Any],
+              tokenizer: Any | None) -> tuple[Any, list[int], str] | None:
+        if kwargs.get("specprefill") is False or kwargs.get(KWARG) is not None:
+            return None  # off for this request, or already given (by a sidecar in front)
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if tok is None:
+            log.warning("no tokenizer for specprefill_system_end; dense prefill")
+            return None
+        try:
+            if isinstance(prompt, str):
+                ids = list(self.encode(prompt)) if self.encode else _encode_plain(tok, prompt)
+            else:  # the vision-language shape: the engine's own ids, placeholders expanded
+                ids = [int(t) for t in prompt]
+            namespace = self.namespace(kwargs) if callable(self.namespace) else self.namespace
+        except Exception as exc:
+            log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
+            return None
+        return tok, ids, namespace
+
+    def _apply(self, result: PrefixResult, kwargs: dict[str, Any]) -> None:
+        self.last = result
+        if result.specprefill_system_end > 0:
+            kwargs[KWARG] = result.specprefill_system_end
+
+
+def _listed(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
+    return [dict(t) for t in tools] if tools else None
+
+
+def _dict(kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return dict(kwargs) if kwargs else None
+
+
+def install(engine: Any, boundary: SpecPrefillBoundary, *,
+            tokenizer_attr: str = "_tokenizer") -> None:
+    """Make ``engine._inject_specprefill_system_end`` use ``boundary``, with the engine's own
+    tokenizer (``engine.<tokenizer_attr>``) unless the boundary was given one."""
+
+    def inject(messages: Sequence[Mapping[str, Any]], prompt: str | Sequence[int],
+               template_tools: Sequence[Mapping[str, Any]] | None,
+               ct_kwargs: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> None:
+        tok = boundary.tokenizer or getattr(engine, tokenizer_attr, None)
+        boundary(messages, prompt, template_tools, ct_kwargs, kwargs, tokenizer=tok)
+
+    engine._inject_specprefill_system_end = inject

@@ -1,0 +1,114 @@
+"""The static-prefix KV store: LRU in bytes, exact-ids keys, namespaces that never share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("mlx.core")
+
+from engine_adapter.mlx_engine.kv_store import StaticKVStore, prefix_key  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Blob:
+    """A stand-in snapshot: the store only needs ``nbytes``."""
+
+    nbytes: int
+    tag: str = ""
+
+
+def tag(store: StaticKVStore, namespace: str, model: str, ids: list[int]) -> str:
+    snap = store.get(namespace, model, ids)
+    assert snap is not None, "expected a hit"
+    return snap.tag
+
+
+def test_get_returns_what_was_put_for_exactly_those_ids():
+    store = StaticKVStore(1000)
+    snap = Blob(10, "a")
+    assert store.put("t1", "target", [1, 2, 3], snap)
+    assert store.get("t1", "target", [1, 2, 3]) is snap
+    assert store.get("t1", "target", [1, 2]) is None
+    assert store.get("t1", "target", [1, 2, 3, 4]) is None
+    assert store.get("t1", "target", [1, 2, 4]) is None
+    assert store.stats.hits == 1 and store.stats.misses == 3
+
+
+def test_namespaces_and_models_never_share_an_entry():
+    store = StaticKVStore(1000)
+    store.put("tenant-a", "target", [5, 6, 7], Blob(10, "a"))
+    assert store.get("tenant-b", "target", [5, 6, 7]) is None
+    assert store.get("tenant-a", "draft", [5, 6, 7]) is None
+    store.put("tenant-b", "target", [5, 6, 7], Blob(10, "b"))
+    assert tag(store, "tenant-a", "target", [5, 6, 7]) == "a"
+    assert tag(store, "tenant-b", "target", [5, 6, 7]) == "b"
+    assert len(store) == 2
+    assert store.stats.by_namespace == {"tenant-a": 1, "tenant-b": 1}
+
+
+def test_keys_differ_by_namespace_in_the_clear():
+    (ns_a, _, digest_a), _ = prefix_key("a", "target", [1, 2])
+    (ns_b, _, digest_b), _ = prefix_key("b", "target", [1, 2])
+    assert (ns_a, ns_b) == ("a", "b") and digest_a == digest_b
+
+
+def test_lru_evicts_least_recently_used_to_stay_within_bytes():
+    store = StaticKVStore(100)
+    store.put("n", "m", [1], Blob(40, "one"))
+    store.put("n", "m", [2], Blob(40, "two"))
+    assert store.get("n", "m", [1]) is not None        # [1] is now the most recently used
+    store.put("n", "m", [3], Blob(40, "three"))        # 120 > 100: evicts [2]
+    assert store.get("n", "m", [2]) is None
+    assert tag(store, "n", "m", [1]) == "one"
+    assert tag(store, "n", "m", [3]) == "three"
+    assert store.nbytes == 80 and store.stats.evictions == 1
+
+
+def test_replacing_an_entry_does_not_count_its_bytes_twice():
+    store = StaticKVStore(100)
+    store.put("n", "m", [1], Blob(60))
+    store.put("n", "m", [1], Blob(70))
+    assert store.nbytes == 70 and len(store) == 1 and store.stats.evictions == 0
+
+
+def test_an_entry_larger_than_the_store_is_rejected_and_evicts_nothing():
+    store = StaticKVStore(100)
+    store.put("n", "m", [1], Blob(50))
+    assert not store.put("n", "m", [2], Blob(101))
+    assert store.get("n", "m", [1]) is not None and store.stats.rejected == 1
+
+
+def test_purge_one_namespace():
+    store = StaticKVStore(1000)
+    store.put("a", "m", [1], Blob(10))
+    store.put("a", "m", [2], Blob(10))
+    store.put("b", "m", [1], Blob(10))
+    assert store.purge("a") == 2
+    assert len(store) == 1 and store.nbytes == 10
+    assert store.stats.by_namespace == {"b": 1}
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, None])
+def test_bad_size_is_refused(bad):
+    with pytest.raises(ValueError, match="max_bytes"):
+        StaticKVStore(bad)
+
+
+def test_restore_is_a_deep_copy_that_writes_never_reach_the_snapshot():
+    import mlx.core as mx
+
+    from engine_adapter.mlx_engine import cache as kv
+
+    c = kv.PositionedKVCache()
+    k = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4)
+    c.update_and_fetch(k, k + 100)
+    snap = kv.snapshot([c], 2)
+    assert snap.n_tokens == 2 and snap.nbytes == 2 * (2 * 2 * 4 * 4)
+    restored = kv.restore(snap)[0]
+    restored.trim(1)                                    # a trim then a write is in place
+    restored.update_and_fetch(mx.full((1, 2, 1, 4), -1.0), mx.full((1, 2, 1, 4), -1.0))
+    assert mx.array_equal(snap.layers[0][0], k[..., :2, :]).item()
+    fresh = kv.restore(snap)[0].keys
+    assert fresh is not None and mx.array_equal(fresh, k[..., :2, :]).item()
