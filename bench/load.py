@@ -24,7 +24,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import httpx
 
@@ -163,8 +162,8 @@ def main() -> int:
 
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(l.split(":", 1)[1].strip() for l in Path("/proc/cpuinfo").read_text().splitlines()
-                   if l.startswith("model name"))
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     lines = [
