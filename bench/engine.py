@@ -59,14 +59,9 @@ def non_embedding_params(shape: dict[str, int]) -> int:
 
 
 def machine() -> str:
-    cpu = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from prefix_cache.benchmark import cpu_name
+
+    cpu = cpu_name()
     import mlx.core as mx
     import mlx_lm
 

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prefix_cache.benchmark import SYSTEM_PROMPT, bench_tools  # noqa: E402
+from prefix_cache.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name  # noqa: E402
 
 UPSTREAM_APP = '''
 import orjson
@@ -160,12 +159,7 @@ def main() -> int:
         for p in procs:
             p.wait(timeout=30)
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     lines = [
         f"Machine: {cpu}, {os.cpu_count()} cores (client, sidecar and upstream share them). "
         f"{args.requests} requests per row; the sidecar renders each prompt (no prompt ids from "

@@ -54,20 +54,24 @@ def bench_tools(n: int) -> list[dict[str, Any]]:
     ]
 
 
-def _machine() -> str:
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> str:
+    """The machine a benchmark ran on, for its results table."""
     import os
 
     import transformers
 
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
+    return (f"{cpu_name()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}, transformers {transformers.__version__}")
 
 
@@ -219,7 +223,7 @@ def run_benchmark(args: argparse.Namespace) -> int:
               f"naive_boundary={row['naive_boundary'][:3]}", flush=True)
     header = (
         f"Tokenizer `{args.tokenizer}` (real, offline), template {template_name}, "
-        f"{args.requests_per_case} requests per row, medians. Machine: {_machine()}.\n"
+        f"{args.requests_per_case} requests per row, medians. Machine: {machine()}.\n"
         f"Command: `prefix-cache bench --tokenizer {args.tokenizer}"
         f"{' --chat-template ' + args.chat_template if args.chat_template else ''}"
         f" --tools {args.tools} --requests-per-case {args.requests_per_case}`"
