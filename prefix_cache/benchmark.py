@@ -1,7 +1,7 @@
 """`prefix-cache bench`: cached hit vs uncached two-probe vs naive subtraction, side by side.
 
 For each tool count, the same requests (a fixed system prompt and tools, a different user turn
-each time, prompt ids given as an engine would) are timed by all three methods in rotating
+each time, prompt ids given as an engine would) are timed by all methods in a shuffled
 order within one loop, so machine noise lands on all of them alike; medians and ratios are
 reported, never absolute thresholds.
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -135,10 +136,13 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int,
     times: dict[str, list[float]] = {name: [] for name in methods}
     answers: dict[str, set[int]] = {name: set() for name in methods}
     order = list(methods)
+    rng = random.Random(n_tools)
     for i, (messages, prompt) in enumerate(requests):
         raw = orjson.dumps({"messages": messages, "tools": tools, "prompt_ids": prompt})
-        k = i % len(order)
-        for name in order[k:] + order[:k]:  # rotate who goes first
+        # A fresh random order per request: each method follows each other one equally often,
+        # so no method always inherits the cache state a particular neighbour leaves behind.
+        rng.shuffle(order)
+        for name in order:
             # Each call gets its own freshly parsed request, as a server would hand it over.
             body = orjson.loads(raw)
             method = methods[name]
