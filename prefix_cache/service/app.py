@@ -24,6 +24,7 @@ from .tenants import KeyRing
 
 # Connections kept to the upstreams: enough for many concurrent streams, bounded all the same.
 MAX_UPSTREAM_CONNECTIONS = 512
+UPSTREAM_KEEPALIVE_EXPIRY_S = 2.0
 
 
 def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
@@ -64,7 +65,10 @@ def create_app(settings: ServiceSettings | None = None, *,
         state.client = httpx.AsyncClient(
             timeout=httpx.Timeout(s.upstream_timeout_s, connect=s.upstream_connect_timeout_s),
             limits=httpx.Limits(max_connections=MAX_UPSTREAM_CONNECTIONS,
-                                max_keepalive_connections=64),
+                                max_keepalive_connections=64,
+                                # Below uvicorn's 5 s keep-alive (and most servers'): reusing a
+                                # connection the upstream is closing at that moment is a 502.
+                                keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY_S),
             trust_env=False,  # upstreams are configured here, never picked from proxy variables
         )
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
