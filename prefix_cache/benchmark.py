@@ -137,7 +137,7 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int,
     answers: dict[str, set[int]] = {name: set() for name in methods}
     order = list(methods)
     rng = random.Random(n_tools)
-    for i, (messages, prompt) in enumerate(requests):
+    for messages, prompt in requests:
         raw = orjson.dumps({"messages": messages, "tools": tools, "prompt_ids": prompt})
         # A fresh random order per request: each method follows each other one equally often,
         # so no method always inherits the cache state a particular neighbour leaves behind.

@@ -1,4 +1,4 @@
-"""The ``prefix-cache`` command line: ``boundary`` (and ``bench``).
+"""The ``prefix-cache`` command line: ``boundary``, ``serve``, ``serve-engine``, ``bench``, ``stats``.
 
 stdout carries only result lines (one JSON object per request, in input order); logs go to stderr.
 """
@@ -131,6 +131,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(flag_overrides(vars(args)))
 
 
+def cmd_serve_engine(args: argparse.Namespace) -> int:
+    from engine_adapter.server import serve_engine  # imports mlx: only for this command
+
+    return serve_engine(args.model, args.draft_model, host=args.host, port=args.port,
+                        trust_namespace=args.trust_namespace, api_key=args.api_key)
+
+
 def cmd_demo_model(args: argparse.Namespace) -> int:
     from .demo import demo_model_dir
 
@@ -183,10 +190,27 @@ def build_parser() -> argparse.ArgumentParser:
                        help="YAML/JSON: name -> {folder, template, upstream, engine, ...}")
     serve.add_argument("--upstream", metavar="URL",
                        help="OpenAI-compatible base URL for models that name no upstream")
-    serve.add_argument("--engine", choices=("mlx",), help="in-process engine (not available yet)")
-    serve.add_argument("--draft-model", metavar="DIR", help="draft model of the engine")
+    serve.add_argument("--engine", choices=("mlx",),
+                       help="run completions in-process on the MLX engine (instead of --upstream)")
+    serve.add_argument("--draft-model", metavar="DIR",
+                       help="SpecPrefill draft model of the engine (needs --engine mlx)")
     serve.add_argument("--redis", metavar="URL", help="shared store (default: in-process memory)")
     serve.set_defaults(func=cmd_serve)
+    se = sub.add_parser("serve-engine", help="run the MLX engine as an OpenAI-compatible server "
+                        "that takes specprefill_system_end and prompt_token_ids")
+    se.add_argument("--model", required=True, metavar="DIR", help="mlx-lm model folder")
+    se.add_argument("--draft-model", metavar="DIR", help="SpecPrefill draft model folder")
+    se.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    se.add_argument("--port", type=int, default=8001, help="TCP port (default 8001)")
+    se.add_argument("--trust-namespace", action="store_true",
+                    help="take the KV namespace from the request's specprefill_namespace (only "
+                         "behind a sidecar that alone can reach this port); default: all "
+                         "requests share namespace 'default'")
+    se.add_argument("--api-key", metavar="KEY",
+                    default=os.environ.get("PREFIX_CACHE_ENGINE_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1 "
+                         "(env PREFIX_CACHE_ENGINE_API_KEY)")
+    se.set_defaults(func=cmd_serve_engine)
     demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
                           "tool-rendering template) and print its path")
     demo.set_defaults(func=cmd_demo_model)

@@ -102,13 +102,12 @@ class Metrics(CacheObserver):
             self.store_errors.labels(op)
         self.verification_failures = Counter(f"{NS}_verification_failures_total",
                                              "Stored entries rejected on read.", registry=reg)
-        gauge_mode = {"multiprocess_mode": "livesum"}
         self.store_entries = Gauge(f"{NS}_store_entries", "Entries in the in-process store.",
-                                   ["store"], registry=reg, **gauge_mode)
+                                   ["store"], registry=reg, multiprocess_mode="livesum")
         self.store_bytes = Gauge(f"{NS}_store_bytes", "Bytes in the in-process store.",
-                                 ["store"], registry=reg, **gauge_mode)
+                                 ["store"], registry=reg, multiprocess_mode="livesum")
         self.store_evictions = Gauge(f"{NS}_store_evictions", "Evictions so far (per process).",
-                                     ["store"], registry=reg, **gauge_mode)
+                                     ["store"], registry=reg, multiprocess_mode="livesum")
         self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
                                   "1 while the shared store's circuit breaker is open.",
                                   registry=reg, multiprocess_mode="max")

@@ -195,8 +195,10 @@ def test_specprefill_kind_attaches_boundary_and_prompt_ids(sdk: Any, http: Any,
     sent_by_client = {"messages": messages, "model": "rec-spec", "temperature": 0.5, "tools": tools}
     assert forwarded == {**sent_by_client,
                          "specprefill_system_end": boundary["specprefill_system_end"],
-                         "prompt_token_ids": boundary["prompt_ids"]}
-    assert list(forwarded)[-2:] == ["specprefill_system_end", "prompt_token_ids"]
+                         "prompt_token_ids": boundary["prompt_ids"],
+                         "specprefill_namespace": "default"}
+    assert list(forwarded)[-3:] == ["specprefill_system_end", "prompt_token_ids",
+                                    "specprefill_namespace"]
     assert raw.headers["x-specprefill-system-end"] == str(boundary["specprefill_system_end"])
 
 

@@ -22,7 +22,7 @@ import pytest
 from prefix_cache import cli
 from prefix_cache.demo import DEMO_TEMPLATE
 from prefix_cache.offline_tokenizers import make_model_dir
-from prefix_cache.service.models import EngineUnavailableError, load_model_specs
+from prefix_cache.service.models import load_model_specs
 from prefix_cache.service.server import flag_overrides, make_settings, startup_warnings
 from prefix_cache.service.settings import ServiceSettings
 from prefix_cache.service.tenants import KeyRing
@@ -147,23 +147,35 @@ def test_bad_models_files_are_refused(tmp_path: Path, text: str, fragment: str) 
         load_model_specs(ServiceSettings(models_file=path))
 
 
-def test_the_mlx_engine_is_refused_until_it_exists(model_dir: Path, tmp_path: Path) -> None:
-    for settings in (ServiceSettings(model_dirs=[model_dir], engine="mlx"),
-                     ServiceSettings(model_dirs=[model_dir], draft_model=model_dir)):
-        with pytest.raises(EngineUnavailableError, match="not available yet"):
-            load_model_specs(settings)
+def test_engine_specs_are_accepted_and_checked(model_dir: Path, tmp_path: Path) -> None:
+    (spec,) = load_model_specs(ServiceSettings(model_dirs=[model_dir], engine="mlx",
+                                               draft_model=model_dir))
+    assert (spec.engine, spec.draft_model, spec.upstream) == ("mlx", model_dir, None)
+    with pytest.raises(ValueError, match="give --engine mlx"):
+        load_model_specs(ServiceSettings(model_dirs=[model_dir], draft_model=model_dir))
+    with pytest.raises(ValueError, match="both an in-process engine and an upstream"):
+        load_model_specs(ServiceSettings(model_dirs=[model_dir], engine="mlx",
+                                         upstream="http://a:1/v1"))
+    with pytest.raises(ValueError, match="needs --workers 1"):
+        load_model_specs(ServiceSettings(model_dirs=[model_dir], engine="mlx", workers=2))
+    # An entry naming an engine takes no default upstream, and one naming an upstream no engine.
     path = tmp_path / "models.yaml"
-    path.write_text(f"m: {{folder: {model_dir}, engine: mlx}}\n")
-    with pytest.raises(EngineUnavailableError):
-        load_model_specs(ServiceSettings(models_file=path))
+    path.write_text(f"e: {{folder: {model_dir}, engine: mlx, draft_model: d}}\n"
+                    f"u: {{folder: {model_dir}, upstream: 'http://b:2'}}\n")
+    e, u = load_model_specs(ServiceSettings(models_file=path, upstream="http://a:1/v1"))
+    assert (e.engine, e.upstream, e.draft_model) == ("mlx", None, tmp_path / "d")
+    assert (u.engine, u.upstream) == (None, "http://b:2")
+    e, u = load_model_specs(ServiceSettings(models_file=path, engine="mlx"))
+    assert (u.engine, u.draft_model) == (None, None)
 
 
 # -- the command ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("argv, fragment", [
-    (["--engine", "mlx"], "MLX engine (--engine mlx, --draft-model) is not available yet"),
-    (["--draft-model", "/some/draft"], "not available yet"),
+    (["--engine", "mlx"], "the MLX engine"),  # the folder has tokenizer files, no weights
+    (["--draft-model", "/some/draft"], "give --engine mlx"),
+    (["--engine", "mlx", "--upstream", "http://a:1"], "both an in-process engine and an upstream"),
     (["--model", "/no/such/folder"], "does not exist"),
     (["--upstream", "localhost:8080"], "must be http"),
     (["--port", "-1"], "port"),

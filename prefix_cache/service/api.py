@@ -64,11 +64,23 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> Re
     raw, body = await read_json_object(request, state.settings.max_body_bytes)
     req = ChatRequest.model_validate(body)
     model = state.models.get(req.model)
+    if model.engine is not None:
+        return await engine_completion(request, state, model, model.engine, body, tenant)
     upstream = model.require_upstream()  # before resolving: a refused request caches nothing
     result = await resolve(state, model, body, tenant)
-    content = upstream.forward_content(raw, body, result)
+    content = upstream.forward_content(raw, body, result, namespace=tenant)
     response, disconnected = await until_disconnect(request.receive,
                                                     upstream.open(state.http, content))
     if disconnected or response is None:
         raise ClientDisconnected("the client disconnected before the upstream answered")
     return RelayResponse(response, cache_headers(result))
+
+
+async def engine_completion(request: Request, state: ServiceState, model: ServedModel,
+                            engine: Any, body: dict[str, Any], tenant: str) -> Response:
+    """A completion on the model's in-process engine: the sidecar's prompt ids and boundary,
+    the tenant as the namespace of the engine's static-prefix KV (invariant 5)."""
+    params = engine.parse(body)  # before resolving: a refused request caches nothing
+    result = await resolve(state, model, body, tenant)
+    generation = engine.request(params, result.prompt_ids, result.specprefill_system_end, tenant)
+    return await engine.respond(request, params, generation, cache_headers(result))

@@ -77,6 +77,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         finally:
             gauges.cancel()
             await state.client.aclose()
+            await asyncio.to_thread(state.models.close)  # in-process engines, if any
             state.cache.close()
             mark_process_dead()
 

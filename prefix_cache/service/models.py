@@ -10,14 +10,23 @@ A model comes from ``--model DIR`` (named after its folder) or from a ``--models
       upstream_model: default_model   # optional: the name the upstream knows it by
       upstream_api_key: ...           # optional: the sidecar's key for that upstream
       upstream_health_path: /health   # optional: what GET /readyz probes
-      engine: mlx                     # in-process engine: not available yet
+      engine: mlx                     # or: completions run in-process on the MLX engine
+      draft_model: /models/Qwen3-0.6B # optional, with engine: the SpecPrefill draft
 
-Fields an entry leaves out fall back to the settings (``--upstream`` and the
-``PREFIX_CACHE_UPSTREAM_*`` variables). With no model at all the demo model folder is served.
+Fields an entry leaves out fall back to the settings (``--upstream``, ``--engine``,
+``--draft-model`` and the ``PREFIX_CACHE_UPSTREAM_*`` variables); an entry that names an
+engine takes no default upstream, and one that names an upstream no default engine. A model
+has an upstream or an engine, not both. With no model at all the demo model folder is served.
+
+The engine (``engine: mlx``) is loaded from the model's folder (mlx-lm weights next to the
+tokenizer files) by ``engine_adapter``, imported only then: a sidecar without engines never
+imports mlx. It is fed the sidecar's own prompt ids and boundary, and the tenant as its KV
+namespace; it runs in the worker process, so it needs ``--workers 1``.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,16 +41,13 @@ from .errors import BadRequest, NotFound
 from .settings import ServiceSettings, UpstreamKind
 from .upstream import DEFAULT_HEALTH_PATH, Upstream, normalize_base_url
 
+log = logging.getLogger("prefix_cache.service")
+
 ENGINES = ("mlx",)
-ENGINE_UNAVAILABLE = (
-    "the in-process MLX engine (--engine mlx, --draft-model) is not available yet: serve the "
-    "model with an OpenAI-compatible server (e.g. `mlx_lm.server --model DIR`) and pass "
-    "--upstream URL"
-)
 
 
 class EngineUnavailableError(ValueError):
-    """A model asks for an in-process engine this build does not have."""
+    """A model's in-process engine cannot be loaded (mlx-lm missing, no weights, ...)."""
 
 
 class ModelSpec(BaseModel):
@@ -84,6 +90,11 @@ def load_model_specs(settings: ServiceSettings,
         folder = (demo_dir or demo_model_dir)()
         specs.append(_spec({**defaults, "name": folder.name, "folder": folder}, "demo model"))
     _check(specs)
+    engines = [s.name for s in specs if s.engine is not None]
+    if engines and settings.workers > 1:
+        raise ValueError(f"model(s) {', '.join(map(repr, engines))} run on the in-process engine, "
+                         f"which needs --workers 1 (got {settings.workers}): the engine batches "
+                         "requests itself, and each worker would load its own copy of the model")
     return specs
 
 
@@ -103,6 +114,10 @@ def _specs_from_file(path: Path, defaults: dict[str, Any]) -> list[ModelSpec]:
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: must be a mapping with at least 'folder'")
         data = {**defaults, **entry, "name": str(name)}
+        if entry.get("engine") is not None and "upstream" not in entry:
+            data["upstream"] = None  # the entry runs in-process: no default upstream
+        if entry.get("upstream") is not None and "engine" not in entry:
+            data["engine"] = data["draft_model"] = None  # forwarded: no default engine
         for field in ("folder", "template", "draft_model"):
             if isinstance(data.get(field), str):
                 data[field] = base / Path(data[field]).expanduser()
@@ -116,8 +131,12 @@ def _check(specs: Sequence[ModelSpec]) -> None:
         if spec.engine is not None and spec.engine not in ENGINES:
             raise ValueError(f"model {spec.name!r}: unknown engine {spec.engine!r}; "
                              f"known: {', '.join(ENGINES)}")
-        if spec.engine is not None or spec.draft_model is not None:
-            raise EngineUnavailableError(f"model {spec.name!r}: {ENGINE_UNAVAILABLE}")
+        if spec.draft_model is not None and spec.engine is None:
+            raise ValueError(f"model {spec.name!r}: a draft model (--draft-model, draft_model) "
+                             "is for the in-process engine: give --engine mlx (engine: mlx) too")
+        if spec.engine is not None and spec.upstream is not None:
+            raise ValueError(f"model {spec.name!r}: has both an in-process engine and an "
+                             "upstream; give one of --engine/engine and --upstream/upstream")
         if spec.upstream is not None:
             try:
                 normalize_base_url(spec.upstream)
@@ -133,12 +152,14 @@ def _check(specs: Sequence[ModelSpec]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """A loaded model: tokenizer, key label, upstream (None: boundaries only)."""
+    """A loaded model: tokenizer, key label, and where completions go: an upstream, or an
+    in-process engine (an ``engine_adapter.openai_engine.ChatEngine``); neither: boundaries only."""
 
     name: str
     label: str
     tokenizer: Any
     upstream: Upstream | None
+    engine: Any | None = None
 
     def require_upstream(self) -> Upstream:
         if self.upstream is None:
@@ -161,7 +182,23 @@ def load_model(spec: ModelSpec, loader: Callable[..., Any] | None = None) -> Ser
     if spec.upstream is not None:
         upstream = Upstream(spec.upstream, spec.upstream_kind, model=spec.upstream_model,
                             api_key=spec.upstream_api_key, health_path=spec.upstream_health_path)
-    return ServedModel(spec.name, model_label(spec.name), tokenizer, upstream)
+    engine = load_engine(spec) if spec.engine is not None else None
+    return ServedModel(spec.name, model_label(spec.name), tokenizer, upstream, engine)
+
+
+def load_engine(spec: ModelSpec) -> Any:
+    """The model's in-process engine; the one place the sidecar imports ``engine_adapter``."""
+    try:
+        from engine_adapter.openai_engine import ChatEngine  # imports mlx
+    except ImportError as exc:
+        raise EngineUnavailableError(
+            f"model {spec.name!r}: the MLX engine needs mlx and mlx-lm installed: {exc}") from exc
+    try:
+        return ChatEngine.load(spec.folder, spec.draft_model, name=spec.name)
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise EngineUnavailableError(
+            f"model {spec.name!r}: cannot load the MLX engine from {str(spec.folder)!r}"
+            f"{f' (draft {str(spec.draft_model)!r})' if spec.draft_model else ''}: {exc}") from exc
 
 
 class ModelRegistry:
@@ -174,7 +211,27 @@ class ModelRegistry:
 
     @classmethod
     def from_specs(cls, specs: Sequence[ModelSpec]) -> ModelRegistry:
-        return cls([load_model(spec) for spec in specs])
+        loaded: list[ServedModel] = []
+        try:
+            for spec in specs:
+                loaded.append(load_model(spec))
+        except BaseException:
+            cls._close_engines(loaded)  # a later model failed: stop the engines already started
+            raise
+        return cls(loaded)
+
+    @staticmethod
+    def _close_engines(models: Sequence[ServedModel]) -> None:
+        for model in models:
+            if model.engine is not None:
+                try:
+                    model.engine.close()
+                except Exception:  # one engine failing to stop must not keep the others going
+                    log.exception("could not close the engine of %s", model.name)
+
+    def close(self) -> None:
+        """Stop the in-process engines (each once)."""
+        self._close_engines(list(self))
 
     def get(self, name: str | None) -> ServedModel:
         """The model a request names (the default when it names none); NotFound otherwise."""

@@ -15,11 +15,12 @@ MODELS_FILE                --models FILE        YAML/JSON: name -> {folder, temp
                                                 upstream_kind, upstream_model, engine, ...}
 UPSTREAM                   --upstream URL       OpenAI base URL for models that name none
 UPSTREAM_KIND                                   openai (body unchanged) | specprefill (adds
-                                                specprefill_system_end, prompt_token_ids)
+                                                specprefill_system_end, prompt_token_ids,
+                                                specprefill_namespace)
 UPSTREAM_MODEL                                  model name sent upstream (default: unchanged)
 UPSTREAM_API_KEY                                bearer key the sidecar sends upstream
-ENGINE                     --engine mlx         in-process engine (not available yet)
-DRAFT_MODEL                --draft-model DIR    draft model of that engine (not available yet)
+ENGINE                     --engine mlx         completions on the in-process MLX engine
+DRAFT_MODEL                --draft-model DIR    SpecPrefill draft model of that engine
 REDIS                      --redis URL          shared store; default: in-process memory
 KEYS_FILE                                       YAML/JSON {tenants: {KEY: tenant}, admin_keys: [..]}
 API_KEYS                                        JSON {KEY: tenant}; none anywhere: open service,

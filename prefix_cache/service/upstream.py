@@ -6,8 +6,10 @@ What is attached to the forwarded body depends on the upstream's kind:
   fields (mlx_lm.server drops them), so the client's bytes go out unchanged -- unless
   ``upstream_model`` renames the model, the one field then rewritten.
 - ``specprefill``: our engines, which take the boundary instead of recomputing it: the body
-  gains ``specprefill_system_end`` and ``prompt_token_ids`` (the ids the boundary was cut
-  against, so the engine prefills exactly the prompt the boundary belongs to).
+  gains ``specprefill_system_end``, ``prompt_token_ids`` (the ids the boundary was cut
+  against, so the engine prefills exactly the prompt the boundary belongs to) and
+  ``specprefill_namespace`` (the tenant, so the engine keeps each tenant's static-prefix KV
+  apart: ``prefix-cache serve-engine --trust-namespace`` reads it).
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ class Upstream:
         parts = urlsplit(self.base_url)
         return urlunsplit((parts.scheme, parts.netloc, self.health_path, "", ""))
 
-    def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PrefixResult) -> bytes:
-        """The bytes to send upstream for a client body (``raw`` parsed is ``body``)."""
+    def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PrefixResult,
+                        namespace: str = "default") -> bytes:
+        """The bytes to send upstream for a client body (``raw`` parsed is ``body``) of a
+        request in tenant ``namespace``."""
         if self.kind == "openai" and self.model is None:
             return raw  # unchanged, byte for byte
         out = dict(body)
@@ -75,6 +79,7 @@ class Upstream:
         if self.kind == "specprefill":
             out["specprefill_system_end"] = result.specprefill_system_end
             out["prompt_token_ids"] = result.prompt_ids
+            out["specprefill_namespace"] = namespace
         return orjson.dumps(out)
 
     def headers(self) -> dict[str, str]:

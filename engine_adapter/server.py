@@ -1,0 +1,201 @@
+"""``prefix-cache serve-engine``: the MLX engine as its own OpenAI-compatible server.
+
+    POST /v1/chat/completions   an OpenAI chat body, streaming or not, plus extension fields:
+        prompt_token_ids        the prompt's token ids, used as given (no render); without
+                                them the chat template is rendered (tools, chat_template_kwargs)
+        specprefill_system_end  the static-prefix boundary in those ids (default 0: no reuse)
+        specprefill_namespace   the namespace of the engine's static-prefix KV; read only with
+                                --trust-namespace (see below)
+        specprefill, specprefill_keep_pct, specprefill_threshold: per-request SpecPrefill knobs
+    GET  /v1/models             the one model served (the ``model`` of a request is not checked)
+    GET  /health                {"status": "ok"} (what the sidecar's /readyz probes)
+
+A sidecar in front (``prefix-cache serve`` with an upstream of kind ``specprefill``) sends the
+ids its cache cut the boundary in, the boundary, and the tenant as ``specprefill_namespace``.
+Errors have OpenAI's shape ``{"error": {"message", "type", "code"}}``; bad input is a 400.
+
+Trust model. The engine keeps the KV of static prefixes per namespace, and a restored prefix
+shows in time to first token, so whoever picks the namespace can probe what else was sent in
+it. By default the server trusts no caller with that: ``specprefill_namespace`` is ignored and
+every request is in namespace "default" -- right for a single-tenant engine, wrong behind a
+multi-tenant sidecar (its tenants would share KV; the server logs a warning the first time the
+field arrives and is ignored). ``--trust-namespace`` reads the field: use it only when the
+callers that can reach the port are trusted to name tenants, i.e. the sidecar alone (bind to
+loopback or a private network, and give ``--api-key`` to both: the sidecar's
+``upstream_api_key`` is sent as ``Authorization: Bearer``). The sidecar derives the namespace
+from its own API keys, never from the client's body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from prefix_cache.keys import validate_label
+from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
+from prefix_cache.render import get_renderer
+from prefix_cache.service.body import read_json_object
+from prefix_cache.service.errors import BadRequest, Unauthorized, install_error_handlers
+
+from .openai_engine import ChatEngine
+
+log = logging.getLogger("engine_adapter.server")
+
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8001
+DEFAULT_NAMESPACE = "default"
+MAX_BODY_BYTES = 32 << 20  # prompt_token_ids of a long prompt are larger than its text
+EXIT_OK, EXIT_CONFIG = 0, 2
+
+
+def prompt_ids_of(body: dict[str, Any], vocab_size: int | None) -> list[int] | None:
+    """``prompt_token_ids`` checked, or None when the body has none."""
+    ids = body.get("prompt_token_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or not ids or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        raise BadRequest("prompt_token_ids must be a non-empty list of non-negative integers",
+                         code="invalid_prompt_token_ids")
+    if vocab_size is not None and max(ids) >= vocab_size:
+        raise BadRequest(f"prompt_token_ids has id {max(ids)}, outside the model's vocabulary "
+                         f"({vocab_size})", code="invalid_prompt_token_ids")
+    return ids
+
+
+def boundary_of(body: dict[str, Any], n_ids: int) -> int:
+    """``specprefill_system_end`` checked against the prompt's length (default 0)."""
+    end = body.get("specprefill_system_end", 0)
+    if end is None:
+        return 0
+    if isinstance(end, bool) or not isinstance(end, int) or not 0 <= end <= n_ids:
+        raise BadRequest(f"specprefill_system_end must be an integer in [0, {n_ids}] (the "
+                         f"prompt's token count), got {end!r}",
+                         code="invalid_specprefill_system_end")
+    return end
+
+
+def render_prompt(tokenizer: Any, body: dict[str, Any]) -> list[int]:
+    """The prompt ids of a chat body, rendered as the sidecar renders them (transformers'
+    convention, with the request's tools and chat_template_kwargs)."""
+    messages = validate_messages(body.get("messages"))
+    tools = validate_tools(body.get("tools"))
+    kwargs = validate_kwargs(body.get("chat_template_kwargs"))
+    return get_renderer(tokenizer, None, tools).render_ids(messages, tools, kwargs)
+
+
+class _Namespaces:
+    """Where a request's KV namespace comes from (see the module docstring)."""
+
+    def __init__(self, trust: bool) -> None:
+        self.trust = trust
+        self._warned = False
+
+    def of(self, body: dict[str, Any]) -> str:
+        value = body.get("specprefill_namespace")
+        if value is None:
+            return DEFAULT_NAMESPACE
+        if not self.trust:
+            if not self._warned:
+                self._warned = True
+                log.warning("a request named specprefill_namespace but this server does not "
+                            "trust it (no --trust-namespace): everything shares namespace "
+                            "'default', so tenants of a sidecar in front share the engine's KV")
+            return DEFAULT_NAMESPACE
+        try:
+            return validate_label(value, "specprefill_namespace")
+        except ValueError as exc:
+            raise BadRequest(str(exc), code="invalid_specprefill_namespace") from None
+
+
+def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
+                      api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                      close_engine: bool = True) -> FastAPI:
+    """The app serving ``chat``; with ``close_engine`` the engine is closed at shutdown."""
+    namespaces = _Namespaces(trust_namespace)
+    started = int(time.time())
+
+    def check_key(request: Request) -> None:
+        if not api_key:
+            return
+        scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
+                                                                 api_key.encode()):
+            raise Unauthorized("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if close_engine:
+                await asyncio.to_thread(chat.close)
+
+    app = FastAPI(title="prefix-cache engine", lifespan=lifespan,
+                  docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.chat_engine = chat
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        check_key(request)
+        return {"object": "list", "data": [{"id": chat.name, "object": "model",
+                                            "created": started, "owned_by": "prefix-cache"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        check_key(request)
+        _, body = await read_json_object(request, max_body_bytes)
+        params = chat.parse(body)
+        namespace = namespaces.of(body)
+        ids = prompt_ids_of(body, chat.vocab_size)
+        if ids is None:  # rendering a long template takes a while: off the event loop
+            ids = await asyncio.to_thread(render_prompt, chat.tokenizer, body)
+        generation = chat.request(params, ids, boundary_of(body, len(ids)), namespace)
+        return await chat.respond(request, params, generation)
+
+    return app
+
+
+def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
+                 host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+                 trust_namespace: bool = False, api_key: str | None = None,
+                 log_level: str = "info") -> int:
+    """Load the model and serve it until stopped; the exit code."""
+    import uvicorn
+
+    from prefix_cache.service.server import log_config
+
+    try:
+        chat = ChatEngine.load(model_dir, draft_dir)
+    except (OSError, ValueError, ImportError) as exc:
+        print(f"prefix-cache serve-engine: cannot load the model: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    app = create_engine_app(chat, trust_namespace=trust_namespace, api_key=api_key)
+    config = log_config(log_level)
+    config["loggers"]["engine_adapter"] = {"handlers": ["default"], "level": log_level.upper(),
+                                           "propagate": False}
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                           log_config=config, server_header=False,
+                                           timeout_graceful_shutdown=10))  # sets up logging
+    log.info("serving %s%s; namespaces %s", chat.name,
+             f" with draft {Path(draft_dir).name}" if draft_dir else "",
+             "trusted from specprefill_namespace" if trust_namespace else "all 'default'")
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    return EXIT_OK if server.started else EXIT_CONFIG

@@ -1,0 +1,380 @@
+"""Serving the MLX engine: OpenAI chat completions over it, in-process behind the sidecar
+(``serve --engine mlx``), as its own server (``serve-engine``), and a sidecar in front of that.
+
+The client is the real OpenAI SDK against real uvicorn on loopback; the model is the tiny
+random-weights one (float32), so what is checked is plumbing, counts and KV reuse, never text.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
+
+from engine_adapter.mlx_engine import TokenEvent  # noqa: E402
+from engine_adapter.openai_engine import ChatEngine, IncrementalDecoder  # noqa: E402
+from engine_adapter.server import _Namespaces, create_engine_app  # noqa: E402
+from prefix_cache.model_dir import load_tokenizer  # noqa: E402
+from prefix_cache.render import get_renderer  # noqa: E402
+from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
+from prefix_cache.service.errors import BadRequest  # noqa: E402
+from prefix_cache.service.models import ModelRegistry  # noqa: E402
+from prefix_cache.service.upstream import Upstream  # noqa: E402
+
+from .conftest import make_tools  # noqa: E402
+from .service_helpers import (  # noqa: E402
+    EVENT_TIMEOUT_S,
+    ServerThread,
+    local_client,
+    openai_client,
+    served,
+    unique_system,
+)
+
+pytest_plugins = ["tests.service_fixtures"]
+
+REPO = Path(__file__).resolve().parents[1]
+KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
+MODEL = "tiny-qwen3"  # the session tiny model's folder name: the sidecar's model name
+
+
+def chat(system: dict[str, str], user: str) -> list[dict[str, str]]:
+    return [system, {"role": "user", "content": user}]
+
+
+def wait_until(condition: Any, timeout: float = EVENT_TIMEOUT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():  # bounded poll of the engine's counters
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# -- the OpenAI layer on a scripted engine ----------------------------------------------------
+
+
+class ScriptedEngine:
+    """Plays back a fixed token list, as MLXEngine.agenerate would, and records closing."""
+
+    vocab_size = None
+
+    def __init__(self, tokens: list[int], stop_token_ids: tuple[int, ...],
+                 finish: str = "length") -> None:
+        self.tokens, self.stop_token_ids, self.finish = tokens, stop_token_ids, finish
+        self.closed_early = False
+        self.tokenizer = None
+
+    async def agenerate(self, request: Any) -> AsyncIterator[TokenEvent]:
+        done = False
+        try:
+            for i, token in enumerate(self.tokens):
+                last = i == len(self.tokens) - 1
+                done = last
+                yield TokenEvent(request.request_id, token, i, self.finish if last else None)
+        finally:
+            self.closed_early = not done
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Any:
+    return load_tokenizer(tiny_model_dir)
+
+
+async def run(engine: ChatEngine, body: dict[str, Any]) -> dict[str, Any]:
+    params = engine.parse(body)
+    return await engine.complete(params, engine.request(params, [1, 2, 3], 2, "default"))
+
+
+def test_incremental_decoder_never_splits_a_character(tokenizer: Any) -> None:
+    text = "naïve café: 世界 🎉🎉 ok — done"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    decoder = IncrementalDecoder(tokenizer)
+    deltas = [decoder.add(t) for t in ids] + [decoder.flush()]
+    assert "".join(deltas) == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert sum(1 for d in deltas if d) > 5  # incremental, not all at the end
+
+
+async def test_stop_strings_end_the_completion_and_cancel(tokenizer: Any) -> None:
+    ids = tokenizer.encode("Hello world. The END is near, friend.", add_special_tokens=False)
+    engine = ScriptedEngine(ids, stop_token_ids=(tokenizer.eos_token_id,))
+    chat_engine = ChatEngine(engine, tokenizer)
+    out = await run(chat_engine, {"stop": ["END", "never"], "max_tokens": 50})
+    assert out["choices"][0]["message"]["content"] == "Hello world. The "
+    assert out["choices"][0]["finish_reason"] == "stop"
+    assert engine.closed_early  # the engine's iterator was closed: MLXEngine cancels there
+    # Text that only starts like a stop string is held back, then released.
+    engine = ScriptedEngine(ids, stop_token_ids=())
+    out = await run(ChatEngine(engine, tokenizer), {"stop": "ENDING"})
+    assert out["choices"][0]["message"]["content"] == tokenizer.decode(ids)
+    assert out["choices"][0]["finish_reason"] == "length" and not engine.closed_early
+
+
+async def test_end_of_turn_token_is_a_stop_and_not_text(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    chat_engine = ChatEngine(ScriptedEngine([*ids, eos], (eos,), finish="stop"), tokenizer)
+    out = await run(chat_engine, {"max_completion_tokens": 9})
+    assert out["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
+                                 "message": {"role": "assistant", "content": "Hi there"}}
+    assert out["usage"]["completion_tokens"] == len(ids) + 1
+    assert out["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"n": 2}, "n > 1"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+    ({"top_p": 0}, "top_p"), ({"stop": [1]}, "stop"), ({"logprobs": True}, "logprobs"),
+    ({"stream": "yes"}, "stream"), ({"seed": 1.5}, "seed"),
+])
+def test_bad_parameters_are_400s(tokenizer: Any, body: dict[str, Any], fragment: str) -> None:
+    with pytest.raises(BadRequest, match=fragment):
+        ChatEngine(ScriptedEngine([], ()), tokenizer).parse(body)
+
+
+def test_namespace_is_read_only_when_trusted() -> None:
+    body = {"specprefill_namespace": "acme"}
+    assert _Namespaces(trust=False).of(body) == "default"
+    assert _Namespaces(trust=True).of(body) == "acme"
+    assert _Namespaces(trust=True).of({}) == "default"
+    with pytest.raises(BadRequest, match="specprefill_namespace"):
+        _Namespaces(trust=True).of({"specprefill_namespace": "a:b"})
+
+
+def test_prefix_cache_imports_no_mlx_until_an_engine_is_asked_for() -> None:
+    code = ("import sys, prefix_cache.cli, prefix_cache.service.app, prefix_cache.service.server;"
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'mlx' or m.startswith("
+            "'engine_adapter.')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+
+
+# -- (a) in-process behind the sidecar: serve --engine mlx ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sidecar(tiny_model_dir: Path) -> Iterator[tuple[str, ChatEngine]]:
+    settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", api_keys=KEYS,
+                               keys_file=None, models_file=None, upstream=None)
+    app = create_app(settings)
+    engine = app.state.service.models.get(MODEL).engine
+    assert isinstance(engine, ChatEngine)
+    with ServerThread(app) as url:
+        yield url, engine
+    assert engine._closed  # the app's shutdown closed the engine
+
+
+def test_sidecar_streams_from_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -> None:
+    url, _ = sidecar
+    sdk = openai_client(url, "sk-acme")
+    with sdk.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=chat(unique_system(), "Stream."), tools=make_tools(2),
+        max_tokens=6, temperature=0.0, stream=True,
+    ) as response:
+        assert response.headers["x-prefix-cache"] == "miss"
+        assert int(response.headers["x-specprefill-system-end"]) > 0
+        chunks = list(response.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) >= 3 and text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, ChatEngine]) -> None:
+    url, engine = sidecar
+    system, tools = unique_system(), make_tools(3)
+    acme, globex = openai_client(url, "sk-acme"), openai_client(url, "sk-globex")
+
+    def complete(sdk: Any, user: str) -> tuple[Any, Any]:
+        raw = sdk.chat.completions.with_raw_response.create(
+            model=MODEL, messages=chat(system, user), tools=tools, max_tokens=3,
+            temperature=0.7, top_p=0.9, seed=3)
+        return raw, raw.parse()
+
+    complete(acme, "First turn.")
+    before = engine.snapshot_stats()["reused_tokens"]
+    raw, completion = complete(acme, "Second turn, other words.")
+    assert raw.headers["x-prefix-cache"] == "hit"
+    with local_client(base_url=url, headers={"authorization": "Bearer sk-acme"}) as http:
+        boundary = http.post("/v1/prefix/boundary", json={
+            "model": MODEL, "messages": chat(system, "Second turn, other words."),
+            "tools": tools}).json()
+    assert completion.usage.prompt_tokens == boundary["prompt_tokens"]
+    end = boundary["specprefill_system_end"]
+    assert raw.headers["x-specprefill-system-end"] == str(end) and end > 0
+    assert completion.usage.prompt_tokens_details.cached_tokens == end
+    assert completion.usage.completion_tokens <= 3
+    stats = engine.snapshot_stats()
+    assert stats["reused_tokens"] - before == end > 0
+    # Another tenant, the very same system prompt and tools: no entry of acme's is used.
+    raw, completion = complete(globex, "Second turn, other words.")
+    assert raw.headers["x-prefix-cache"] == "miss"
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0
+    after = engine.snapshot_stats()
+    assert after["reused_tokens"] == stats["reused_tokens"]
+    assert {"acme", "globex"} <= set(after["kv_store"]["by_namespace"])
+
+
+def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, ChatEngine]) -> None:
+    url, engine = sidecar
+    cancelled = engine.snapshot_stats()["cancelled"]
+    sdk = openai_client(url, "sk-acme")
+    with sdk.chat.completions.with_streaming_response.create(
+        model=MODEL, messages=chat(unique_system(), "Go on forever."), max_tokens=100_000,
+        temperature=0.0, stream=True,
+    ) as response:
+        stream = response.parse()
+        next(iter(stream))
+        next(iter(stream))
+    # Leaving the block closed the connection: the sidecar cancels the engine request.
+    assert wait_until(lambda: engine.snapshot_stats()["cancelled"] > cancelled)
+    assert wait_until(lambda: engine.snapshot_stats()["active"] == 0)
+
+
+def test_sidecar_refuses_bad_parameters_before_resolving(sidecar: tuple[str, ChatEngine]) -> None:
+    url, _ = sidecar
+    with pytest.raises(openai.BadRequestError, match="n > 1") as info:
+        openai_client(url, "sk-acme").chat.completions.create(
+            model=MODEL, messages=chat(unique_system(), "x"), n=2)
+    assert info.value.body["code"] == "unsupported_parameter"
+
+
+# -- (b) serve-engine: its own OpenAI-compatible server --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine_server(tiny_model_dir: Path) -> Iterator[tuple[str, ChatEngine]]:
+    chat_engine = ChatEngine.load(tiny_model_dir, name="tiny-engine")
+    with ServerThread(create_engine_app(chat_engine, trust_namespace=True)) as url:
+        yield url, chat_engine
+    assert chat_engine._closed
+
+
+def rendered(tokenizer: Any, messages: list[dict[str, Any]],
+             tools: list[dict[str, Any]] | None = None) -> list[int]:
+    return get_renderer(tokenizer, None, tools).render_ids(messages, tools, {})
+
+
+def test_serve_engine_streams_given_ids_and_boundary(engine_server: tuple[str, ChatEngine],
+                                                     tokenizer: Any) -> None:
+    url, chat_engine = engine_server
+    system = unique_system()
+    ids = rendered(tokenizer, chat(system, "Hello."))
+    n_static = len(rendered(tokenizer, [system])) // 2  # any boundary inside the prompt
+    sdk = openai_client(url)
+    usages = []
+    for _ in range(2):
+        stream = sdk.chat.completions.create(
+            model="anything", messages=chat(system, "Hello."), max_tokens=4, temperature=0.0,
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"specprefill_system_end": n_static, "prompt_token_ids": ids,
+                        "specprefill_namespace": "t1"})
+        chunks = list(stream)
+        assert chunks[-1].usage is not None and not chunks[-1].choices
+        assert chunks[-2].choices[0].finish_reason in ("length", "stop")
+        usages.append(chunks[-1].usage)
+    assert [u.prompt_tokens for u in usages] == [len(ids)] * 2
+    assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, n_static]
+    assert "t1" in chat_engine.snapshot_stats()["kv_store"]["by_namespace"]
+
+
+def test_serve_engine_renders_without_ids(engine_server: tuple[str, ChatEngine],
+                                          tokenizer: Any) -> None:
+    url, _ = engine_server
+    messages, tools = chat(unique_system(), "Use a tool."), make_tools(2)
+    completion = openai_client(url).chat.completions.create(
+        model="tiny-engine", messages=messages, tools=tools, max_tokens=2, temperature=0.0)
+    # The sidecar's render (the transformers convention) of the same body: the same prompt.
+    assert completion.usage.prompt_tokens == len(rendered(tokenizer, messages, tools))
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0  # boundary 0
+    assert completion.object == "chat.completion" and completion.model == "tiny-engine"
+
+
+@pytest.mark.parametrize("extra, code", [
+    ({"prompt_token_ids": [1, 2, 3], "specprefill_system_end": 4}, "invalid_specprefill_system_end"),
+    ({"prompt_token_ids": [1, 2, 3], "specprefill_system_end": -1},
+     "invalid_specprefill_system_end"),
+    ({"specprefill_system_end": 10_000}, "invalid_specprefill_system_end"),
+    ({"prompt_token_ids": [1, -2]}, "invalid_prompt_token_ids"),
+    ({"prompt_token_ids": [10**9]}, "invalid_prompt_token_ids"),
+    ({"prompt_token_ids": "1 2 3"}, "invalid_prompt_token_ids"),
+    ({"specprefill_namespace": "no:colons"}, "invalid_specprefill_namespace"),
+])
+def test_serve_engine_bad_input_is_an_openai_400(engine_server: tuple[str, ChatEngine],
+                                                 extra: dict[str, Any], code: str) -> None:
+    url, _ = engine_server
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client(url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=2,
+            extra_body=extra)
+    assert info.value.status_code == 400
+    assert info.value.body["code"] == code and info.value.body["type"] == "invalid_request_error"
+    assert info.value.body["message"]
+
+
+def test_serve_engine_models_and_health(engine_server: tuple[str, ChatEngine]) -> None:
+    url, _ = engine_server
+    with local_client(base_url=url) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        models = http.get("/v1/models").json()
+        bad = http.post("/v1/chat/completions", content=b"[1]")
+    assert [m["id"] for m in models["data"]] == ["tiny-engine"]
+    assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "code"}
+
+
+def test_serve_engine_api_key(engine_server: tuple[str, ChatEngine]) -> None:
+    _, chat_engine = engine_server
+    app = create_engine_app(chat_engine, api_key="sk-engine", close_engine=False)
+    with ServerThread(app) as url:
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(url, "sk-wrong").models.list()
+        assert [m.id for m in openai_client(url, "sk-engine").models.list()] == ["tiny-engine"]
+        with local_client(base_url=url) as http:
+            assert http.get("/health").status_code == 200  # the probe needs no key
+    assert not chat_engine._closed
+
+
+def test_serve_engine_command_exits_2_on_a_missing_folder(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from prefix_cache import cli
+
+    assert cli.main(["serve-engine", "--model", "/no/such/folder"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# -- (c) a sidecar in front of serve-engine (upstream kind specprefill) ------------------------
+
+
+def test_sidecar_passes_the_boundary_to_serve_engine(engine_server: tuple[str, ChatEngine],
+                                                     tokenizer: Any) -> None:
+    engine_url, chat_engine = engine_server
+    models = ModelRegistry([served("tiny", tokenizer, Upstream(engine_url, "specprefill"))])
+    system, tools = unique_system(), make_tools(2)
+    with ServerThread(create_app(ServiceSettings(api_keys=KEYS), models=models)) as url:
+        def stream(key: str, user: str) -> tuple[dict[str, str], list[Any]]:
+            with openai_client(url, key).chat.completions.with_streaming_response.create(
+                model="tiny", messages=chat(system, user), tools=tools, max_tokens=3,
+                temperature=0.0, stream=True, stream_options={"include_usage": True},
+            ) as response:
+                return dict(response.headers), list(response.parse())
+
+        headers, chunks = stream("sk-acme", "One.")
+        assert headers["x-prefix-cache"] == "miss" and chunks[-1].usage is not None
+        before = chat_engine.snapshot_stats()["reused_tokens"]
+        headers, chunks = stream("sk-acme", "Two, longer.")
+        end = int(headers["x-specprefill-system-end"])
+        assert headers["x-prefix-cache"] == "hit" and end > 0
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == end
+        assert chat_engine.snapshot_stats()["reused_tokens"] - before == end
+        assert any(c.choices and c.choices[0].delta.content for c in chunks)
+        # The tenant travelled as specprefill_namespace: globex restores nothing of acme's.
+        headers, chunks = stream("sk-globex", "Two, longer.")
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+        assert {"acme", "globex"} <= set(chat_engine.snapshot_stats()["kv_store"]["by_namespace"])
