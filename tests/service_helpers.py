@@ -196,8 +196,10 @@ async def _stream(rec: Recorder, model: str, mode: str, chunks: int) -> AsyncIte
             if mode == "lockstep" and i < chunks - 1:
                 acked = await asyncio.to_thread(rec.events[f"ack-{i}"].wait, EVENT_TIMEOUT_S)
                 rec.ack_timeouts += not acked
-        yield b"data: [DONE]\n\n"
+        # Recorded before the last yield: after it the generator may never be resumed (the
+        # client can be gone already), so a timestamp taken there would race the test.
         rec.finished_at = time.monotonic()
+        yield b"data: [DONE]\n\n"
     except asyncio.CancelledError:
         rec.events["cancelled"].set()
         raise
