@@ -10,7 +10,8 @@ about 1/20 of its size (same Qwen3 vocabulary):
   (b) SpecPrefill over the whole prompt (no boundary, so nothing to reuse)
   (c) SpecPrefill with the naive boundary (full prompt minus a render without system messages)
   (d) our cached boundary: static prefix dense and reused from the KV store, SpecPrefill on the
-      rest (dense when the rest is under the threshold)
+      rest (dense when the rest is under the threshold; a dense turn then restores the previous
+      turn's prompt from the engine's conversation store when it extends it)
   (e) in-process dense prefill without any reuse: the reference distribution for the KL column
 
 (b)-(e) run in this process on ``MLXEngine`` with prompt ids given; their TTFT includes what the
@@ -204,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cache = StaticPrefixCache()
 
     engine = MLXEngine(target, draft_model=draft)                    # (b), (c), (d): namespaced
-    dense = MLXEngine(target, reuse_static_kv=False)                 # (e)
+    dense = MLXEngine(target, reuse_static_kv=False, reuse_conversation_kv=False)  # (e)
     server, url = start_server(target_dir)
     log = print if args.verbose else (lambda *a, **k: None)
     try:
@@ -216,6 +217,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm = cache.resolve(tok, first, tools, prompt_ids=first_ids, namespace="d")
         server_ttft(url, first, tools)
         engine_first(engine, first_ids, warm.specprefill_system_end, "d", specprefill_threshold=0)
+        # Turn 1 as it would really run (dense: its rest is under the threshold), which puts its
+        # prompt into the engine's conversation store, as (a)'s server has it in its prompt cache.
+        engine_first(engine, first_ids, warm.specprefill_system_end, "d", specprefill=False)
         naive = naive_boundary(renderer, first, tools, len(first_ids))
         engine_first(engine, first_ids[:naive + 1], naive, "c")     # stores the naive prefix KV
         log(f"turn 1: {len(first_ids)} tokens, boundary {warm.specprefill_system_end}, "
@@ -285,7 +289,7 @@ LABELS = {
     "a": "(a) mlx_lm.server, dense + its prompt cache",
     "b": "(b) SpecPrefill, whole prompt (no boundary)",
     "c": "(c) SpecPrefill, naive boundary",
-    "d": "(d) cached boundary: static reused, SpecPrefill on the rest",
+    "d": "(d) cached boundary: static (or turn 1) reused, SpecPrefill on the rest",
     "e": "(e) in-process dense, no reuse (KL reference)",
 }
 

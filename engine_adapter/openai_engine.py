@@ -11,8 +11,9 @@ The prompt ids come from the caller: the sidecar passes the ids its cache cut th
 generated ids (``IncrementalDecoder``): a multi-byte character split across tokens is held back
 until it is whole. ``stop`` strings end the completion where they first appear (the stop text is
 not returned); the model's end-of-turn tokens end it with ``finish_reason: "stop"`` and are not
-returned either. ``usage.prompt_tokens_details.cached_tokens`` reports the static-prefix tokens
-whose KV was restored, in the request's own namespace only. A client that goes away cancels the
+returned either. ``usage.prompt_tokens_details.cached_tokens`` reports the prompt tokens
+whose KV was restored (static prefix or an earlier prompt of the conversation), in the
+request's own namespace only. A client that goes away cancels the
 engine request (closing the engine's async iterator does that).
 
 Not supported: ``n`` > 1 and ``logprobs`` (refused with a 400); tool calls come back as text.

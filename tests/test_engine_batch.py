@@ -46,6 +46,9 @@ def make_engine(target):
     engines: list[MLXEngine] = []
 
     def make(**options: Any) -> MLXEngine:
+        # These tests pin the static-prefix path; tests/test_engine_conversation.py covers the
+        # conversation store (on by default), which would restore repeated prompts whole.
+        options.setdefault("reuse_conversation_kv", False)
         engine = MLXEngine(target[0], **options)
         engines.append(engine)
         return engine

@@ -203,6 +203,7 @@ def make_engine(target, draft):
 
     def make(model: Any = None, draft_model: Any = draft, **options: Any) -> MLXEngine:
         options.setdefault("specprefill", SMALL)
+        options.setdefault("reuse_conversation_kv", False)  # the static path, as in test_engine_batch
         engine = MLXEngine(model if model is not None else target[0],
                            draft_model=draft_model, **options)
         engines.append(engine)

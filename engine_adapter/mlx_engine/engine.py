@@ -5,6 +5,9 @@ KV reused across requests and SpecPrefill on the rest of long prompts.
     admit, dense:       KV of [0, boundary) in the store?  hit:  insert(rest, caches=[restored])
                                                             miss: insert_segments([static, rest]),
                                                                   snapshot at the segment's end
+    admit, dense, with a conversation prefix: the longest stored prompt of this namespace
+                        that the new prompt extends (a previous turn) is restored instead;
+                        every dense request stores its own prompt minus the last token
     admit, SpecPrefill: static part restored or dense (and stored), draft scores the rest, the
                         target prefills the kept tokens at their positions, insert([last token])
 
@@ -58,6 +61,8 @@ class _Sequence:
     emitted: int = 0
     info: PrefillInfo | None = None
     snapshot_at: int = 0       # >0: store the KV of [0, snapshot_at) when that segment is done
+    conversation_at: int = 0   # >0: store [0, conversation_at) (prompt - 1) in the conversation store
+    base: int = 0              # tokens restored before insertion (BatchGenerator's progress is after them)
     leads: Key | None = None   # the static prefix this request computes for parked followers
     parked_on: Key | None = None
     may_park: bool = True
@@ -77,6 +82,7 @@ class EngineStats:
     prefilled_tokens: int = 0
     generated_tokens: int = 0
     parked: int = 0            # waited for a request computing the same static prefix
+    conversation_hits: int = 0  # restored a stored earlier prompt longer than the static prefix
     last_fallback: str | None = None
 
 
@@ -97,6 +103,8 @@ class MLXEngine:
         draft_model: Any | None = None,
         kv_store: StaticKVStore | None = None,
         reuse_static_kv: bool = True,
+        conversation_store: StaticKVStore | None = None,
+        reuse_conversation_kv: bool = True,
         specprefill: SpecPrefillConfig | None = None,
         stop_token_ids: Sequence[int] = (),
         max_batch_size: int = 16,
@@ -113,6 +121,13 @@ class MLXEngine:
         self.kv_store: StaticKVStore | None = None
         if reuse_static_kv:
             self.kv_store = kv_store if kv_store is not None else StaticKVStore()
+        # Conversation prefixes: each dense request's prompt (minus its last token) per
+        # namespace; a later prompt that extends one restores it (mlx_lm.server's prompt cache,
+        # but namespaced and bounded in bytes like the static store).
+        self.conversation_store: StaticKVStore | None = None
+        if reuse_conversation_kv:
+            self.conversation_store = (conversation_store if conversation_store is not None
+                                       else StaticKVStore())
         self.specprefill = specprefill or SpecPrefillConfig()
         self.stop_token_ids = tuple(stop_token_ids)
         self.vocab_size = vocab_size(model)
@@ -208,11 +223,15 @@ class MLXEngine:
         out = {k: getattr(s, k) for k in ("requests", "completed", "cancelled", "failed",
                                           "specprefill", "fallbacks", "reused_tokens",
                                           "prefilled_tokens", "generated_tokens",
-                                          "parked", "last_fallback")}
+                                          "parked", "conversation_hits", "last_fallback")}
         out["active"] = len(self._by_id)
         if self.kv_store is not None:
             out["kv_store"] = {**self.kv_store.stats.as_dict(), "entries": len(self.kv_store),
                                "bytes": self.kv_store.nbytes, "max_bytes": self.kv_store.max_bytes}
+        conv = self.conversation_store
+        if conv is not None:
+            out["conversation_store"] = {**conv.stats.as_dict(), "entries": len(conv),
+                                         "bytes": conv.nbytes, "max_bytes": conv.max_bytes}
         return out
 
     def close(self) -> None:
@@ -281,9 +300,11 @@ class MLXEngine:
         prompt_responses, responses = self._generator.next()
         for r in prompt_responses:
             seq = self._by_uid.get(r.uid)
-            if seq is not None and seq.snapshot_at and r.end_of_segment \
-                    and r.progress[0] == seq.snapshot_at:
-                self._store_segment(seq)
+            if seq is None or not r.end_of_segment:
+                continue
+            done = seq.base + r.progress[0]
+            if done in (seq.snapshot_at, seq.conversation_at) and done > 0:
+                self._store_segment(seq, done)
         for r in responses:
             seq = self._by_uid.get(r.uid)
             if seq is not None:
@@ -365,7 +386,10 @@ class MLXEngine:
         ids = list(req.prompt_ids)
         # The last prompt token is the one generation starts from: it is never part of a snapshot.
         static = min(req.specprefill_system_end, len(ids) - 1)
-        if static and self.kv_store is not None and self._positioned and seq.may_park:
+        sparse = self._wants_specprefill(req, len(ids) - static)
+        conv = None if sparse else self._conversation_hit(req, ids, static)
+        if static and self.kv_store is not None and self._positioned and seq.may_park \
+                and conv is None:
             key = prefix_key(req.namespace, TARGET_ID, ids[:static])[0]
             if key in self._computing:
                 self._computing[key].append(seq)
@@ -375,7 +399,7 @@ class MLXEngine:
         try:
             with mx.stream(self._generator.stream):
                 fallback = None
-                if self._wants_specprefill(req, len(ids) - static):
+                if sparse:
                     try:
                         self._admit_sparse(seq, ids, static)
                         return
@@ -384,9 +408,10 @@ class MLXEngine:
                         log.warning("SpecPrefill failed, dense prefill instead: %s", fallback)
                         self.stats.fallbacks += 1
                         self.stats.last_fallback = fallback
+                        conv = self._conversation_hit(req, ids, static)
                 elif req.specprefill and self.draft_model is None:
                     fallback = "no draft model"
-                self._admit_dense(seq, ids, static, fallback)
+                self._admit_dense(seq, ids, static, fallback, conv)
         except Exception as exc:
             log.exception("could not admit request %s", req.request_id)
             self._forget(seq)
@@ -398,6 +423,15 @@ class MLXEngine:
             return False
         threshold = req.specprefill_threshold
         return rest > (self.specprefill.threshold if threshold is None else threshold)
+
+    def _conversation_hit(self, req: GenerationRequest, ids: list[int],
+                          static: int) -> tuple[int, Any] | None:
+        """(length, snapshot) of the longest stored prompt of this namespace that ``ids``
+        extends, when it is longer than the static prefix; else None (the static path)."""
+        if self.conversation_store is None or not self._positioned:
+            return None
+        return self.conversation_store.longest_prefix(req.namespace, TARGET_ID, ids,
+                                                      len(ids) - 1, min_tokens=static)
 
     def _insert(self, seq: _Sequence, segments: list[list[int]], cache: list[Any]) -> None:
         req = seq.request
@@ -411,39 +445,55 @@ class MLXEngine:
         self._by_uid[seq.uid] = seq
 
     def _admit_dense(self, seq: _Sequence, ids: list[int], static: int,
-                     fallback: str | None) -> None:
+                     fallback: str | None, conv: tuple[int, Any] | None = None) -> None:
         req = seq.request
-        reused = 0
-        if self.kv_store is not None and self._positioned and static > 0:
+        reused = conversation = 0
+        # The prompt minus its last token goes to the conversation store once it is prefilled.
+        last = len(ids) - 1 if self.conversation_store is not None and self._positioned else 0
+        if conv is not None:
+            reused = conversation = seq.base = conv[0]
+            seq.conversation_at = last if last > reused else 0
+            self._insert(seq, [ids[reused:]], kv.restore(conv[1]))
+            self.stats.conversation_hits += 1
+        elif self.kv_store is not None and self._positioned and static > 0:
             snap = self.kv_store.get(req.namespace, TARGET_ID, ids[:static])
             if snap is not None:
-                reused = static
+                reused = seq.base = static
+                seq.conversation_at = last if last > static else 0
                 self._insert(seq, [ids[static:]], kv.restore(snap))
             else:
                 seq.snapshot_at = static
+                seq.conversation_at = last
                 self._insert(seq, [ids[:static], ids[static:]], kv.make_cache(self.model))
                 seq.leads = prefix_key(req.namespace, TARGET_ID, ids[:static])[0]
                 self._computing.setdefault(seq.leads, [])
         else:
+            seq.conversation_at = last
             self._insert(seq, [ids], kv.make_cache(self.model))
         seq.info = PrefillInfo(len(ids), static, reused, len(ids) - reused, DENSE,
-                               fallback=fallback)
+                               fallback=fallback, conversation_tokens=conversation)
         self.stats.reused_tokens += reused
         self.stats.prefilled_tokens += len(ids) - reused
 
-    def _store_segment(self, seq: _Sequence) -> None:
-        n = seq.snapshot_at
-        seq.snapshot_at = 0
+    def _store_segment(self, seq: _Sequence, n: int) -> None:
+        static, conversation = n == seq.snapshot_at, n == seq.conversation_at
+        if static:
+            seq.snapshot_at = 0
+        if conversation:
+            seq.conversation_at = 0
         extracted = self._generator.extract_cache([seq.uid]).get(seq.uid)
         stored = False
+        ids = seq.request.prompt_ids
         if extracted is None or kv.cache_size(extracted[0]) != n:
-            log.warning("static segment of %s not where expected; not stored",
-                        seq.request.request_id)
-        elif self.kv_store is not None:
-            ids = seq.request.prompt_ids
-            stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n],
-                                       kv.snapshot(extracted[0], n))
-        if seq.leads is not None:
+            log.warning("segment of %s not where expected; not stored", seq.request.request_id)
+        else:
+            snap = kv.snapshot(extracted[0], n)
+            if static and self.kv_store is not None:
+                stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
+            if conversation and self.conversation_store is not None:
+                # Its own snapshot object is fine to share: restore() always copies.
+                self.conversation_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
+        if static and seq.leads is not None:
             self._release(seq, stored)
 
     def _static_cache(self, model: Any, model_id: str, namespace: str, ids: list[int],

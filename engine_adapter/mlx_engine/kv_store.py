@@ -95,6 +95,32 @@ class StaticKVStore:
             self.stats.hits += 1
             return entry.snapshot
 
+    def longest_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
+                       max_tokens: int, min_tokens: int = 0) -> tuple[int, Any] | None:
+        """(length, snapshot) of the longest entry of this namespace and model whose ids are a
+        prefix of ``ids`` (exact comparison), longer than ``min_tokens`` and at most
+        ``max_tokens`` long, or None. Used by
+        the conversation store: a linear scan of the namespace's entries, each a bytes prefix
+        test on the packed ids (4 bytes per id, so a byte prefix is a token prefix)."""
+        if max_tokens <= min_tokens:
+            return None
+        packed = pack_ids(ids[:max_tokens])
+        with self._lock:
+            best: tuple[Key, _Entry] | None = None
+            for key, entry in self._entries.items():
+                if key[0] != namespace or key[1] != model_id:
+                    continue
+                if best is not None and len(entry.packed_ids) <= len(best[1].packed_ids):
+                    continue
+                if len(entry.packed_ids) > 4 * min_tokens and packed.startswith(entry.packed_ids):
+                    best = (key, entry)
+            if best is None:
+                self.stats.misses += 1
+                return None
+            self._entries.move_to_end(best[0])
+            self.stats.hits += 1
+            return len(best[1].packed_ids) // 4, best[1].snapshot
+
     def put(self, namespace: str, model_id: str, prefix_ids: Sequence[int],
             snapshot: Snapshot) -> bool:
         """Store a snapshot, evicting least recently used entries; False if it cannot fit."""

@@ -71,11 +71,12 @@ class PrefillInfo:
 
     prompt_tokens: int
     static_tokens: int         # the boundary used: min(specprefill_system_end, prompt_tokens - 1)
-    reused_tokens: int         # restored from the static-prefix KV store, not computed
+    reused_tokens: int         # restored (static-prefix or conversation store), not computed
     prefilled_tokens: int      # target-model tokens computed for this prompt
     mode: str                  # DENSE or SPECPREFILL
     kept_tokens: int | None = None   # SpecPrefill: tokens after the boundary that were kept
     fallback: str | None = None      # why SpecPrefill was wanted but dense ran
+    conversation_tokens: int = 0     # of reused_tokens: restored from an earlier prompt (dense)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,150 @@
+# ruff: noqa: F811  (pytest fixtures imported from test_engine_batch, used as arguments)
+"""The conversation store: a prompt that extends an earlier prompt of the same namespace restores
+that prompt's KV (all but its last token) and prefills only the rest; the answer equals a dense
+uncached forward; namespaces never share an entry; the store stays within its bytes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
+
+from engine_adapter.mlx_engine import MLXEngine, StaticKVStore  # noqa: E402
+from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
+from tests.test_engine_batch import (  # noqa: E402,F401  (fixtures)
+    assert_close,
+    assert_matches_dense,
+    engine_models_dir,
+    load_tiny,
+    run,
+    target,
+    turn,
+)
+
+
+@pytest.fixture
+def make_engine(target):
+    engines: list[MLXEngine] = []
+
+    def make(**options: Any) -> MLXEngine:
+        engine = MLXEngine(target[0], **options)   # conversation reuse is on by default
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def next_turn(tok: Any, previous: list[int], reply: str, user: str) -> list[int]:
+    """``previous`` (ending in the assistant header) + the reply + a new user turn + header."""
+    return previous + tok.encode(f"{reply}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                                 "<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+def test_the_next_turn_restores_the_previous_prompt_and_matches_dense(arch, engine_models_dir,
+                                                                      qwen3):
+    model, tok = load_tiny(engine_models_dir, arch), qwen3
+    with MLXEngine(model) as engine:
+        first, end = turn(tok, 12, "What is in the workspace?")
+        second = next_turn(tok, first, "A README and a src folder.", "Open the README.")
+        third = next_turn(tok, second, "It says hello.", "Thanks, and now the src folder?")
+        cold = run(engine, first, end)
+        assert cold[0].prefill.reused_tokens == 0
+        warm = run(engine, second, end, max_tokens=4)
+        info = warm[0].prefill
+        assert info.reused_tokens == info.conversation_tokens == len(first) - 1 > end
+        assert info.prefilled_tokens == len(second) - (len(first) - 1)
+        assert_matches_dense(model, second, warm)
+        later = run(engine, third, end, max_tokens=4)   # the longest stored prefix: turn 2
+        assert later[0].prefill.conversation_tokens == len(second) - 1
+        assert_matches_dense(model, third, later)
+        stats = engine.snapshot_stats()
+        assert stats["conversation_hits"] == 2
+        assert stats["conversation_store"]["entries"] == 3
+
+
+def test_restored_prompt_kv_is_not_changed_by_its_users(make_engine, target):
+    model, tok = target
+    engine = make_engine()
+    first, end = turn(tok, 8, "One.")
+    run(engine, first, end)
+    for reply in ("Two.", "Three, a longer one with more words in it."):
+        other = next_turn(tok, first, reply, "Go on.")
+        events = run(engine, other, end, max_tokens=6)
+        assert events[0].prefill.conversation_tokens == len(first) - 1
+        assert_matches_dense(model, other, events)
+    again = run(engine, first, end)                  # the same prompt: all but its last token
+    assert again[0].prefill.reused_tokens == len(first) - 1
+    assert_close(again[0].logprobs, dense_logprobs(model, first))
+
+
+def test_a_prompt_that_does_not_extend_a_stored_one_uses_the_static_prefix(make_engine, target):
+    model, tok = target
+    engine = make_engine()
+    first, end = turn(tok, 8, "One.")
+    other, end2 = turn(tok, 8, "Another first question.")
+    assert end == end2
+    run(engine, first, end)
+    events = run(engine, other, end)
+    assert events[0].prefill.reused_tokens == end
+    assert events[0].prefill.conversation_tokens == 0
+    assert_matches_dense(model, other, events)
+
+
+def test_conversation_reuse_never_crosses_namespaces(make_engine, target):
+    model, tok = target
+    conversations = StaticKVStore()
+    engine = make_engine(conversation_store=conversations, reuse_static_kv=False)
+    first, end = turn(tok, 10, "Hello.")
+    second = next_turn(tok, first, "Hi.", "What can you do?")
+    run(engine, first, end, namespace="tenant-a")
+    b = run(engine, second, end, namespace="tenant-b")   # tenant-a's turn 1 is a prefix: not used
+    assert b[0].prefill.reused_tokens == 0
+    assert_matches_dense(model, second, b)
+    a = run(engine, second, end, namespace="tenant-a")
+    assert a[0].prefill.conversation_tokens == len(first) - 1
+    assert conversations.stats.by_namespace == {"tenant-a": 2, "tenant-b": 1}
+    assert conversations.purge("tenant-a") == 2
+    assert run(engine, second, end, namespace="tenant-a")[0].prefill.reused_tokens == 0
+
+
+def test_the_conversation_store_stays_within_its_byte_bound(make_engine, target):
+    model, tok = target
+    first, end = turn(tok, 10, "Hello.")
+    probe = make_engine(reuse_static_kv=False)
+    run(probe, first, end)
+    one_entry = probe.conversation_store.nbytes
+    assert one_entry > 0
+    store = StaticKVStore(int(one_entry * 1.5))
+    engine = make_engine(conversation_store=store, reuse_static_kv=False)
+    for ns in ("a", "b", "c"):
+        run(engine, first, end, namespace=ns)
+        assert store.nbytes <= store.max_bytes
+    assert len(store) == 1 and store.stats.evictions == 2
+    second = next_turn(tok, first, "Hi.", "More, please.")
+    events = run(engine, second, end, namespace="c")      # c's entry survived: reused
+    assert events[0].prefill.conversation_tokens == len(first) - 1
+    assert_matches_dense(model, second, events)
+    assert store.nbytes <= store.max_bytes                 # turn 2 replaced turn 1 (LRU)
+    assert len(store) == 1 and store.stats.evictions == 3
+    tiny = StaticKVStore(1)                                # nothing fits: reuse none, still right
+    small = make_engine(conversation_store=tiny, reuse_static_kv=False)
+    run(small, first, end)
+    events = run(small, second, end)
+    assert events[0].prefill.reused_tokens == 0 and len(tiny) == 0
+    assert tiny.stats.rejected == 2
+    assert_matches_dense(model, second, events)
+
+
+def test_off_switch(make_engine, target):
+    _, tok = target
+    engine = make_engine(reuse_conversation_kv=False)
+    first, end = turn(tok, 8, "One.")
+    run(engine, first, end)
+    assert run(engine, first, end)[0].prefill.reused_tokens == end
+    assert "conversation_store" not in engine.snapshot_stats()
