@@ -195,46 +195,31 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
     by_result = {r: 0.0 for r in RESULTS}
     tenants: dict[str, dict[str, float]] = {}
     models: dict[str, dict[str, float]] = {}
-    saved = renders = store_errors = verification = 0.0
-    entries = nbytes = evictions = breaker = 0.0
+    # Series that are simply summed over all their label sets (and over workers).
+    sums = dict.fromkeys((
+        "render_seconds_saved_total", "renders_total", "store_errors_total",
+        "verification_failures_total", "store_entries", "store_bytes", "store_evictions",
+        "render_seconds_sum", "render_seconds_count"), 0.0)
+    breaker = 0.0
     lookup: dict[str, dict[float, float]] = {}
     render_buckets: dict[float, float] = {}
-    render_sum = render_count = 0.0
     for family in families:
         for s in family.samples:
-            name, labels, value = s.name, s.labels, s.value
-            if name == f"{NS}_requests_total":
+            name, labels, value = s.name.removeprefix(f"{NS}_"), s.labels, s.value
+            if name in sums:
+                sums[name] += value
+            elif name == "requests_total":
                 by_result[labels["result"]] = by_result.get(labels["result"], 0.0) + value
                 for table, label in ((tenants, labels["tenant"]), (models, labels["model"])):
                     row = table.setdefault(label, {r: 0.0 for r in RESULTS})
                     row[labels["result"]] = row.get(labels["result"], 0.0) + value
-            elif name == f"{NS}_render_seconds_saved_total":
-                saved += value
-            elif name == f"{NS}_renders_total":
-                renders += value
-            elif name == f"{NS}_store_errors_total":
-                store_errors += value
-            elif name == f"{NS}_verification_failures_total":
-                verification += value
-            elif name == f"{NS}_store_entries":
-                entries += value
-            elif name == f"{NS}_store_bytes":
-                nbytes += value
-            elif name == f"{NS}_store_evictions":
-                evictions += value
-            elif name == f"{NS}_circuit_breaker_open":
+            elif name == "circuit_breaker_open":
                 breaker = max(breaker, value)
-            elif name == f"{NS}_lookup_seconds_bucket":
-                b = lookup.setdefault(labels["result"], {})
+            elif name in ("lookup_seconds_bucket", "render_seconds_bucket"):
+                b = (lookup.setdefault(labels["result"], {}) if name == "lookup_seconds_bucket"
+                     else render_buckets)
                 le = float(labels["le"])
                 b[le] = b.get(le, 0.0) + value
-            elif name == f"{NS}_render_seconds_bucket":
-                le = float(labels["le"])
-                render_buckets[le] = render_buckets.get(le, 0.0) + value
-            elif name == f"{NS}_render_seconds_sum":
-                render_sum += value
-            elif name == f"{NS}_render_seconds_count":
-                render_count += value
 
     def pct(buckets: dict[float, float]) -> dict[str, float | None]:
         ordered = sorted(buckets.items())
@@ -257,16 +242,18 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
         "hits": int(by_result["hit"]),
         "misses": int(by_result["miss"]),
         "hit_rate": by_result["hit"] / lookups if lookups else 0.0,
-        "renders": int(renders),
-        "render_seconds_saved": saved,
-        "render_seconds_mean": render_sum / render_count if render_count else None,
+        "renders": int(sums["renders_total"]),
+        "render_seconds_saved": sums["render_seconds_saved_total"],
+        "render_seconds_mean": (sums["render_seconds_sum"] / sums["render_seconds_count"]
+                                if sums["render_seconds_count"] else None),
         "latency_seconds": {
             "hit": pct(lookup.get("hit", {})),
             "miss": pct(lookup.get("miss", {})),
             "render": pct(render_buckets),
         },
-        "store": {"entries": int(entries), "bytes": int(nbytes), "evictions": int(evictions),
-                  "errors": int(store_errors), "verification_failures": int(verification),
+        "store": {"entries": int(sums["store_entries"]), "bytes": int(sums["store_bytes"]),
+                  "evictions": int(sums["store_evictions"]), "errors": int(sums["store_errors_total"]),
+                  "verification_failures": int(sums["verification_failures_total"]),
                   "breaker_open": bool(breaker)},
         "tenants": rows(tenants),
         "models": rows(models),
