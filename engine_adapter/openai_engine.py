@@ -365,6 +365,13 @@ class ChatEngine:
     def snapshot_stats(self) -> dict[str, Any]:
         return dict(self.engine.snapshot_stats())
 
+    def health(self) -> dict[str, Any]:
+        """``{"ok": bool, ...}``: the engine's own report where it has one; closed is not ok."""
+        probe = getattr(self.engine, "health", None)
+        report = dict(probe()) if callable(probe) else {"ok": True}
+        report["ok"] = bool(report.get("ok")) and not self._closed
+        return report
+
     def close(self) -> None:
         """Stop the engine (once; later calls do nothing)."""
         if not self._closed:

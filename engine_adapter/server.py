@@ -8,7 +8,8 @@
                                 --trust-namespace (see below)
         specprefill, specprefill_keep_pct, specprefill_threshold: per-request SpecPrefill knobs
     GET  /v1/models             the one model served (the ``model`` of a request is not checked)
-    GET  /health                {"status": "ok"} (what the sidecar's /readyz probes)
+    GET  /health                {"status": "ok"}, or a 503 once the engine thread is down
+                                (what the sidecar's /readyz probes)
 
 A sidecar in front (``prefix-cache serve`` with an upstream of kind ``specprefill``) sends the
 ids its cache cut the boundary in, the boundary, and the tenant as ``specprefill_namespace``.
@@ -39,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from prefix_cache.keys import validate_label
 from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
@@ -146,8 +147,11 @@ def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
     install_error_handlers(app)
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        report = chat.health()
+        if report["ok"]:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "engine": report}, status_code=503)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

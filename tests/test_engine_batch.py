@@ -89,7 +89,9 @@ def assert_matches_dense(model: Any, ids: list[int], events: list[Any]) -> None:
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
 def test_reused_static_kv_gives_the_dense_distribution(arch, engine_models_dir, qwen3):
     model, tok = load_tiny(engine_models_dir, arch), qwen3
-    with MLXEngine(model) as engine:
+    # The static path itself: with the conversation store on, the second prompt would restore
+    # the header tokens it shares with the first too.
+    with MLXEngine(model, reuse_conversation_kv=False) as engine:
         first, end = turn(tok, 12, "What is in the workspace?")
         second, end2 = turn(tok, 12, "Now list every file, recursively, with sizes.")
         assert end == end2 and first[:end] == second[:end]
@@ -280,7 +282,9 @@ def test_invalid_requests_are_refused_naming_the_field(make_engine, fields, mess
 def test_a_closed_engine_refuses_requests(target):
     model, _ = target
     engine = MLXEngine(model)
+    assert engine.health() == {"ok": True, "active": 0, "queued": 0}
     engine.close()
+    assert engine.health()["ok"] is False
     from engine_adapter.mlx_engine import EngineError
 
     with pytest.raises(EngineError):

@@ -1,7 +1,8 @@
 # ruff: noqa: F811  (pytest fixtures imported from test_engine_batch, used as arguments)
-"""The conversation store: a prompt that extends an earlier prompt of the same namespace restores
-that prompt's KV (all but its last token) and prefills only the rest; the answer equals a dense
-uncached forward; namespaces never share an entry; the store stays within its bytes."""
+"""The conversation store: a prompt restores the KV of the longest prefix it shares with an earlier
+prompt of the same namespace (all of a previous turn it extends, or the shared part of a sibling)
+and prefills only the rest; the answer equals a dense uncached forward; namespaces never share an
+entry; the store stays within its bytes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ pytest.importorskip("mlx_lm")
 
 from engine_adapter.mlx_engine import MLXEngine, StaticKVStore  # noqa: E402
 from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
+from prefix_cache.boundary import common_prefix_len  # noqa: E402
 from tests.test_engine_batch import (  # noqa: E402,F401  (fixtures)
     assert_close,
     assert_matches_dense,
@@ -76,19 +78,43 @@ def test_restored_prompt_kv_is_not_changed_by_its_users(make_engine, target):
     for reply in ("Two.", "Three, a longer one with more words in it."):
         other = next_turn(tok, first, reply, "Go on.")
         events = run(engine, other, end, max_tokens=6)
-        assert events[0].prefill.conversation_tokens == len(first) - 1
+        # Turn 1 (all but its last token), or all of it through the previous sibling.
+        assert events[0].prefill.conversation_tokens >= len(first) - 1
         assert_matches_dense(model, other, events)
     again = run(engine, first, end)                  # the same prompt: all but its last token
     assert again[0].prefill.reused_tokens == len(first) - 1
     assert_close(again[0].logprobs, dense_logprobs(model, first))
 
 
-def test_a_prompt_that_does_not_extend_a_stored_one_uses_the_static_prefix(make_engine, target):
+def test_a_sibling_prompt_restores_the_part_it_shares_with_an_earlier_one(make_engine, target):
+    """A retried or edited last turn shares a prefix with the stored prompt without extending
+    it: the first ``common`` tokens of that entry are restored (mlx_lm.server's trimming)."""
+    model, tok = target
+    engine = make_engine()
+    first, end = turn(tok, 8, "What is in the workspace?")
+    history = next_turn(tok, first, "A README and a src folder.", "Open the README, please.")
+    edited = next_turn(tok, first, "A README and a src folder.", "Open the src folder instead.")
+    run(engine, history, end)
+    common = common_prefix_len(history, edited)
+    assert len(first) < common < len(history) - 1
+    events = run(engine, edited, end, max_tokens=4)
+    info = events[0].prefill
+    assert info.conversation_tokens == info.reused_tokens == common
+    assert info.prefilled_tokens == len(edited) - common
+    assert_matches_dense(model, edited, events)
+    again = run(engine, history, end)                # the longer entry was only read, not cut
+    assert again[0].prefill.reused_tokens == len(history) - 1
+    assert_close(again[0].logprobs, dense_logprobs(model, history))
+
+
+def test_a_prompt_sharing_no_more_than_the_static_prefix_uses_the_static_store(make_engine,
+                                                                               target):
     model, tok = target
     engine = make_engine()
     first, end = turn(tok, 8, "One.")
-    other, end2 = turn(tok, 8, "Another first question.")
-    assert end == end2
+    other = first[:end] + tok.encode("\n<|im_start|>user\nAnother.<|im_end|>\n"
+                                     "<|im_start|>assistant\n")
+    assert common_prefix_len(first, other) == end
     run(engine, first, end)
     events = run(engine, other, end)
     assert events[0].prefill.reused_tokens == end
@@ -148,3 +174,19 @@ def test_off_switch(make_engine, target):
     run(engine, first, end)
     assert run(engine, first, end)[0].prefill.reused_tokens == end
     assert "conversation_store" not in engine.snapshot_stats()
+
+
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_the_prompt_kv_is_stored_once_the_first_token_is_out(make_engine, target, max_tokens):
+    """The copy into the store waits for the first token: from the finished sequence's cache
+    (one token) or from the running batch (more), and both hold exactly the prompt's KV."""
+    model, tok = target
+    engine = make_engine(reuse_static_kv=False)
+    first, end = turn(tok, 8, "One.")
+    run(engine, first, end, max_tokens=max_tokens)
+    # (It is stored after the first token is delivered: the next request, admitted on the
+    # engine thread after that, is the way to see it.)
+    second = next_turn(tok, first, "Two.", "Go on.")
+    events = run(engine, second, end, max_tokens=3)
+    assert events[0].prefill.conversation_tokens == len(first) - 1
+    assert_matches_dense(model, second, events)

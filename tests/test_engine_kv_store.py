@@ -90,6 +90,46 @@ def test_purge_one_namespace():
     assert store.stats.by_namespace == {"b": 1}
 
 
+def test_longest_common_prefix_finds_prefixes_and_siblings_of_one_namespace():
+    store = StaticKVStore(1000)
+    store.put("n", "m", [1, 2, 3], Blob(10, "turn1"))
+    store.put("n", "m", [1, 2, 3, 4, 5, 6], Blob(10, "turn2"))
+    store.put("n", "m", [1, 2, 9, 9], Blob(10, "other"))
+    store.put("x", "m", [1, 2, 3, 4, 5, 6, 7], Blob(10, "another tenant"))
+    store.put("n", "d", [1, 2, 3, 4, 5, 6, 7], Blob(10, "another model"))
+    hit = store.longest_common_prefix("n", "m", [1, 2, 3, 4, 5, 6, 7, 8], max_tokens=7)
+    assert hit is not None and (hit[0], hit[1].tag) == (6, "turn2")      # extends turn 2
+    hit = store.longest_common_prefix("n", "m", [1, 2, 3, 4, 7, 7], max_tokens=5)
+    assert hit is not None and (hit[0], hit[1].tag) == (4, "turn2")      # a sibling: 4 shared
+    hit = store.longest_common_prefix("n", "m", [1, 2, 3, 4, 5, 6, 7], max_tokens=3)
+    assert hit is not None and hit[0] == 3                               # capped
+    assert store.longest_common_prefix("n", "m", [1, 2, 3, 4], 3, min_tokens=3) is None
+    assert store.longest_common_prefix("n", "m", [5, 1, 2, 3], max_tokens=3) is None
+    assert store.longest_common_prefix("y", "m", [1, 2, 3, 4], max_tokens=3) is None
+    hit = store.longest_common_prefix("n", "m", [1, 2, 3, 9], max_tokens=3)
+    assert hit is not None and (hit[0], hit[1].tag) == (3, "turn2")      # a tie: most recent
+    assert store.stats.hits == 4 and store.stats.misses == 2   # min >= max: no lookup at all
+
+
+def test_restore_of_a_shorter_prefix_and_views_for_the_batch():
+    import mlx.core as mx
+
+    from engine_adapter.mlx_engine import cache as kv
+
+    c = kv.PositionedKVCache()
+    k = mx.arange(2 * 5 * 4, dtype=mx.float32).reshape(1, 2, 5, 4)
+    c.update_and_fetch(k, k + 100)
+    snap = kv.snapshot([c], 4)
+    for copy in (True, False):
+        (part,) = kv.restore(snap, 3, copy=copy)
+        assert part.offset == 3 and kv.cache_size([part]) == 3
+        assert mx.array_equal(part.keys, k[..., :3, :]).item()
+        assert mx.array_equal(part.values, k[..., :3, :] + 100).item()
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="cannot restore"):
+            kv.restore(snap, bad)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, None])
 def test_bad_size_is_refused(bad):
     with pytest.raises(ValueError, match="max_bytes"):

@@ -7,6 +7,7 @@ random-weights one (float32), so what is checked is plumbing, counts and KV reus
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -32,6 +33,7 @@ from prefix_cache.service.upstream import Upstream  # noqa: E402
 from .conftest import make_tools  # noqa: E402
 from .service_helpers import (  # noqa: E402
     EVENT_TIMEOUT_S,
+    ServeProcess,
     ServerThread,
     local_client,
     openai_client,
@@ -71,7 +73,11 @@ class ScriptedEngine:
                  finish: str = "length") -> None:
         self.tokens, self.stop_token_ids, self.finish = tokens, stop_token_ids, finish
         self.closed_early = False
+        self.closed = False
         self.tokenizer = None
+
+    def close(self) -> None:
+        self.closed = True
 
     async def agenerate(self, request: Any) -> AsyncIterator[TokenEvent]:
         done = False
@@ -185,6 +191,57 @@ def test_sidecar_streams_from_the_in_process_engine(sidecar: tuple[str, ChatEngi
     assert len(chunks) >= 3 and text
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_readyz_reports_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -> None:
+    url, engine = sidecar
+    with local_client(base_url=url) as http:
+        r = http.get("/readyz")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    report = r.json()["engines"][MODEL]
+    assert report["ok"] is True and report["active"] == 0 and report["queued"] == 0
+    assert engine.health()["ok"] is True
+
+
+def test_a_closed_engine_is_not_healthy(tokenizer: Any) -> None:
+    chat_engine = ChatEngine(ScriptedEngine([1], (0,)), tokenizer, name="scripted")
+    assert chat_engine.health() == {"ok": True}         # an engine without a report of its own
+    with ServerThread(create_engine_app(chat_engine)) as url, local_client(base_url=url) as http:
+        assert http.get("/health").json() == {"status": "ok"}
+        chat_engine.close()
+        r = http.get("/health")
+    assert r.status_code == 503 and r.json()["status"] == "unavailable"
+    assert r.json()["engine"]["ok"] is False and chat_engine.engine.closed
+
+
+def test_serve_engine_mlx_command_streams_a_chat_completion(tiny_model_dir: Path,
+                                                            tmp_path: Path) -> None:
+    """The command as an operator runs it, in its own process: ``prefix-cache serve --engine
+    mlx --model DIR`` loads the engine, reports it ready and streams tokens from it."""
+    server = ServeProcess(["--model", str(tiny_model_dir), "--engine", "mlx"], tmp_path / "home")
+    try:
+        url = server.base_url()
+        body = {"model": MODEL, "messages": chat(unique_system(), "Stream, please."),
+                "tools": make_tools(2), "max_tokens": 5, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with local_client(base_url=url) as http:
+            ready = http.get("/readyz")
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                status, headers = response.status_code, response.headers
+                lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert ready.status_code == 200 and ready.json()["engines"][MODEL]["ok"] is True
+        assert status == 200 and headers["content-type"].startswith("text/event-stream")
+        assert headers["x-prefix-cache"] == "miss" and int(headers["x-specprefill-system-end"]) > 0
+        assert lines[-1] == "data: [DONE]"
+        chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        assert deltas[0]["delta"]["role"] == "assistant"
+        assert deltas[-1]["finish_reason"] in ("length", "stop")
+        usage = chunks[-1]["usage"]
+        assert 1 <= usage["completion_tokens"] <= 5 and usage["prompt_tokens"] > 0
+    finally:
+        code = server.stop()
+    assert code == 0, "".join(server.log)
 
 
 def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, ChatEngine]) -> None:

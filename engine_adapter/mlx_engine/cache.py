@@ -82,13 +82,24 @@ def snapshot(cache: Sequence[KVCache], n_tokens: int) -> KVSnapshot:
     return KVSnapshot(layers, n_tokens, nbytes)
 
 
-def restore(snap: KVSnapshot) -> list[PositionedKVCache]:
-    """A new per-sequence cache holding the snapshot; its arrays are copies, so later writes
-    into the cache (slice assignment after a trim, say) never reach the store."""
+def restore(snap: KVSnapshot, n_tokens: int | None = None, *,
+            copy: bool = True) -> list[PositionedKVCache]:
+    """A new per-sequence cache holding the snapshot's first ``n_tokens`` (all by default).
+
+    With ``copy`` (the default) its arrays are copies, so later writes into the cache (slice
+    assignment after a trim, say) never reach the store: what a cache that is prefilled in
+    place needs. ``copy=False`` gives read-only views, for a cache handed straight to
+    ``BatchGenerator.insert``: merging it into the batch copies it anyway, and a second copy
+    before that would only cost time to first token."""
+    n = snap.n_tokens if n_tokens is None else n_tokens
+    if not 0 < n <= snap.n_tokens:
+        raise ValueError(f"cannot restore {n} tokens from a snapshot of {snap.n_tokens}")
     caches = []
     for keys, values in snap.layers:
         c = PositionedKVCache()
-        c.keys, c.values = mx.array(keys), mx.array(values)
-        c.offset = snap.n_tokens
+        if n < snap.n_tokens:
+            keys, values = keys[..., :n, :], values[..., :n, :]
+        c.keys, c.values = (mx.array(keys), mx.array(values)) if copy else (keys, values)
+        c.offset = n
         caches.append(c)
     return caches

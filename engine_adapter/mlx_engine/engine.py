@@ -5,9 +5,11 @@ KV reused across requests and SpecPrefill on the rest of long prompts.
     admit, dense:       KV of [0, boundary) in the store?  hit:  insert(rest, caches=[restored])
                                                             miss: insert_segments([static, rest]),
                                                                   snapshot at the segment's end
-    admit, dense, with a conversation prefix: the longest stored prompt of this namespace
-                        that the new prompt extends (a previous turn) is restored instead;
-                        every dense request stores its own prompt minus the last token
+    admit, dense, with a conversation prefix: the stored prompt of this namespace sharing
+                        the longest prefix with the new one (a previous turn it extends, or a
+                        sibling) is restored up to that shared length instead; every dense
+                        request stores its own prompt minus the last token once its first
+                        token is out
     admit, SpecPrefill: static part restored or dense (and stored), draft scores the rest, the
                         target prefills the kept tokens at their positions, insert([last token])
 
@@ -62,6 +64,7 @@ class _Sequence:
     info: PrefillInfo | None = None
     snapshot_at: int = 0       # >0: store the KV of [0, snapshot_at) when that segment is done
     conversation_at: int = 0   # >0: store [0, conversation_at) (prompt - 1) in the conversation store
+    conversation_ready: bool = False  # that segment is prefilled: store it after the first token
     base: int = 0              # tokens restored before insertion (BatchGenerator's progress is after them)
     leads: Key | None = None   # the static prefix this request computes for parked followers
     parked_on: Key | None = None
@@ -82,7 +85,7 @@ class EngineStats:
     prefilled_tokens: int = 0
     generated_tokens: int = 0
     parked: int = 0            # waited for a request computing the same static prefix
-    conversation_hits: int = 0  # restored a stored earlier prompt longer than the static prefix
+    conversation_hits: int = 0  # restored more than the static prefix from an earlier prompt
     last_fallback: str | None = None
 
 
@@ -122,8 +125,9 @@ class MLXEngine:
         if reuse_static_kv:
             self.kv_store = kv_store if kv_store is not None else StaticKVStore()
         # Conversation prefixes: each dense request's prompt (minus its last token) per
-        # namespace; a later prompt that extends one restores it (mlx_lm.server's prompt cache,
-        # but namespaced and bounded in bytes like the static store).
+        # namespace; a later prompt restores the longest prefix it shares with one
+        # (mlx_lm.server's prompt cache, but namespaced and bounded in bytes like the static
+        # store).
         self.conversation_store: StaticKVStore | None = None
         if reuse_conversation_kv:
             self.conversation_store = (conversation_store if conversation_store is not None
@@ -217,6 +221,12 @@ class MLXEngine:
             if not done:
                 self.cancel(request.request_id)
 
+    def health(self) -> dict[str, Any]:
+        """Whether the engine thread is up to take requests, and how busy it is (what a
+        readiness probe reports)."""
+        return {"ok": self._thread.is_alive() and not self._closed,
+                "active": len(self._by_id), "queued": len(self._inbox)}
+
     def snapshot_stats(self) -> dict[str, Any]:
         """Engine and KV-store counters as a plain dict."""
         s = self.stats
@@ -303,8 +313,12 @@ class MLXEngine:
             if seq is None or not r.end_of_segment:
                 continue
             done = seq.base + r.progress[0]
-            if done in (seq.snapshot_at, seq.conversation_at) and done > 0:
+            if done == seq.snapshot_at and done > 0:
                 self._store_segment(seq, done)
+            elif done == seq.conversation_at and done > 0:
+                # Copying the prompt's KV now would delay the first token; the sequence keeps
+                # that KV, so it is stored right after the first token is delivered.
+                seq.conversation_ready = True
         for r in responses:
             seq = self._by_uid.get(r.uid)
             if seq is not None:
@@ -324,6 +338,8 @@ class MLXEngine:
             self._forget(seq)
             self.stats.completed += 1
         self._send(seq, event)
+        if seq.conversation_ready:
+            self._store_conversation(seq, r)
 
     def _send(self, seq: _Sequence, item: Any) -> None:
         try:
@@ -426,12 +442,13 @@ class MLXEngine:
 
     def _conversation_hit(self, req: GenerationRequest, ids: list[int],
                           static: int) -> tuple[int, Any] | None:
-        """(length, snapshot) of the longest stored prompt of this namespace that ``ids``
-        extends, when it is longer than the static prefix; else None (the static path)."""
+        """(length, snapshot): the stored prompt of this namespace that shares the longest
+        prefix with ``ids`` (an earlier turn it extends, or a sibling), when that shared part is
+        longer than the static prefix; else None (the static path)."""
         if self.conversation_store is None or not self._positioned:
             return None
-        return self.conversation_store.longest_prefix(req.namespace, TARGET_ID, ids,
-                                                      len(ids) - 1, min_tokens=static)
+        return self.conversation_store.longest_common_prefix(req.namespace, TARGET_ID, ids,
+                                                             len(ids) - 1, min_tokens=static)
 
     def _insert(self, seq: _Sequence, segments: list[list[int]], cache: list[Any]) -> None:
         req = seq.request
@@ -453,14 +470,14 @@ class MLXEngine:
         if conv is not None:
             reused = conversation = seq.base = conv[0]
             seq.conversation_at = last if last > reused else 0
-            self._insert(seq, [ids[reused:]], kv.restore(conv[1]))
+            self._insert(seq, [ids[reused:]], kv.restore(conv[1], reused, copy=False))
             self.stats.conversation_hits += 1
         elif self.kv_store is not None and self._positioned and static > 0:
             snap = self.kv_store.get(req.namespace, TARGET_ID, ids[:static])
             if snap is not None:
                 reused = seq.base = static
                 seq.conversation_at = last if last > static else 0
-                self._insert(seq, [ids[static:]], kv.restore(snap))
+                self._insert(seq, [ids[static:]], kv.restore(snap, copy=False))
             else:
                 seq.snapshot_at = static
                 seq.conversation_at = last
@@ -491,10 +508,32 @@ class MLXEngine:
             if static and self.kv_store is not None:
                 stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
             if conversation and self.conversation_store is not None:
-                # Its own snapshot object is fine to share: restore() always copies.
+                # One snapshot object for both is fine: snapshots are never written to.
                 self.conversation_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
         if static and seq.leads is not None:
             self._release(seq, stored)
+
+    def _store_conversation(self, seq: _Sequence, r: Any) -> None:
+        """Store the prompt minus its last token in the conversation store, copied from the KV
+        the sequence holds once its first token is out (the finished response's cache, or the
+        running batch's); a failure here costs a later reuse, never this request."""
+        n, seq.conversation_at, seq.conversation_ready = seq.conversation_at, 0, False
+        store = self.conversation_store
+        if store is None or n <= 0:
+            return
+        try:
+            cache = r.prompt_cache
+            if cache is None:
+                extracted = self._generator.extract_cache([seq.uid]).get(seq.uid)
+                cache = extracted[0] if extracted is not None else None
+            if cache is None or kv.cache_size(cache) < n:
+                log.warning("prompt KV of %s not there; not stored", seq.request.request_id)
+                return
+            store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n],
+                      kv.snapshot(cache, n))
+        except Exception:
+            log.warning("could not store the prompt KV of %s", seq.request.request_id,
+                        exc_info=True)
 
     def _static_cache(self, model: Any, model_id: str, namespace: str, ids: list[int],
                       static: int) -> tuple[list[Any], int]:

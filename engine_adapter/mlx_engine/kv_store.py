@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import xxhash
 
+from prefix_cache.boundary import packed_prefix_len
 from prefix_cache.entry import pack_ids
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -95,31 +96,37 @@ class StaticKVStore:
             self.stats.hits += 1
             return entry.snapshot
 
-    def longest_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
-                       max_tokens: int, min_tokens: int = 0) -> tuple[int, Any] | None:
-        """(length, snapshot) of the longest entry of this namespace and model whose ids are a
-        prefix of ``ids`` (exact comparison), longer than ``min_tokens`` and at most
-        ``max_tokens`` long, or None. Used by
-        the conversation store: a linear scan of the namespace's entries, each a bytes prefix
-        test on the packed ids (4 bytes per id, so a byte prefix is a token prefix)."""
+    def longest_common_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
+                              max_tokens: int, min_tokens: int = 0) -> tuple[int, Any] | None:
+        """``(n, snapshot)``: the entry of this namespace and model that shares the longest
+        prefix with ``ids`` (exact comparison), with ``n`` that shared length capped at
+        ``max_tokens``, when ``n > min_tokens``; else None.
+
+        The entry may be longer than ``n`` (an earlier sibling prompt: a retried or edited last
+        turn, another agent on the same history): the KV of its first ``n`` tokens depends on
+        those tokens alone, so the caller restores just them (mlx_lm.server's prompt cache
+        trims the same way). The conversation store's lookup: a scan of the namespace's entries
+        in recency order, each a memcmp binary search on the packed ids (4 bytes per id, so a
+        byte prefix is a token prefix); the most recent entry wins a tie."""
         if max_tokens <= min_tokens:
             return None
         packed = pack_ids(ids[:max_tokens])
         with self._lock:
             best: tuple[Key, _Entry] | None = None
-            for key, entry in self._entries.items():
+            best_n = min_tokens
+            for key in reversed(self._entries):
                 if key[0] != namespace or key[1] != model_id:
                     continue
-                if best is not None and len(entry.packed_ids) <= len(best[1].packed_ids):
-                    continue
-                if len(entry.packed_ids) > 4 * min_tokens and packed.startswith(entry.packed_ids):
-                    best = (key, entry)
+                entry = self._entries[key]
+                n = packed_prefix_len(packed, entry.packed_ids)
+                if n > best_n:
+                    best, best_n = (key, entry), n
             if best is None:
                 self.stats.misses += 1
                 return None
             self._entries.move_to_end(best[0])
             self.stats.hits += 1
-            return len(best[1].packed_ids) // 4, best[1].snapshot
+            return best_n, best[1].snapshot
 
     def put(self, namespace: str, model_id: str, prefix_ids: Sequence[int],
             snapshot: Snapshot) -> bool:

@@ -1,4 +1,5 @@
-"""``/healthz`` (the process is up) and ``/readyz`` (the store and every upstream answer)."""
+"""``/healthz`` (the process is up) and ``/readyz`` (the store and every upstream answer, every
+in-process engine is running)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,12 @@ async def readyz(state: State) -> JSONResponse:
     )
     by_url = dict(zip(probes, answers, strict=True))
     report = {name: by_url[u.health_url] for name, u in upstreams.items()}
-    ready = store["ok"] and all(r["ok"] for r in report.values())
+    # In-process engines report themselves (no I/O: is the engine thread up, how busy it is).
+    engines = {m.name: m.engine.health() for m in state.models if m.engine is not None}
+    ready = store["ok"] and all(r["ok"] for r in (*report.values(), *engines.values()))
     return JSONResponse({"status": "ready" if ready else "not_ready", "store": store,
-                         "upstreams": report}, status_code=200 if ready else 503)
+                         "upstreams": report, "engines": engines},
+                        status_code=200 if ready else 503)
 
 
 async def check_store(state: ServiceState) -> dict[str, Any]:
