@@ -10,8 +10,9 @@ about 1/20 of its size (same Qwen3 vocabulary):
   (b) SpecPrefill over the whole prompt (no boundary, so nothing to reuse)
   (c) SpecPrefill with the naive boundary (full prompt minus a render without system messages)
   (d) our cached boundary: static prefix dense and reused from the KV store, SpecPrefill on the
-      rest (dense when the rest is under the threshold; a dense turn then restores the previous
-      turn's prompt from the engine's conversation store when it extends it)
+      rest (dense when the rest is under the threshold; a dense turn then restores, from the
+      engine's conversation store, the longest prefix it shares with an earlier prompt of its
+      namespace: the previous turn, or an earlier run's second turn)
   (e) in-process dense prefill without any reuse: the reference distribution for the KL column
 
 (b)-(e) run in this process on ``MLXEngine`` with prompt ids given; their TTFT includes what the
@@ -266,9 +267,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if kl is not None:
                         row["kl"].append(kl)
                     if info is not None:
-                        meta[f"{workload}:{variant}"] = {
+                        meta.setdefault(f"{workload}:{variant}", []).append({
                             "mode": info.mode, "reused": info.reused_tokens,
-                            "prefilled": info.prefilled_tokens, "kept": info.kept_tokens}
+                            "prefilled": info.prefilled_tokens, "kept": info.kept_tokens})
                 meta[workload] = {"prompt_tokens": len(ids), "boundary": end,
                                   "naive_boundary": naive}
                 log(workload, rep, {k: (round(v[0], 3), v[1]) for k, v in measured.items()})
@@ -289,7 +290,7 @@ LABELS = {
     "a": "(a) mlx_lm.server, dense + its prompt cache",
     "b": "(b) SpecPrefill, whole prompt (no boundary)",
     "c": "(c) SpecPrefill, naive boundary",
-    "d": "(d) cached boundary: static (or turn 1) reused, SpecPrefill on the rest",
+    "d": "(d) cached boundary: static prefix (or an earlier prompt) reused, SpecPrefill on the rest",
     "e": "(e) in-process dense, no reuse (KL reference)",
 }
 
@@ -326,14 +327,26 @@ def table(report: dict[str, Any], command: str) -> str:
             else:
                 median_kl = statistics.median(r["kl"])
                 kl = "< 1e-6" if abs(median_kl) < 1e-6 else f"{median_kl:.2e}"
-            info = meta.get(f"{workload}:{v}")
             path = ("server-side" if v == "a" else "dense, nothing reused" if v == "e" else
-                    f"{info['mode']}, {info['reused']} reused, {info['prefilled']} computed"
-                    + (f" ({info['kept']} kept after the boundary)" if info["kept"] else ""))
+                    prefill_paths(meta[f"{workload}:{v}"]))
             lines.append(f"| {LABELS[v]} | {ttft * 1000:.0f} ms | {anchor / ttft:.2f}x | {kl} "
                          f"| {path} |")
-        lines.append("")
+        runs = "; ".join(f"({v}) " + " / ".join(f"{t * 1000:.0f}" for t in rows[f"{workload}:{v}"]["ttft"])
+                         for v in "ad")
+        lines += ["", f"Each run's TTFT in ms, in run order: {runs}.", ""]
     return "\n".join(lines)
+
+
+def prefill_paths(infos: list[dict[str, Any]]) -> str:
+    """How the runs of one variant prefilled, each distinct way once, with its count."""
+    counts: dict[str, int] = {}
+    for info in infos:
+        path = (f"{info['mode']}, {info['reused']} reused, {info['prefilled']} computed"
+                + (f" ({info['kept']} kept after the boundary)" if info["kept"] else ""))
+        counts[path] = counts.get(path, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return "; ".join(f"{path} ({n} of {len(infos)} runs)" for path, n in counts.items())
 
 
 def update_docs(text: str) -> None:
