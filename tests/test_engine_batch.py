@@ -282,7 +282,7 @@ def test_invalid_requests_are_refused_naming_the_field(make_engine, fields, mess
 def test_a_closed_engine_refuses_requests(target):
     model, _ = target
     engine = MLXEngine(model)
-    assert engine.health() == {"ok": True, "active": 0, "queued": 0}
+    assert engine.health() == {"ok": True, "active": 0, "queued": 0, "sparse_prefills": 0}
     engine.close()
     assert engine.health()["ok"] is False
     from engine_adapter.mlx_engine import EngineError

@@ -321,8 +321,9 @@ def test_any_specprefill_error_falls_back_to_dense(target, make_engine, monkeypa
 
     def broken(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError("draft exploded")
+        yield  # a step generator, as score_steps is
 
-    monkeypatch.setattr(engine_module, "score_tokens", broken)
+    monkeypatch.setattr(engine_module, "score_steps", broken)
     events = run(engine, ids, end)
     info = events[0].prefill
     assert info.mode == "dense" and "draft exploded" in info.fallback
@@ -336,17 +337,17 @@ def test_a_failure_inside_the_sparse_prefill_falls_back_with_the_model_intact(ta
     model, tok = target
     engine = make_engine()
     ids, end = prompt(tok, 40)
-    real = engine_module.sparse_prefill
+    real = engine_module.sparse_prefill_steps
 
-    def failing(m: Any, token_ids: Any, positions: Any, cache: Any, step: int) -> None:
-        real(m, token_ids, positions[: len(positions) // 2], cache, step)
+    def failing(m: Any, token_ids: Any, positions: Any, cache: Any, step: int) -> Any:
+        yield from real(m, token_ids, positions[: len(positions) // 2], cache, step)
         raise MemoryError("out of memory half-way")
 
-    monkeypatch.setattr(engine_module, "sparse_prefill", failing)
+    monkeypatch.setattr(engine_module, "sparse_prefill_steps", failing)
     events = run(engine, ids, end)
     assert events[0].prefill.mode == "dense" and "MemoryError" in events[0].prefill.fallback
     assert_close(events[0].logprobs, dense_logprobs(model, ids))
-    monkeypatch.setattr(engine_module, "sparse_prefill", real)
+    monkeypatch.setattr(engine_module, "sparse_prefill_steps", real)
     events = run(engine, ids, end)                 # the next request sparsifies normally
     assert events[0].prefill.mode == "specprefill"
 
@@ -367,3 +368,42 @@ def test_a_draft_with_another_vocabulary_falls_back(target, engine_models_dir, m
     events = run(engine, ids, end)
     assert events[0].prefill.mode == "dense" and "vocabulary" in events[0].prefill.fallback
     assert_close(events[0].logprobs, dense_logprobs(model, ids))
+
+
+def test_other_sequences_keep_decoding_while_a_specprefill_runs(target, make_engine):
+    """A SpecPrefill advances one model chunk per engine step, between BatchGenerator steps
+    (as BatchGenerator's own prefill does), so a long one does not stall running sequences; the
+    RoPE swap never outlives a chunk, so their decode stays exact."""
+    import threading
+
+    model, tok = target
+    engine = make_engine(prefill_step_size=8)        # small chunks: a SpecPrefill of many steps
+    sparse_ids, end = prompt(tok, 80)
+    dense_ids, dense_end = prompt(tok, 2)
+    sparse = GenerationRequest(sparse_ids, max_tokens=2, specprefill_system_end=end,
+                               return_logprobs=True)
+    dense = GenerationRequest(dense_ids, max_tokens=6, specprefill_system_end=dense_end,
+                              specprefill=False, return_logprobs=True)
+    order: list[Any] = []
+    done = threading.Semaphore(0)
+
+    def deliver(event: Any) -> None:
+        order.append(event)
+        if isinstance(event, BaseException) or event.finish_reason:
+            done.release()
+
+    engine.submit(sparse, deliver)                   # first in: its prefill starts first
+    engine.submit(dense, deliver)
+    for _ in range(2):
+        assert done.acquire(timeout=60)
+    assert not any(isinstance(e, BaseException) for e in order)
+    ids = [e.request_id for e in order]
+    first_sparse = ids.index(sparse.request_id)
+    assert ids.count(dense.request_id) == 6
+    assert len(ids) - 1 - ids[::-1].index(dense.request_id) < first_sparse  # all 6 came first
+    assert order[first_sparse].prefill.mode == "specprefill"
+    dense_events = [e for e in order if e.request_id == dense.request_id]
+    tokens = [e.token for e in dense_events]
+    for k, event in enumerate(dense_events):
+        assert_close(event.logprobs, dense_logprobs(model, dense_ids + tokens[:k]))
+    assert all(type(layer.self_attn.rope).__name__ == "RoPE" for layer in model.layers)

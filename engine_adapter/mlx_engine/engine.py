@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 
 from . import cache as kv
 from .kv_store import Key, StaticKVStore, prefix_key
-from .prefill import DEFAULT_STEP, dense_prefill, sparse_prefill
+from .prefill import DEFAULT_STEP, dense_prefill_steps, sparse_prefill_steps
 from .request import (
     DENSE,
     SPECPREFILL,
@@ -45,7 +45,7 @@ from .request import (
     TokenEvent,
 )
 from .sampling import make_sampler
-from .specprefill import SpecPrefillConfig, score_tokens, select_chunks
+from .specprefill import SpecPrefillConfig, score_steps, select_chunks
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -69,6 +69,16 @@ class _Sequence:
     leads: Key | None = None   # the static prefix this request computes for parked followers
     parked_on: Key | None = None
     may_park: bool = True
+
+
+@dataclass(slots=True)
+class _SparseJob:
+    """A SpecPrefill in progress: one model chunk per engine step, between decode steps."""
+
+    seq: _Sequence
+    ids: list[int]
+    static: int
+    steps: Generator[None, None, None]
 
 
 @dataclass(slots=True)
@@ -147,6 +157,9 @@ class MLXEngine:
         # Single flight per static prefix: while one request prefills it, later ones with the
         # same (namespace, prefix ids) wait here and then restore it instead of recomputing.
         self._computing: dict[Key, list[_Sequence]] = {}
+        # SpecPrefills in progress, oldest first; the engine advances the oldest by one model
+        # chunk per loop, between BatchGenerator steps, so running sequences keep decoding.
+        self._sparse_jobs: deque[_SparseJob] = deque()
         self._generator: BatchGenerator  # made on the engine thread (mlx streams are per thread)
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
@@ -225,7 +238,8 @@ class MLXEngine:
         """Whether the engine thread is up to take requests, and how busy it is (what a
         readiness probe reports)."""
         return {"ok": self._thread.is_alive() and not self._closed,
-                "active": len(self._by_id), "queued": len(self._inbox)}
+                "active": len(self._by_id), "queued": len(self._inbox),
+                "sparse_prefills": len(self._sparse_jobs)}
 
     def snapshot_stats(self) -> dict[str, Any]:
         """Engine and KV-store counters as a plain dict."""
@@ -276,7 +290,8 @@ class MLXEngine:
             self._ready.set()
         while True:
             with self._wake:
-                while not self._inbox and not self._by_uid:  # parked requests wait on a leader
+                # (parked requests wait on a leader, so they alone are no work)
+                while not self._inbox and not self._by_uid and not self._sparse_jobs:
                     self._wake.wait()
                 work = list(self._inbox)
                 self._inbox.clear()
@@ -289,6 +304,8 @@ class MLXEngine:
                     self._fail_all(EngineError("the engine was closed"))
                     self._generator.close()
                     return
+            if self._sparse_jobs:
+                self._advance_sparse()
             if self._by_uid:
                 try:
                     self._step()
@@ -380,6 +397,8 @@ class MLXEngine:
 
     def _fail_all(self, exc: Exception) -> None:
         self._computing.clear()
+        while self._sparse_jobs:
+            self._sparse_jobs.popleft().steps.close()
         for seq in list(self._by_id.values()):
             seq.leads = seq.parked_on = None
             self._forget(seq)
@@ -412,27 +431,47 @@ class MLXEngine:
                 seq.parked_on = key
                 self.stats.parked += 1
                 return
+        if sparse:
+            steps = self._sparse_steps(seq, ids, static)
+            self._sparse_jobs.append(_SparseJob(seq, ids, static, steps))
+            return
+        fallback = "no draft model" if req.specprefill and self.draft_model is None else None
+        self._start_dense(seq, ids, static, fallback, conv)
+
+    def _start_dense(self, seq: _Sequence, ids: list[int], static: int, fallback: str | None,
+                     conv: tuple[int, Any] | None) -> None:
         try:
             with mx.stream(self._generator.stream):
-                fallback = None
-                if sparse:
-                    try:
-                        self._admit_sparse(seq, ids, static)
-                        return
-                    except Exception as exc:  # any failure: dense prefill, same answer class
-                        fallback = f"{type(exc).__name__}: {exc}"
-                        log.warning("SpecPrefill failed, dense prefill instead: %s", fallback)
-                        self.stats.fallbacks += 1
-                        self.stats.last_fallback = fallback
-                        conv = self._conversation_hit(req, ids, static)
-                elif req.specprefill and self.draft_model is None:
-                    fallback = "no draft model"
                 self._admit_dense(seq, ids, static, fallback, conv)
         except Exception as exc:
-            log.exception("could not admit request %s", req.request_id)
+            log.exception("could not admit request %s", seq.request.request_id)
             self._forget(seq)
             self.stats.failed += 1
             self._send(seq, EngineError(f"could not start the request: {exc}"))
+
+    def _advance_sparse(self) -> None:
+        """One model chunk of the oldest SpecPrefill; at its end the sequence is in the batch.
+        Any failure falls back to a dense prefill (same answer class, counted)."""
+        job = self._sparse_jobs[0]
+        if self._by_id.get(job.seq.request.request_id) is not job.seq:  # cancelled meanwhile
+            self._sparse_jobs.popleft()
+            job.steps.close()
+            return
+        try:
+            with mx.stream(self._generator.stream):
+                next(job.steps)
+            return
+        except StopIteration:
+            self._sparse_jobs.popleft()
+            return
+        except Exception as exc:
+            self._sparse_jobs.popleft()
+            fallback = f"{type(exc).__name__}: {exc}"
+        log.warning("SpecPrefill failed, dense prefill instead: %s", fallback)
+        self.stats.fallbacks += 1
+        self.stats.last_fallback = fallback
+        conv = self._conversation_hit(job.seq.request, job.ids, job.static)
+        self._start_dense(job.seq, job.ids, job.static, fallback, conv)
 
     def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
         if self.draft_model is None or not self._positioned or req.specprefill is False:
@@ -535,21 +574,26 @@ class MLXEngine:
             log.warning("could not store the prompt KV of %s", seq.request.request_id,
                         exc_info=True)
 
-    def _static_cache(self, model: Any, model_id: str, namespace: str, ids: list[int],
-                      static: int) -> tuple[list[Any], int]:
-        """A per-sequence cache holding [0, static): restored (reused tokens) or computed."""
+    def _static_cache_steps(self, model: Any, model_id: str, namespace: str, ids: list[int],
+                            static: int) -> Generator[None, None, tuple[list[Any], int]]:
+        """A per-sequence cache holding [0, static) and the tokens reused: restored, or
+        computed chunk by chunk (and stored)."""
         if static and self.kv_store is not None:
             snap = self.kv_store.get(namespace, model_id, ids[:static])
             if snap is not None:
                 return kv.restore(snap), static
         cache = kv.make_cache(model)
         if static:
-            dense_prefill(model, ids[:static], cache, self._step_size)
+            yield from dense_prefill_steps(model, ids[:static], cache, self._step_size)
             if self.kv_store is not None:
                 self.kv_store.put(namespace, model_id, ids[:static], kv.snapshot(cache, static))
         return cache, 0
 
-    def _admit_sparse(self, seq: _Sequence, ids: list[int], static: int) -> None:
+    def _sparse_steps(self, seq: _Sequence, ids: list[int],
+                      static: int) -> Generator[None, None, None]:
+        """SpecPrefill of one request, a model chunk per step: the static part restored or
+        dense for both models, the draft's scores, the kept tokens at their positions; then the
+        sequence joins the batch with its last prompt token."""
         req = seq.request
         spec = self.specprefill
         draft_vocab = vocab_size(self.draft_model)
@@ -557,17 +601,19 @@ class MLXEngine:
             raise ValueError(f"token id {max(ids)} is outside the draft's vocabulary "
                              f"({draft_vocab})")
         n = len(ids)
-        target, reused = self._static_cache(self.model, TARGET_ID, req.namespace, ids, static)
-        draft, _ = self._static_cache(self.draft_model, DRAFT_ID, req.namespace, ids, static)
-        importance = score_tokens(self.draft_model, ids, static, draft,
-                                  lookahead=spec.lookahead, pool_kernel=spec.pool_kernel,
-                                  step=self._step_size)
+        target, reused = yield from self._static_cache_steps(self.model, TARGET_ID,
+                                                             req.namespace, ids, static)
+        draft, _ = yield from self._static_cache_steps(self.draft_model, DRAFT_ID,
+                                                       req.namespace, ids, static)
+        importance = yield from score_steps(self.draft_model, ids, static, draft,
+                                            lookahead=spec.lookahead,
+                                            pool_kernel=spec.pool_kernel, step=self._step_size)
         del draft
         keep_pct = req.specprefill_keep_pct or spec.keep_pct
         kept = select_chunks(importance, keep_pct, spec.chunk_size, spec.tail_tokens)
         # The final prompt token is generation's first input: BatchGenerator feeds it.
         positions = [static + i for i in kept if static + i != n - 1]
-        sparse_prefill(self.model, ids, positions, target, self._step_size)
+        yield from sparse_prefill_steps(self.model, ids, positions, target, self._step_size)
         shift = (n - 1) - kv.cache_size(target)
         for layer in target:
             layer.position_shift = shift

@@ -1,15 +1,20 @@
-"""Filling a per-sequence cache: dense over a run of tokens, or sparse at original positions."""
+"""Filling a per-sequence cache: dense over a run of tokens, or sparse at original positions.
+
+Each comes as a step generator (one model chunk per step, so the engine can interleave other
+sequences' decode steps, as ``BatchGenerator`` does with its own prefill) and as a plain call.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
 from .rope import PositionPlan, mapped_positions
 
 DEFAULT_STEP = 2048
+T = TypeVar("T")
 
 
 def _evaluate(cache: Sequence[Any]) -> None:
@@ -17,32 +22,59 @@ def _evaluate(cache: Sequence[Any]) -> None:
     mx.eval([c.state for c in cache])
 
 
-def dense_prefill(model: Any, ids: Sequence[int], cache: list[Any], step: int = DEFAULT_STEP) -> None:
-    """Run ``ids`` through ``model`` after what ``cache`` holds, ``step`` tokens at a time."""
+def dense_prefill_steps(model: Any, ids: Sequence[int], cache: list[Any],
+                        step: int = DEFAULT_STEP) -> Generator[None, None, None]:
+    """Run ``ids`` through ``model`` after what ``cache`` holds, ``step`` tokens at a time,
+    yielding after each chunk (the engine decodes other sequences in between)."""
     tokens = mx.array(list(ids), dtype=mx.uint32)
     for start in range(0, len(ids), step):
         model(tokens[None, start:start + step], cache=cache)
         _evaluate(cache)
+        yield
 
 
-def sparse_prefill(model: Any, ids: Sequence[int], positions: Sequence[int], cache: list[Any],
-                   step: int = DEFAULT_STEP) -> None:
-    """Prefill only ``ids[p] for p in positions`` (increasing), each rotated at its own p.
+def sparse_prefill_steps(model: Any, ids: Sequence[int], positions: Sequence[int],
+                         cache: list[Any],
+                         step: int = DEFAULT_STEP) -> Generator[None, None, None]:
+    """Prefill only ``ids[p] for p in positions`` (increasing), each rotated at its own p,
+    yielding after each chunk.
 
     The cache stores them contiguously; causal masking over storage order is right because the
     positions increase. RoPE is relative, so later tokens see the kept ones at their true
-    distance.
+    distance. The model's RoPE is swapped only while a chunk's graph is built, never across a
+    yield: the engine runs other sequences' decode steps on the same model in between.
     """
     if any(b <= a for a, b in zip(positions, positions[1:], strict=False)):
         raise ValueError("positions must be strictly increasing")
     tokens = mx.array([ids[p] for p in positions], dtype=mx.uint32)
     where = mx.array(list(positions), dtype=mx.int32)
     plan = PositionPlan()
-    with mapped_positions(model, plan):
-        for start in range(0, len(positions), step):
-            plan.current = where[start:start + step]
+    for start in range(0, len(positions), step):
+        plan.current = where[start:start + step]
+        with mapped_positions(model, plan):
             model(tokens[None, start:start + step], cache=cache)
-            _evaluate(cache)
+        _evaluate(cache)
+        yield
+
+
+def run_steps(steps: Generator[None, None, T]) -> T:
+    """Drive a step generator to its end, at once; its return value."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(T, done.value)
+
+
+def dense_prefill(model: Any, ids: Sequence[int], cache: list[Any], step: int = DEFAULT_STEP) -> None:
+    """``dense_prefill_steps`` at once."""
+    run_steps(dense_prefill_steps(model, ids, cache, step))
+
+
+def sparse_prefill(model: Any, ids: Sequence[int], positions: Sequence[int], cache: list[Any],
+                   step: int = DEFAULT_STEP) -> None:
+    """``sparse_prefill_steps`` at once."""
+    run_steps(sparse_prefill_steps(model, ids, positions, cache, step))
 
 
 def next_logits(model: Any, ids: Sequence[int], cache: list[Any]) -> mx.array:

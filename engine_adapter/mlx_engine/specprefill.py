@@ -11,14 +11,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
 import mlx.core as mx
 
 from .cache import cache_size
-from .prefill import DEFAULT_STEP, dense_prefill, next_logits
+from .prefill import DEFAULT_STEP, dense_prefill_steps, next_logits, run_steps
 from .rope import attention_modules, captured_queries
 
 
@@ -76,15 +76,17 @@ def attention_importance(queries: Sequence[Sequence[mx.array]], cache: Sequence[
     return best.mean(axis=0)
 
 
-def score_tokens(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *,
-                 lookahead: int = 8, pool_kernel: int = 13,
-                 step: int = DEFAULT_STEP) -> mx.array:
-    """Importance of ``ids[start:]`` by the draft; ``cache`` may already hold a prefix of ids."""
+def score_steps(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *,
+                lookahead: int = 8, pool_kernel: int = 13,
+                step: int = DEFAULT_STEP) -> Generator[None, None, mx.array]:
+    """Importance of ``ids[start:]`` by the draft (the generator's return value), one draft
+    prefill chunk per step; ``cache`` may already hold a prefix of ids. The lookahead steps run
+    in one go: the query capture on the draft must not span a yield."""
     n = len(ids)
     held = cache_size(cache)
     if not 0 <= held < n:
         raise ValueError(f"draft cache holds {held} tokens of a {n}-token prompt")
-    dense_prefill(draft, ids[held:n - 1], cache, step)
+    yield from dense_prefill_steps(draft, ids[held:n - 1], cache, step)
     logits = next_logits(draft, ids[n - 1:], cache)
     modules = attention_modules(draft)
     sinks: list[list[mx.array]] = [[] for _ in modules]
@@ -96,6 +98,14 @@ def score_tokens(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *
     importance = attention_importance(sinks, cache, n, scales, pool_kernel)[start:]
     mx.eval(importance)
     return importance
+
+
+def score_tokens(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *,
+                 lookahead: int = 8, pool_kernel: int = 13,
+                 step: int = DEFAULT_STEP) -> mx.array:
+    """``score_steps`` at once: the importance of ``ids[start:]``."""
+    return run_steps(score_steps(draft, ids, start, cache, lookahead=lookahead,
+                                 pool_kernel=pool_kernel, step=step))
 
 
 def select_chunks(importance: Sequence[float] | mx.array, keep_pct: float, chunk_size: int = 32,
