@@ -67,7 +67,9 @@ def test_the_next_turn_restores_the_previous_prompt_and_matches_dense(arch, engi
         assert_matches_dense(model, third, later)
         stats = engine.snapshot_stats()
         assert stats["conversation_hits"] == 2
-        assert stats["conversation_store"]["entries"] == 3
+        # Each turn supersedes the one it extends: one entry for the whole conversation.
+        assert stats["conversation_store"]["entries"] == 1
+        assert stats["conversation_store"]["superseded"] == 2
 
 
 def test_restored_prompt_kv_is_not_changed_by_its_users(make_engine, target):
@@ -134,8 +136,10 @@ def test_conversation_reuse_never_crosses_namespaces(make_engine, target):
     assert_matches_dense(model, second, b)
     a = run(engine, second, end, namespace="tenant-a")
     assert a[0].prefill.conversation_tokens == len(first) - 1
-    assert conversations.stats.by_namespace == {"tenant-a": 2, "tenant-b": 1}
-    assert conversations.purge("tenant-a") == 2
+    # tenant-a's turn 2 superseded its turn 1; tenant-b's entry is its own, untouched by a's.
+    assert conversations.stats.by_namespace == {"tenant-a": 1, "tenant-b": 1}
+    assert conversations.stats.superseded == 1
+    assert conversations.purge("tenant-a") == 1
     assert run(engine, second, end, namespace="tenant-a")[0].prefill.reused_tokens == 0
 
 
@@ -156,8 +160,8 @@ def test_the_conversation_store_stays_within_its_byte_bound(make_engine, target)
     events = run(engine, second, end, namespace="c")      # c's entry survived: reused
     assert events[0].prefill.conversation_tokens == len(first) - 1
     assert_matches_dense(model, second, events)
-    assert store.nbytes <= store.max_bytes                 # turn 2 replaced turn 1 (LRU)
-    assert len(store) == 1 and store.stats.evictions == 3
+    assert store.nbytes <= store.max_bytes                 # turn 2 superseded turn 1
+    assert len(store) == 1 and store.stats.evictions == 2 and store.stats.superseded == 1
     tiny = StaticKVStore(1)                                # nothing fits: reuse none, still right
     small = make_engine(conversation_store=tiny, reuse_static_kv=False)
     run(small, first, end)

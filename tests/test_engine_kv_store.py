@@ -111,6 +111,24 @@ def test_longest_common_prefix_finds_prefixes_and_siblings_of_one_namespace():
     assert store.stats.hits == 4 and store.stats.misses == 2   # min >= max: no lookup at all
 
 
+def test_supersede_drops_the_entries_a_new_one_extends_and_nothing_else():
+    store = StaticKVStore(1000)
+    store.put("n", "m", [1, 2], Blob(10, "turn1"))
+    store.put("n", "m", [1, 2, 3, 4], Blob(10, "turn2"))              # plain put: both kept
+    store.put("n", "m", [1, 2, 9], Blob(10, "sibling"))
+    store.put("x", "m", [1, 2], Blob(10, "another tenant"))
+    store.put("n", "d", [1, 2], Blob(10, "another model"))
+    assert store.put("n", "m", [1, 2, 3, 4, 5], Blob(10, "turn3"), supersede=True)
+    assert store.get("n", "m", [1, 2]) is None and store.get("n", "m", [1, 2, 3, 4]) is None
+    assert tag(store, "n", "m", [1, 2, 9]) == "sibling"
+    assert tag(store, "x", "m", [1, 2]) == "another tenant"
+    assert tag(store, "n", "d", [1, 2]) == "another model"
+    assert store.stats.superseded == 2 and store.stats.by_namespace == {"n": 3, "x": 1}
+    assert len(store) == 4 and store.nbytes == 40
+    hit = store.longest_common_prefix("n", "m", [1, 2, 3, 7], max_tokens=3)
+    assert hit is not None and (hit[0], hit[1].tag) == (3, "turn3")   # what turn 2 gave before
+
+
 def test_restore_of_a_shorter_prefix_and_views_for_the_batch():
     import mlx.core as mx
 

@@ -548,7 +548,8 @@ class MLXEngine:
                 stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
             if conversation and self.conversation_store is not None:
                 # One snapshot object for both is fine: snapshots are never written to.
-                self.conversation_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
+                self.conversation_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap,
+                                            supersede=True)
         if static and seq.leads is not None:
             self._release(seq, stored)
 
@@ -569,7 +570,7 @@ class MLXEngine:
                 log.warning("prompt KV of %s not there; not stored", seq.request.request_id)
                 return
             store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n],
-                      kv.snapshot(cache, n))
+                      kv.snapshot(cache, n), supersede=True)
         except Exception:
             log.warning("could not store the prompt KV of %s", seq.request.request_id,
                         exc_info=True)

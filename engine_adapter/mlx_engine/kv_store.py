@@ -51,11 +51,13 @@ class KVStoreStats:
     puts: int = 0
     evictions: int = 0
     rejected: int = 0      # bigger than the whole store
+    superseded: int = 0    # dropped by a put whose ids they were a prefix of (``supersede``)
     by_namespace: dict[str, int] = field(default_factory=dict)  # entries per namespace
 
     def as_dict(self) -> dict[str, Any]:
         return {"hits": self.hits, "misses": self.misses, "puts": self.puts,
                 "evictions": self.evictions, "rejected": self.rejected,
+                "superseded": self.superseded,
                 "by_namespace": dict(self.by_namespace)}
 
 
@@ -129,8 +131,13 @@ class StaticKVStore:
             return best_n, best[1].snapshot
 
     def put(self, namespace: str, model_id: str, prefix_ids: Sequence[int],
-            snapshot: Snapshot) -> bool:
-        """Store a snapshot, evicting least recently used entries; False if it cannot fit."""
+            snapshot: Snapshot, *, supersede: bool = False) -> bool:
+        """Store a snapshot, evicting least recently used entries; False if it cannot fit.
+
+        ``supersede`` also drops the entries of this namespace and model whose ids are a proper
+        prefix of these: for ``longest_common_prefix`` lookups (the conversation store) the new
+        entry shares at least as long a prefix with any prompt as they do, so a conversation
+        keeps one entry, its latest turn, instead of one per turn. Never for exact ``get``s."""
         size = int(snapshot.nbytes)
         key, packed = prefix_key(namespace, model_id, prefix_ids)
         with self._lock:
@@ -140,6 +147,13 @@ class StaticKVStore:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._forget(key, old)
+            if supersede:
+                covered = [k for k, e in self._entries.items()
+                           if k[0] == namespace and k[1] == model_id
+                           and packed.startswith(e.packed_ids)]
+                for k in covered:
+                    self._forget(k, self._entries.pop(k))
+                self.stats.superseded += len(covered)
             while self._entries and self._bytes + size > self.max_bytes:
                 victim_key, victim = self._entries.popitem(last=False)
                 self._forget(victim_key, victim)
