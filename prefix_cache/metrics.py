@@ -27,6 +27,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from .observer import CacheObserver
 
@@ -79,6 +80,7 @@ class Metrics(CacheObserver):
         # several apps in one process (tests) do not collide.
         self._multiprocess = multiprocess_dir() is not None
         self.registry = registry if registry is not None else CollectorRegistry()
+        self._collectors: list[Collector] = []
         reg = None if self._multiprocess else self.registry
         self.tenant_label = TenantLabels(max_tenants)
         self.requests = Counter(f"{NS}_requests_total", "Boundary requests by cache result.",
@@ -155,6 +157,13 @@ class Metrics(CacheObserver):
         """Every sample, aggregated across workers in multiprocess mode."""
         return list(self._scrape_registry().collect())
 
+    def add_collector(self, collector: Collector) -> None:
+        """A collector read at scrape time (in-process engines' counters), in this process's
+        exposition whether or not multiprocess mode is on."""
+        self._collectors.append(collector)
+        if not self._multiprocess:
+            self.registry.register(collector)
+
     def _scrape_registry(self) -> CollectorRegistry:
         if not self._multiprocess:
             return self.registry
@@ -162,6 +171,8 @@ class Metrics(CacheObserver):
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        for collector in self._collectors:
+            registry.register(collector)
         return registry
 
     def exposition(self) -> tuple[bytes, str]:

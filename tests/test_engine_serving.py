@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("mlx_lm")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
@@ -40,6 +41,7 @@ from .service_helpers import (  # noqa: E402
     served,
     unique_system,
 )
+from .test_grafana import queried_metrics  # noqa: E402
 
 pytest_plugins = ["tests.service_fixtures"]
 
@@ -201,6 +203,28 @@ def test_readyz_reports_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -
     report = r.json()["engines"][MODEL]
     assert report["ok"] is True and report["active"] == 0 and report["queued"] == 0
     assert engine.health()["ok"] is True
+
+
+def test_metrics_export_the_engine_counters(sidecar: tuple[str, ChatEngine]) -> None:
+    url, engine = sidecar
+    sdk = openai_client(url, "sk-acme")
+    sdk.chat.completions.create(model=MODEL, messages=chat(unique_system(), "Count me."),
+                                max_tokens=2, temperature=0.0)
+    with local_client(base_url=url) as http:
+        text = http.get("/metrics").text
+        stats_json = http.get("/dashboard/stats.json")
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    stats = engine.snapshot_stats()          # no request runs meanwhile: the same counts
+    model = (("model", MODEL),)
+    assert samples[("prefix_cache_engine_requests_total", model)] == stats["requests"] >= 1
+    assert samples[("prefix_cache_engine_prompt_tokens_total", (("kind", "computed"), *model))] \
+        == stats["prefilled_tokens"] > 0
+    assert samples[("prefix_cache_engine_kv_entries", (*model, ("store", "static")))] \
+        == stats["kv_store"]["entries"]
+    assert stats_json.status_code == 200
+    engine_queries = {m for m in queried_metrics() if m.startswith("prefix_cache_engine_")}
+    assert engine_queries and engine_queries <= {name for name, _ in samples}
 
 
 def test_a_closed_engine_is_not_healthy(tokenizer: Any) -> None:

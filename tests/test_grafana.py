@@ -9,9 +9,11 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache
+from prefix_cache.engine_metrics import EngineCollector
 from prefix_cache.metrics import Metrics
 
 from .templates import BEHAVIOURS
+from .test_metrics import ENGINE_STATS
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
 METRIC = re.compile(r"\b(prefix_cache_[a-z_]+)")
@@ -28,6 +30,14 @@ def exposed_metrics(text: str) -> set[str]:
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+class _StatsOnly:
+    def __init__(self, stats: dict) -> None:
+        self.stats = {**stats, "conversation_store": stats["kv_store"]}
+
+    def snapshot_stats(self) -> dict:
+        return self.stats
+
+
 def test_every_dashboard_metric_is_exposed(qwen3) -> None:
     metrics = Metrics()
     cache = StaticPrefixCache(observer=metrics)
@@ -37,6 +47,9 @@ def test_every_dashboard_metric_is_exposed(qwen3) -> None:
     metrics.store_error(op="get")
     metrics.verification_failure()
     metrics.refresh_store(cache.store.stats())
+    # The in-process engine's counters (stats shaped as MLXEngine.snapshot_stats(); the live
+    # sidecar with a real engine is checked against the same queries in test_engine_serving).
+    metrics.add_collector(EngineCollector(lambda: [("m", _StatsOnly(ENGINE_STATS))]))
     exposed = exposed_metrics(metrics.exposition()[0].decode())
     missing = queried_metrics() - exposed
     assert not missing, f"dashboard queries metrics /metrics does not have: {sorted(missing)}"

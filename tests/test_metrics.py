@@ -84,3 +84,80 @@ def test_several_workers_aggregate(tmp_path) -> None:
     snap = json.loads(out)
     assert (snap["hits"], snap["misses"]) == (12, 2)
     assert snap["store"]["entries"] == 6  # livesum over the workers (until marked dead)
+
+
+ENGINE_STATS = {
+    "requests": 5, "completed": 4, "cancelled": 1, "failed": 0, "specprefill": 2, "fallbacks": 1,
+    "reused_tokens": 900, "prefilled_tokens": 120, "generated_tokens": 40, "parked": 0,
+    "conversation_hits": 3, "last_fallback": "x", "active": 1,
+    "kv_store": {"hits": 4, "misses": 1, "puts": 1, "evictions": 0, "rejected": 0,
+                 "superseded": 0, "by_namespace": {"t": 1}, "entries": 1, "bytes": 4096,
+                 "max_bytes": 1 << 30},
+}
+
+
+class _Engine:
+    def __init__(self, stats: dict) -> None:
+        self.stats = stats
+
+    def snapshot_stats(self) -> dict:
+        if self.stats is None:
+            raise RuntimeError("engine gone")
+        return self.stats
+
+
+def _engine_samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = metrics.exposition()[0].decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("prefix_cache_engine_")}
+
+
+def _check_engine_samples(samples: dict) -> None:
+    m = (("model", "tiny"),)
+    assert samples[("prefix_cache_engine_requests_total", m)] == 5
+    assert samples[("prefix_cache_engine_specprefill_fallbacks_total", m)] == 1
+    assert samples[("prefix_cache_engine_prompt_tokens_total", (("kind", "reused"), *m))] == 900
+    assert samples[("prefix_cache_engine_prompt_tokens_total", (("kind", "computed"), *m))] == 120
+    assert samples[("prefix_cache_engine_active_requests", m)] == 1
+    static = (("model", "tiny"), ("store", "static"))
+    assert samples[("prefix_cache_engine_kv_bytes", static)] == 4096
+    hits = (("model", "tiny"), ("result", "hit"), ("store", "static"))
+    assert samples[("prefix_cache_engine_kv_lookups_total", hits)] == 4
+    # the conversation store is off in these stats, and the broken engine is left out
+    assert not any(dict(labels).get("store") == "conversation" for _, labels in samples)
+    assert not any(dict(labels).get("model") == "broken" for _, labels in samples)
+
+
+def test_engine_counters_are_exported_at_scrape_time() -> None:
+    from prefix_cache.engine_metrics import EngineCollector
+
+    metrics = Metrics()
+    assert not _engine_samples(metrics)
+    engines = [("tiny", _Engine(dict(ENGINE_STATS))), ("broken", _Engine(None))]
+    metrics.add_collector(EngineCollector(lambda: engines))
+    _check_engine_samples(_engine_samples(metrics))
+    engines[0][1].stats["requests"] = 6                  # read at scrape time, not copied
+    assert _engine_samples(metrics)[("prefix_cache_engine_requests_total",
+                                     (("model", "tiny"),))] == 6
+    assert metrics.snapshot()["hits"] == 0               # the JSON stats are unaffected
+
+
+def test_engine_counters_in_multiprocess_mode(tmp_path) -> None:
+    code = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, ".")
+        from prefix_cache.engine_metrics import EngineCollector
+        from prefix_cache.metrics import Metrics
+        from tests.test_metrics import ENGINE_STATS, _Engine, _check_engine_samples, _engine_samples
+        m = Metrics()
+        m.add_collector(EngineCollector(lambda: [("tiny", _Engine(dict(ENGINE_STATS))),
+                                                 ("broken", _Engine(None))]))
+        _check_engine_samples(_engine_samples(m))
+        print("ok")
+        """)
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=repo, check=True,
+                         timeout=60, capture_output=True, text=True).stdout
+    assert out.strip() == "ok"

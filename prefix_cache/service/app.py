@@ -10,6 +10,7 @@ import httpx
 from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
+from ..engine_metrics import EngineCollector
 from ..metrics import Metrics, mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
@@ -50,6 +51,9 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
                              max_entries=settings.tenant_max_entries,
                              max_bytes=settings.tenant_max_bytes)
     metrics = Metrics(max_tenants=settings.metrics_max_tenants)
+    engines = [(m.name, m.engine) for m in registry if m.engine is not None]
+    if engines:  # in-process engines' own counters, read at scrape time
+        metrics.add_collector(EngineCollector(lambda: engines))
     cache = StaticPrefixCache(store, observer=metrics)
     return ServiceState(settings, registry, keyring, store, cache, metrics)
 

@@ -1,0 +1,92 @@
+"""Prometheus metrics of in-process engines, read from their counters at scrape time.
+
+The engine keeps its own counters (``snapshot_stats()``: requests, tokens reused from its KV
+stores and tokens computed, SpecPrefills and fallbacks, the two KV stores' hits, bytes and
+entries), so a scrape-time collector exports them as they are instead of mirroring each event.
+In-process engines need a single worker, so reading this process's engines is the whole truth,
+in prometheus-client's multiprocess mode too. No mlx import here: an engine is anything with
+``snapshot_stats()``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+NS = "prefix_cache_engine"
+
+# (metric name without the namespace and _total, engine counter, help)
+COUNTERS = (
+    ("requests", "requests", "Requests the engine admitted."),
+    ("completed", "completed", "Requests that finished (length or stop)."),
+    ("cancelled", "cancelled", "Requests cancelled by their client."),
+    ("failed", "failed", "Requests that ended in an engine error."),
+    ("generated_tokens", "generated_tokens", "Tokens generated."),
+    ("specprefill", "specprefill", "Requests prefilled sparsely (SpecPrefill)."),
+    ("specprefill_fallbacks", "fallbacks", "SpecPrefills that failed and fell back to dense."),
+    ("conversation_hits", "conversation_hits",
+     "Requests that restored more than their static prefix from an earlier prompt."),
+)
+KV_STORES = (("static", "kv_store"), ("conversation", "conversation_store"))
+
+
+class EngineCollector:
+    """A prometheus-client collector over ``engines()``: ``(model name, engine)`` pairs."""
+
+    def __init__(self, engines: Callable[[], Iterable[tuple[str, Any]]]) -> None:
+        self._engines = engines
+
+    def describe(self) -> list[Metric]:
+        return []  # families are known only at scrape time; keeps registration lazy
+
+    def collect(self) -> Iterator[Metric]:
+        stats = []
+        for name, engine in self._engines():
+            try:
+                stats.append((name, engine.snapshot_stats()))
+            except Exception:  # a scrape must never fail because one engine could not answer
+                continue
+        yield from engine_families(stats)
+
+
+def engine_families(stats: Iterable[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
+    """The metric families for ``(model name, snapshot_stats())`` pairs."""
+    stats = list(stats)
+    counters = {key: CounterMetricFamily(f"{NS}_{key}", text, labels=["model"])
+                for key, _, text in COUNTERS}
+    tokens = CounterMetricFamily(
+        f"{NS}_prompt_tokens", "Prompt tokens, by how they got into the KV cache: reused "
+        "(restored from the static-prefix or conversation store) or computed (prefilled).",
+        labels=["model", "kind"])
+    active = GaugeMetricFamily(f"{NS}_active_requests", "Requests in the engine now.",
+                               labels=["model"])
+    kv_bytes = GaugeMetricFamily(f"{NS}_kv_bytes", "Bytes of KV held by the engine's store.",
+                                 labels=["model", "store"])
+    kv_entries = GaugeMetricFamily(f"{NS}_kv_entries", "Entries in the engine's KV store.",
+                                   labels=["model", "store"])
+    kv_lookups = CounterMetricFamily(f"{NS}_kv_lookups", "KV store lookups by result.",
+                                     labels=["model", "store", "result"])
+    kv_evictions = CounterMetricFamily(f"{NS}_kv_evictions",
+                                       "KV store entries evicted to stay within bytes.",
+                                       labels=["model", "store"])
+    for name, s in stats:
+        for key, field, _ in COUNTERS:
+            counters[key].add_metric([name], float(s.get(field, 0)))
+        tokens.add_metric([name, "reused"], float(s.get("reused_tokens", 0)))
+        tokens.add_metric([name, "computed"], float(s.get("prefilled_tokens", 0)))
+        active.add_metric([name], float(s.get("active", 0)))
+        for store, field in KV_STORES:
+            kv = s.get(field)
+            if not isinstance(kv, Mapping):
+                continue  # that store is off
+            kv_bytes.add_metric([name, store], float(kv.get("bytes", 0)))
+            kv_entries.add_metric([name, store], float(kv.get("entries", 0)))
+            kv_lookups.add_metric([name, store, "hit"], float(kv.get("hits", 0)))
+            kv_lookups.add_metric([name, store, "miss"], float(kv.get("misses", 0)))
+            kv_evictions.add_metric([name, store], float(kv.get("evictions", 0)))
+    if not stats:
+        return
+    yield from counters.values()
+    yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions)
