@@ -13,6 +13,9 @@ SHARED_TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "chat
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# Helper modules whose asserts test modules call: rewrite them for pytest's assert messages.
+pytest.register_assert_rewrite("tests.engine_fixtures")
+
 
 def make_tools(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """n distinct OpenAI function tools of realistic size."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,26 +18,15 @@ from engine_adapter.mlx_engine import (  # noqa: E402
     StaticKVStore,
 )
 from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
-from engine_adapter.tiny_model import tiny_model_folder  # noqa: E402
+from tests.engine_fixtures import (  # noqa: E402
+    assert_close,
+    assert_matches_dense,
+    load_tiny,
+    run,
+    turn,
+)
 
-ATOL = 1e-4
-
-
-@pytest.fixture(scope="session")
-def engine_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "engine-models"
-
-
-def load_tiny(root: Path, arch: str) -> Any:
-    """A tiny model (hidden 64, 2 layers, real Qwen3 vocabulary), built once per session."""
-    from mlx_lm.utils import load_model
-
-    return load_model(tiny_model_folder(root / f"{arch}-64x2", arch))[0]
-
-
-@pytest.fixture(scope="module")
-def target(engine_models_dir: Path, qwen3: Any) -> tuple[Any, Any]:
-    return load_tiny(engine_models_dir, "qwen3"), qwen3
+pytest_plugins = ["tests.engine_fixtures"]
 
 
 @pytest.fixture
@@ -56,34 +44,6 @@ def make_engine(target):
     yield make
     for engine in engines:
         engine.close()
-
-
-def turn(tok: Any, static_words: int, user: str) -> tuple[list[int], int]:
-    """Prompt ids with a static part of about ``static_words`` words and its length."""
-    static = tok.encode("<|im_start|>system\nYou are a careful assistant with tools. "
-                        + " ".join(f"tool_{i}(path, limit)" for i in range(static_words))
-                        + "<|im_end|>\n")
-    rest = tok.encode(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
-    return static + rest, len(static)
-
-
-def run(engine: MLXEngine, ids: list[int], end: int, **fields: Any) -> list[Any]:
-    fields.setdefault("max_tokens", 3)
-    return list(engine.generate(GenerationRequest(ids, specprefill_system_end=end,
-                                                  return_logprobs=True, **fields)))
-
-
-def assert_close(a: Any, b: Any) -> None:
-    diff = mx.abs(a - b).max().item()
-    assert diff < ATOL, f"max |logprob difference| {diff}"
-
-
-def assert_matches_dense(model: Any, ids: list[int], events: list[Any]) -> None:
-    """Every step's distribution equals a dense forward over the prompt plus the tokens so far:
-    the KV is right and decode positions continue at the full prompt length."""
-    tokens = [e.token for e in events]
-    for k, event in enumerate(events):
-        assert_close(event.logprobs, dense_logprobs(model, ids + tokens[:k]))
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from test_engine_batch, used as arguments)
 """The conversation store: a prompt restores the KV of the longest prefix it shares with an earlier
 prompt of the same namespace (all of a previous turn it extends, or the shared part of a sibling)
 and prefills only the rest; the answer equals a dense uncached forward; namespaces never share an
@@ -16,15 +15,15 @@ pytest.importorskip("mlx_lm")
 from engine_adapter.mlx_engine import MLXEngine, StaticKVStore  # noqa: E402
 from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
 from prefix_cache.boundary import common_prefix_len  # noqa: E402
-from tests.test_engine_batch import (  # noqa: E402,F401  (fixtures)
+from tests.engine_fixtures import (  # noqa: E402
     assert_close,
     assert_matches_dense,
-    engine_models_dir,
     load_tiny,
     run,
-    target,
     turn,
 )
+
+pytest_plugins = ["tests.engine_fixtures"]
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ the engine paths around it (protected static prefix, decode positions, fallbacks
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,38 +27,11 @@ from engine_adapter.mlx_engine.specprefill import (  # noqa: E402
     score_tokens,
     select_chunks,
 )
-from engine_adapter.tiny_model import tiny_model_folder  # noqa: E402
+from tests.engine_fixtures import ATOL, assert_close, load_tiny, run  # noqa: E402
 
-ATOL = 1e-4
+pytest_plugins = ["tests.engine_fixtures"]
+
 SMALL = SpecPrefillConfig(keep_pct=0.3, threshold=0, chunk_size=8, tail_tokens=8)
-
-
-@pytest.fixture(scope="session")
-def engine_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "engine-models"
-
-
-def load_tiny(root: Path, arch: str, *, draft: bool = False) -> Any:
-    """A tiny target (hidden 64, 2 layers) or draft (hidden 32, 1 layer, GQA 2:1: about 1/20
-    of the target's transformer compute), real Qwen3 vocabulary, built once per session."""
-    from mlx_lm.utils import load_model
-
-    if draft:
-        folder = tiny_model_folder(root / f"{arch}-32x1h2k1", arch, hidden=32, layers=1,
-                                   heads=2, kv_heads=1)
-    else:
-        folder = tiny_model_folder(root / f"{arch}-64x2", arch)
-    return load_model(folder)[0]
-
-
-@pytest.fixture(scope="module")
-def target(engine_models_dir: Path, qwen3: Any) -> tuple[Any, Any]:
-    return load_tiny(engine_models_dir, "qwen3"), qwen3
-
-
-@pytest.fixture(scope="module")
-def draft(engine_models_dir: Path) -> Any:
-    return load_tiny(engine_models_dir, "qwen3", draft=True)
 
 
 def prompt(tok: Any, user_words: int) -> tuple[list[int], int]:
@@ -68,17 +40,6 @@ def prompt(tok: Any, user_words: int) -> tuple[list[int], int]:
     rest = tok.encode("<|im_start|>user\n" + " ".join(f"word{i}" for i in range(user_words))
                       + "<|im_end|>\n<|im_start|>assistant\n")
     return static + rest, len(static)
-
-
-def run(engine: MLXEngine, ids: list[int], end: int, **fields: Any) -> list[Any]:
-    fields.setdefault("max_tokens", 3)
-    return list(engine.generate(GenerationRequest(ids, specprefill_system_end=end,
-                                                  return_logprobs=True, **fields)))
-
-
-def assert_close(a: Any, b: Any) -> None:
-    diff = mx.abs(a - b).max().item()
-    assert diff < ATOL, f"max |logprob difference| {diff}"
 
 
 # -- selection and pooling (pure) ------------------------------------------------------------
