@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +16,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 
-from .service_helpers import ServerThread, local_client, served, unique_system
+from .service_helpers import (
+    ARTIFACTS,
+    CHROMEDRIVER,
+    CHROMIUM,
+    ServerThread,
+    browser_errors,
+    headless_chromium,
+    local_client,
+    served,
+    unique_system,
+    wait_for_js,
+)
 
 pytest_plugins = ["tests.service_fixtures"]
 
 ACME, GLOBEX, ADMIN = "sk-dash-acme", "sk-dash-globex", "sk-dash-admin"
-ARTIFACTS = Path(os.environ.get("PREFIX_CACHE_ARTIFACTS", Path(__file__).resolve().parents[1] / "artifacts"))
 GRAFANA = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
 
 
@@ -126,36 +134,15 @@ def test_metrics_endpoint_is_prometheus_text(base: str) -> None:
     assert "# TYPE prefix_cache_requests_total counter" in r.text
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver")
-
-
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
 def test_page_in_headless_chromium(base: str) -> None:
-    webdriver = pytest.importorskip("selenium.webdriver")
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--no-first-run", "--disable-quic", "--window-size=1280,1000"):
-        options.add_argument(arg)
-    options.binary_location = CHROMIUM
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        driver.set_page_load_timeout(30)
+    pytest.importorskip("selenium.webdriver")
+    with headless_chromium() as driver:
         host = base.split("://", 1)[1]
         driver.get(f"http://admin:{ADMIN}@{host}/dashboard?poll_ms=300")  # the login prompt's answer
 
-        def wait_for(js: str, timeout: float = 20.0) -> Any:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                value = driver.execute_script(js)
-                if value:
-                    return value
-                time.sleep(0.1)
-            raise AssertionError(f"timed out waiting for {js}")
+        def wait_for(js: str) -> Any:
+            return wait_for_js(driver, js)
 
         wait_for("return window.dashboard && window.dashboard.renders >= 2")
         burst(base)
@@ -176,7 +163,5 @@ def test_page_in_headless_chromium(base: str) -> None:
         assert {"acme", "globex"} <= set(tenant_cells)
         ARTIFACTS.mkdir(parents=True, exist_ok=True)
         driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
-        errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-        assert not errors, errors
-    finally:
-        driver.quit()
+        assert not browser_errors(driver)
+        assert not driver.find_element("id", "engines").is_displayed()  # no in-process engine

@@ -33,13 +33,19 @@ from prefix_cache.service.upstream import Upstream  # noqa: E402
 
 from .conftest import make_tools  # noqa: E402
 from .service_helpers import (  # noqa: E402
+    ARTIFACTS,
+    CHROMEDRIVER,
+    CHROMIUM,
     EVENT_TIMEOUT_S,
     ServeProcess,
     ServerThread,
+    browser_errors,
+    headless_chromium,
     local_client,
     openai_client,
     served,
     unique_system,
+    wait_for_js,
 )
 from .test_grafana import queried_metrics  # noqa: E402
 
@@ -223,8 +229,34 @@ def test_metrics_export_the_engine_counters(sidecar: tuple[str, ChatEngine]) -> 
     assert samples[("prefix_cache_engine_kv_entries", (*model, ("store", "static")))] \
         == stats["kv_store"]["entries"]
     assert stats_json.status_code == 200
+    assert stats_json.json()["engines"] == [{"model": MODEL, **stats}]   # the dashboard's rows
     engine_queries = {m for m in queried_metrics() if m.startswith("prefix_cache_engine_")}
     assert engine_queries and engine_queries <= {name for name, _ in samples}
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
+def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -> None:
+    pytest.importorskip("selenium.webdriver")
+    url, engine = sidecar
+    openai_client(url, "sk-globex").chat.completions.create(
+        model=MODEL, messages=chat(unique_system(), "Show me."), max_tokens=2, temperature=0.0)
+    stats = engine.snapshot_stats()
+    with headless_chromium() as driver:
+        driver.get(f"{url}/dashboard?poll_ms=300")      # no admin key configured: open
+        wait_for_js(driver, "return window.dashboard && window.dashboard.renders >= 1")
+        assert driver.find_element("id", "engines").is_displayed()
+        cells = driver.execute_script(
+            "return [...document.querySelectorAll('#engines tbody tr')].map("
+            "r => [...r.children].map(c => c.textContent))")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / "dashboard-engine.png"))
+        assert not browser_errors(driver)
+    assert len(cells) == 1
+    model, active, requests, generated, reused = cells[0][:5]
+    assert (model, active) == (MODEL, "0")
+    assert requests == f"{stats['requests']:,}" and generated == f"{stats['generated_tokens']:,}"
+    prompt = stats["reused_tokens"] + stats["prefilled_tokens"]
+    assert reused == f"{stats['reused_tokens'] / prompt * 100:.1f}%"
 
 
 def test_a_closed_engine_is_not_healthy(tokenizer: Any) -> None:
