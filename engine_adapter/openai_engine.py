@@ -37,6 +37,7 @@ from prefix_cache.service.errors import BadRequest, ClientDisconnected, error_bo
 from prefix_cache.service.relay import until_disconnect
 
 from .mlx_engine import EngineError, GenerationRequest
+from .mlx_engine.request import check_context
 
 DEFAULT_MAX_TOKENS = 512
 MAX_STOP_STRINGS = 4
@@ -108,7 +109,7 @@ class ChatParams:
     """The sampling and output parameters of one OpenAI chat body, checked."""
 
     model: str
-    max_tokens: int
+    max_tokens: int | None         # None: the engine's default, cut to the context left
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
@@ -213,6 +214,10 @@ class ChatEngine:
     def vocab_size(self) -> int | None:
         return getattr(self.engine, "vocab_size", None)
 
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.engine, "context_length", None)
+
     def parse(self, body: Mapping[str, Any]) -> ChatParams:
         """The parameters of an OpenAI chat body; BadRequest naming the first bad one."""
         n = _int(body, "n", 1)
@@ -232,7 +237,7 @@ class ChatEngine:
         top_p = _float(body, "top_p", 0.0, 1.0, low_open=True)
         return ChatParams(
             model=model if isinstance(model, str) and model else self.name,
-            max_tokens=max_tokens if max_tokens is not None else self.default_max_tokens,
+            max_tokens=max_tokens,
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if top_p is None else top_p,
             seed=_int(body, "seed", 0),
@@ -246,9 +251,17 @@ class ChatEngine:
 
     def request(self, params: ChatParams, prompt_ids: Sequence[int], specprefill_system_end: int,
                 namespace: str) -> GenerationRequest:
-        """The engine request; BadRequest when the ids or the boundary do not fit."""
+        """The engine request; BadRequest when the ids, the boundary or the lengths do not
+        fit. A request that names no max_tokens gets the default, cut to the context left;
+        one that names too many is refused, as OpenAI's API does."""
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens
+            window = self.context_length
+            if window is not None and len(prompt_ids) < window:
+                max_tokens = min(max_tokens, window - len(prompt_ids))
         request = GenerationRequest(
-            prompt_ids=list(prompt_ids), max_tokens=params.max_tokens,
+            prompt_ids=list(prompt_ids), max_tokens=max_tokens,
             specprefill_system_end=specprefill_system_end, namespace=namespace,
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,
             specprefill=params.specprefill, specprefill_keep_pct=params.specprefill_keep_pct,
@@ -258,6 +271,11 @@ class ChatEngine:
             request.validate(self.vocab_size)
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc), code="invalid_request") from exc
+        if self.context_length is not None:
+            try:
+                check_context(len(request.prompt_ids), request.max_tokens, self.context_length)
+            except ValueError as exc:
+                raise BadRequest(str(exc), code="context_length_exceeded") from exc
         return request
 
     # -- running ----------------------------------------------------------------------------

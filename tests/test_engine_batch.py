@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from engine_adapter.mlx_engine import (  # noqa: E402
     MLXEngine,
     StaticKVStore,
 )
+from engine_adapter.mlx_engine.engine import context_length  # noqa: E402
 from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
     assert_close,
@@ -231,12 +233,37 @@ def test_a_boundary_at_the_end_of_the_prompt_keeps_the_last_token_for_generation
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"specprefill_keep_pct": 1.5}, "specprefill_keep_pct"),
+    ({"max_tokens": 32766}, "over the model's context of 32768"),   # 3 + 32766 tokens
 ])
 def test_invalid_requests_are_refused_naming_the_field(make_engine, fields, message):
     engine = make_engine()
     base = {"prompt_ids": [1, 2, 3]}
     with pytest.raises(ValueError, match=message):
         engine.submit(GenerationRequest(**{**base, **fields}), lambda _e: None)
+
+
+def test_max_context_lowers_the_models_window(make_engine):
+    engine = make_engine(max_context=8)
+    assert engine.context_length == 8
+    with pytest.raises(ValueError, match="ask for at most 5"):
+        engine.submit(GenerationRequest([1, 2, 3], max_tokens=6), lambda _e: None)
+    with pytest.raises(ValueError, match="the prompt has 8 tokens"):
+        engine.submit(GenerationRequest(list(range(8)), max_tokens=1), lambda _e: None)
+    events = list(engine.generate(GenerationRequest([1, 2, 3], max_tokens=5)))
+    assert len(events) == 5 and events[-1].finish_reason == "length"
+    assert make_engine(max_context=10**9).context_length == 32768   # never above the model's
+
+
+@pytest.mark.parametrize("args, expected", [
+    ({"max_position_embeddings": 32768}, 32768),
+    ({"max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0}}, 131072),
+    ({"max_position_embeddings": 131072,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),   # already the window
+    ({"max_position_embeddings": 4096, "rope_scaling": None}, 4096),
+    ({}, None),
+])
+def test_context_length_reads_the_config(args, expected):
+    assert context_length(SimpleNamespace(args=SimpleNamespace(**args))) == expected
 
 
 def test_a_closed_engine_refuses_requests(target):

@@ -154,6 +154,22 @@ def test_bad_parameters_are_400s(tokenizer: Any, body: dict[str, Any], fragment:
         ChatEngine(ScriptedEngine([], ()), tokenizer).parse(body)
 
 
+def test_max_tokens_must_fit_in_the_context_and_the_default_is_cut_to_it(tokenizer: Any) -> None:
+    engine = ScriptedEngine([], ())
+    engine.context_length = 10
+    chat_engine = ChatEngine(engine, tokenizer, default_max_tokens=512)
+    prompt = [1, 2, 3]
+    unnamed = chat_engine.parse({})
+    assert chat_engine.request(unnamed, prompt, 0, "default").max_tokens == 7  # 10 - 3 left
+    assert chat_engine.request(chat_engine.parse({"max_tokens": 7}), prompt, 0, "d").max_tokens == 7
+    with pytest.raises(BadRequest, match="ask for at most 7") as info:
+        chat_engine.request(chat_engine.parse({"max_tokens": 8}), prompt, 0, "default")
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(BadRequest, match="the prompt has 10 tokens") as info:
+        chat_engine.request(unnamed, list(range(10)), 0, "default")
+    assert info.value.code == "context_length_exceeded"
+
+
 def test_namespace_is_read_only_when_trusted() -> None:
     body = {"specprefill_namespace": "acme"}
     assert _Namespaces(trust=False).of(body) == "default"
@@ -340,7 +356,7 @@ def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, ChatEn
     cancelled = engine.snapshot_stats()["cancelled"]
     sdk = openai_client(url, "sk-acme")
     with sdk.chat.completions.with_streaming_response.create(
-        model=MODEL, messages=chat(unique_system(), "Go on forever."), max_tokens=100_000,
+        model=MODEL, messages=chat(unique_system(), "Go on forever."), max_tokens=30_000,
         temperature=0.0, stream=True,
     ) as response:
         stream = response.parse()
@@ -432,6 +448,19 @@ def test_serve_engine_bad_input_is_an_openai_400(engine_server: tuple[str, ChatE
     assert info.value.status_code == 400
     assert info.value.body["code"] == code and info.value.body["type"] == "invalid_request_error"
     assert info.value.body["message"]
+
+
+def test_serve_engine_refuses_more_tokens_than_the_context(engine_server: tuple[str, ChatEngine],
+                                                          ) -> None:
+    url, chat_engine = engine_server
+    window = chat_engine.context_length
+    assert window == 32768                     # the tiny model's max_position_embeddings
+    with pytest.raises(openai.BadRequestError, match=f"context of {window}") as info:
+        openai_client(url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=window,
+            extra_body={"prompt_token_ids": [1, 2, 3]})
+    assert info.value.body["code"] == "context_length_exceeded"
+    assert "ask for at most 32765" in info.value.body["message"]
 
 
 def test_serve_engine_models_and_health(engine_server: tuple[str, ChatEngine]) -> None:

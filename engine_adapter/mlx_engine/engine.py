@@ -106,6 +106,27 @@ def vocab_size(model: Any) -> int | None:
     return int(size) if isinstance(size, int) else None
 
 
+# RoPE scalings whose factor stretches ``max_position_embeddings`` (Qwen's YaRN recipe leaves
+# that field at the trained length); llama3 and longrope configs already state the full window.
+_STRETCHING_ROPE = {"yarn", "linear", "dynamic"}
+
+
+def context_length(model: Any) -> int | None:
+    """The model's context window when its config says it: ``max_position_embeddings``, times
+    the RoPE scaling factor for scalings that extend it (as vLLM reads it)."""
+    args = getattr(model, "args", None)
+    size = getattr(args, "max_position_embeddings", None)
+    if not isinstance(size, int) or size <= 0:
+        return None
+    scaling = getattr(args, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        factor = scaling.get("factor")
+        if kind in _STRETCHING_ROPE and isinstance(factor, (int, float)) and factor > 1:
+            size = int(size * factor)
+    return size
+
+
 class MLXEngine:
     """A batched MLX engine for one target model (and optionally a SpecPrefill draft)."""
 
@@ -124,7 +145,10 @@ class MLXEngine:
         prefill_batch_size: int = 8,
         prefill_step_size: int = DEFAULT_STEP,
         tokenizer: Any | None = None,
+        max_context: int | None = None,
     ) -> None:
+        if max_context is not None and max_context < 2:
+            raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
         if max_batch_size < 1 or prefill_batch_size < 1 or prefill_step_size < 1:
             raise ValueError("max_batch_size, prefill_batch_size and prefill_step_size "
                              "must be >= 1")
@@ -145,6 +169,12 @@ class MLXEngine:
         self.specprefill = specprefill or SpecPrefillConfig()
         self.stop_token_ids = tuple(stop_token_ids)
         self.vocab_size = vocab_size(model)
+        # Prompt plus generated tokens may not pass the context window: beyond it RoPE models
+        # degrade and a sequence's KV would grow without bound (the memory of every other one).
+        # ``max_context`` lowers the model's window (never raises it) to bound KV memory.
+        window = context_length(model)
+        self.context_length = (max_context if window is None
+                               else min(window, max_context or window))
         self.stats = EngineStats()
         self._positioned = kv.supports_positioned_cache(model)
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
@@ -186,7 +216,7 @@ class MLXEngine:
     def submit(self, request: GenerationRequest, deliver: Deliver) -> None:
         """Queue a request; ``deliver`` gets its TokenEvents (or one exception) on the engine
         thread, and must not block."""
-        request.validate(self.vocab_size)
+        request.validate(self.vocab_size, self.context_length)
         sampler = make_sampler(request.temperature, request.top_p, request.seed)
         seq = _Sequence(request, deliver, time.perf_counter(), sampler)
         self._post("submit", seq)

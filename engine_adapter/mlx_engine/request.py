@@ -36,8 +36,9 @@ class GenerationRequest:
     return_logprobs: bool = False
     request_id: str = field(default_factory=_new_id)
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError naming the first bad field."""
+    def validate(self, vocab_size: int | None = None, context_length: int | None = None) -> None:
+        """Raise ValueError naming the first bad field; the prompt plus ``max_tokens`` must fit
+        in ``context_length`` when it is given."""
         ids = self.prompt_ids
         if not isinstance(ids, (list, tuple)) or not ids:
             raise ValueError("prompt_ids must be a non-empty list of token ids")
@@ -47,6 +48,8 @@ class GenerationRequest:
             raise ValueError(f"prompt_ids has id {max(ids)}, outside the vocabulary ({vocab_size})")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        if context_length is not None:
+            check_context(len(ids), self.max_tokens, context_length)
         end = self.specprefill_system_end
         if not isinstance(end, int) or not 0 <= end <= len(ids):
             raise ValueError(f"specprefill_system_end must be in [0, {len(ids)}], got {end!r}")
@@ -60,6 +63,17 @@ class GenerationRequest:
             raise ValueError(f"specprefill_keep_pct must be in (0, 1], got {self.specprefill_keep_pct}")
         if self.specprefill_threshold is not None and self.specprefill_threshold < 0:
             raise ValueError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+    """ValueError unless the prompt and ``max_tokens`` generated tokens fit in the context."""
+    if prompt_tokens >= context_length:
+        raise ValueError(f"the prompt has {prompt_tokens} tokens; the model's context is "
+                         f"{context_length} tokens, and at least one must be left to generate")
+    if prompt_tokens + max_tokens > context_length:
+        raise ValueError(f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+                         f"is {prompt_tokens + max_tokens} tokens, over the model's context of "
+                         f"{context_length}; ask for at most {context_length - prompt_tokens}")
 
 
 DENSE, SPECPREFILL = "dense", "specprefill"
