@@ -263,6 +263,53 @@ def test_a_sparse_request_batched_with_dense_ones_keeps_its_positions(target, dr
             assert_close(event.logprobs, want)
 
 
+def extend(tok: Any, ids: list[int], user_words: int) -> list[int]:
+    """The next turn of the conversation ``ids`` (which ends in the assistant header)."""
+    return ids + tok.encode("Noted.<|im_end|>\n<|im_start|>user\n"
+                            + " ".join(f"more{i}" for i in range(user_words))
+                            + "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_threshold_counts_only_what_the_conversation_store_leaves(target, make_engine):
+    model, tok = target
+    first, end = prompt(tok, 20)
+    second = extend(tok, first, 10)
+    threshold = len(first) - end               # the first turn is dense, the second is not...
+    assert len(second) - end > threshold >= len(second) - len(first) + 1   # ...after the boundary
+    engine = make_engine(reuse_conversation_kv=True, specprefill=SpecPrefillConfig(
+        threshold=threshold, chunk_size=8, tail_tokens=8))
+    assert run(engine, first, end)[0].prefill.mode == "dense"
+    events = run(engine, second, end)
+    info = events[0].prefill
+    # Restored from the first turn, the new turn is left: dense, not SpecPrefill over the whole
+    # conversation after the boundary.
+    assert info.mode == "dense" and info.conversation_tokens == len(first) - 1
+    assert info.prefilled_tokens == len(second) - len(first) + 1
+    assert_close(events[0].logprobs, dense_logprobs(model, second))
+
+
+def test_specprefill_after_a_restored_conversation_protects_all_of_it(target, draft, make_engine):
+    model, tok = target
+    config = SpecPrefillConfig(keep_pct=0.1, threshold=40, chunk_size=8, tail_tokens=8)
+    engine = make_engine(reuse_conversation_kv=True, specprefill=config)
+    first, end = prompt(tok, 50)
+    assert run(engine, first, end, specprefill=False)[0].prefill.mode == "dense"
+    second = extend(tok, first, 120)
+    base = len(first) - 1                      # the first prompt but its last token, restored
+    kept = expected_kept(draft, second, base, config)
+    events = run(engine, second, end)
+    info = events[0].prefill
+    assert info.mode == "specprefill" and info.conversation_tokens == info.reused_tokens == base
+    assert info.kept_tokens == len(kept) and info.prefilled_tokens == len(kept)
+    assert len(kept) < (len(second) - base) // 3
+    visible = [i < base or i in set(kept) for i in range(len(second))]
+    tokens = [e.token for e in events]
+    for k, event in enumerate(events):
+        want = masked_logprobs(model, second + tokens[:k], visible + [True] * k)
+        assert_close(event.logprobs, want)
+    assert engine.snapshot_stats()["conversation_hits"] == 1
+
+
 def test_specprefill_engages_only_above_the_threshold(target, make_engine):
     _, tok = target
     engine = make_engine(specprefill=SpecPrefillConfig(threshold=50, chunk_size=8, tail_tokens=8))

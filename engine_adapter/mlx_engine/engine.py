@@ -451,8 +451,11 @@ class MLXEngine:
         ids = list(req.prompt_ids)
         # The last prompt token is the one generation starts from: it is never part of a snapshot.
         static = min(req.specprefill_system_end, len(ids) - 1)
-        sparse = self._wants_specprefill(req, len(ids) - static)
-        conv = None if sparse else self._conversation_hit(req, ids, static)
+        # What an earlier prompt of this conversation left dense comes back whole; SpecPrefill
+        # is for what is left to compute (as oMLX admits it after its prefix cache), so a long
+        # conversation of short turns stays dense instead of re-sparsifying its history.
+        conv = self._conversation_hit(req, ids, static)
+        sparse = self._wants_specprefill(req, len(ids) - (conv[0] if conv else static))
         if static and self.kv_store is not None and self._positioned and seq.may_park \
                 and conv is None:
             key = prefix_key(req.namespace, TARGET_ID, ids[:static])[0]
@@ -462,7 +465,7 @@ class MLXEngine:
                 self.stats.parked += 1
                 return
         if sparse:
-            steps = self._sparse_steps(seq, ids, static)
+            steps = self._sparse_steps(seq, ids, static, conv)
             self._sparse_jobs.append(_SparseJob(seq, ids, static, steps))
             return
         fallback = "no draft model" if req.specprefill and self.draft_model is None else None
@@ -620,11 +623,12 @@ class MLXEngine:
                 self.kv_store.put(namespace, model_id, ids[:static], kv.snapshot(cache, static))
         return cache, 0
 
-    def _sparse_steps(self, seq: _Sequence, ids: list[int],
-                      static: int) -> Generator[None, None, None]:
-        """SpecPrefill of one request, a model chunk per step: the static part restored or
-        dense for both models, the draft's scores, the kept tokens at their positions; then the
-        sequence joins the batch with its last prompt token."""
+    def _sparse_steps(self, seq: _Sequence, ids: list[int], static: int,
+                      conv: tuple[int, Any] | None = None) -> Generator[None, None, None]:
+        """SpecPrefill of one request, a model chunk per step: the protected part restored or
+        dense (the static prefix, or the longer prefix ``conv`` restores from an earlier prompt
+        of the conversation), the draft's scores of what follows it, the kept tokens at their
+        positions; then the sequence joins the batch with its last prompt token."""
         req = seq.request
         spec = self.specprefill
         draft_vocab = vocab_size(self.draft_model)
@@ -632,26 +636,35 @@ class MLXEngine:
             raise ValueError(f"token id {max(ids)} is outside the draft's vocabulary "
                              f"({draft_vocab})")
         n = len(ids)
-        target, reused = yield from self._static_cache_steps(self.model, TARGET_ID,
-                                                             req.namespace, ids, static)
+        if conv is not None:       # a copy: the sparse prefill writes after it
+            protected = reused = conv[0]
+            target = kv.restore(conv[1], protected)
+        else:
+            protected = static
+            target, reused = yield from self._static_cache_steps(self.model, TARGET_ID,
+                                                                 req.namespace, ids, static)
+        # The draft has no conversation KV: it reads the prompt from its static prefix on
+        # (a twentieth of the target's cost) and scores only what follows the protected part.
         draft, _ = yield from self._static_cache_steps(self.draft_model, DRAFT_ID,
                                                        req.namespace, ids, static)
-        importance = yield from score_steps(self.draft_model, ids, static, draft,
+        importance = yield from score_steps(self.draft_model, ids, protected, draft,
                                             lookahead=spec.lookahead,
                                             pool_kernel=spec.pool_kernel, step=self._step_size)
         del draft
         keep_pct = req.specprefill_keep_pct or spec.keep_pct
         kept = select_chunks(importance, keep_pct, spec.chunk_size, spec.tail_tokens)
         # The final prompt token is generation's first input: BatchGenerator feeds it.
-        positions = [static + i for i in kept if static + i != n - 1]
+        positions = [protected + i for i in kept if protected + i != n - 1]
         yield from sparse_prefill_steps(self.model, ids, positions, target, self._step_size)
         shift = (n - 1) - kv.cache_size(target)
         for layer in target:
             layer.position_shift = shift
         self._insert(seq, [[ids[-1]]], target)
-        computed = (static - reused) + len(positions) + 1
+        computed = (protected - reused) + len(positions) + 1
         seq.info = PrefillInfo(n, static, reused, computed, SPECPREFILL,
-                               kept_tokens=len(positions) + 1)
+                               kept_tokens=len(positions) + 1,
+                               conversation_tokens=reused if conv is not None else 0)
         self.stats.specprefill += 1
+        self.stats.conversation_hits += conv is not None
         self.stats.reused_tokens += reused
         self.stats.prefilled_tokens += computed

@@ -88,7 +88,7 @@ class PrefillInfo:
     reused_tokens: int         # restored (static-prefix or conversation store), not computed
     prefilled_tokens: int      # target-model tokens computed for this prompt
     mode: str                  # DENSE or SPECPREFILL
-    kept_tokens: int | None = None   # SpecPrefill: tokens after the boundary that were kept
+    kept_tokens: int | None = None   # SpecPrefill: tokens kept after the protected part
     fallback: str | None = None      # why SpecPrefill was wanted but dense ran
     conversation_tokens: int = 0     # of reused_tokens: restored from an earlier prompt (dense)
 
