@@ -1,5 +1,6 @@
 """Engine benchmark: time to first token and next-token KL divergence from a dense prefill, on
-the second turn of a 64-tool agent, short and long (~8k-token document) user turns.
+the second turn of a 64-tool agent, short and long (~8k-token document) user turns, and the
+follow-up turn after the long one (a short question on the document).
 
     bash bench/engine.sh [--update-docs]      (preloads OpenBLAS, then runs this file)
 
@@ -228,52 +229,60 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         rows: dict[str, dict[str, list[float]]] = {}
         meta: dict[str, dict[str, Any]] = {}
-        for workload, reps in (("short", args.reps_short), ("long", args.reps_long)):
-            for rep in range(reps):
-                if workload == "short":
-                    user = f"Thanks. Now open the worker service (attempt {rep}) and fix its retries."
+
+        def measure(workload: str, rep: int, messages: list[dict[str, Any]]) -> None:
+            t_render, ids = timed(renderer.render_ids, messages, tools, {})
+            t_resolve, result = timed(cache.resolve, tok, messages, tools,
+                                      namespace="d")            # renders the prompt too
+            assert result.hit and result.prompt_ids == ids
+            t_naive, naive = timed(naive_boundary, renderer, messages, tools, len(ids))
+            end = result.specprefill_system_end
+            ttft_e, ref, _ = engine_first(dense, ids, 0, "e")
+            measured: dict[str, tuple[float, float | None, Any]] = {}
+            order = ["a", "b", "c", "d"]
+            order = order[rep % 4:] + order[:rep % 4]          # rotate: no fixed position
+            for variant in order:
+                if variant == "a":
+                    ttft, prompt_tokens = server_ttft(url, messages, tools)
+                    assert prompt_tokens in (-1, len(ids)), (prompt_tokens, len(ids))
+                    measured["a"] = (ttft, None, None)
+                elif variant == "b":
+                    ttft, lp, info = engine_first(engine, ids, 0, "b")
+                    measured["b"] = (t_render + ttft, kl_divergence(ref, lp), info)
+                elif variant == "c":
+                    ttft, lp, info = engine_first(engine, ids, naive, "c")
+                    measured["c"] = (t_render + t_naive + ttft, kl_divergence(ref, lp), info)
                 else:
-                    user = ("Here is the incident report. Summarize it and list the actions:\n\n"
-                            + document(tok, args.doc_tokens, seed=rep))
-                _, messages = conversation(user)
-                t_render, ids = timed(renderer.render_ids, messages, tools, {})
-                t_resolve, result = timed(cache.resolve, tok, messages, tools,
-                                          namespace="d")            # renders the prompt too
-                assert result.hit and result.prompt_ids == ids
-                t_naive, naive = timed(naive_boundary, renderer, messages, tools, len(ids))
-                end = result.specprefill_system_end
-                ttft_e, ref, _ = engine_first(dense, ids, 0, "e")
-                measured: dict[str, tuple[float, float | None, Any]] = {}
-                order = ["a", "b", "c", "d"]
-                order = order[rep % 4:] + order[:rep % 4]          # rotate: no fixed position
-                for variant in order:
-                    if variant == "a":
-                        ttft, prompt_tokens = server_ttft(url, messages, tools)
-                        assert prompt_tokens in (-1, len(ids)), (prompt_tokens, len(ids))
-                        measured["a"] = (ttft, None, None)
-                    elif variant == "b":
-                        ttft, lp, info = engine_first(engine, ids, 0, "b")
-                        measured["b"] = (t_render + ttft, kl_divergence(ref, lp), info)
-                    elif variant == "c":
-                        ttft, lp, info = engine_first(engine, ids, naive, "c")
-                        measured["c"] = (t_render + t_naive + ttft, kl_divergence(ref, lp), info)
-                    else:
-                        ttft, lp, info = engine_first(engine, ids, end, "d")
-                        measured["d"] = (t_resolve + ttft, kl_divergence(ref, lp), info)
-                measured["e"] = (t_render + ttft_e, 0.0, None)
-                for variant, (ttft, kl, info) in measured.items():
-                    row = rows.setdefault(f"{workload}:{variant}", {"ttft": [], "kl": []})
-                    row["ttft"].append(ttft)
-                    if kl is not None:
-                        row["kl"].append(kl)
-                    if info is not None:
-                        meta.setdefault(f"{workload}:{variant}", []).append({
-                            "mode": info.mode, "reused": info.reused_tokens,
-                            "prefilled": info.prefilled_tokens, "kept": info.kept_tokens})
-                meta[workload] = {"prompt_tokens": len(ids), "boundary": end,
-                                  "naive_boundary": naive}
-                log(workload, rep, {k: (round(v[0], 3), v[1]) for k, v in measured.items()})
-                mx.clear_cache()
+                    ttft, lp, info = engine_first(engine, ids, end, "d")
+                    measured["d"] = (t_resolve + ttft, kl_divergence(ref, lp), info)
+            measured["e"] = (t_render + ttft_e, 0.0, None)
+            for variant, (ttft, kl, info) in measured.items():
+                row = rows.setdefault(f"{workload}:{variant}", {"ttft": [], "kl": []})
+                row["ttft"].append(ttft)
+                if kl is not None:
+                    row["kl"].append(kl)
+                if info is not None:
+                    meta.setdefault(f"{workload}:{variant}", []).append({
+                        "mode": info.mode, "reused": info.reused_tokens,
+                        "prefilled": info.prefilled_tokens, "kept": info.kept_tokens})
+            meta[workload] = {"prompt_tokens": len(ids), "boundary": end,
+                              "naive_boundary": naive}
+            log(workload, rep, {k: (round(v[0], 3), v[1]) for k, v in measured.items()})
+            mx.clear_cache()
+
+        for rep in range(args.reps_short):
+            user = f"Thanks. Now open the worker service (attempt {rep}) and fix its retries."
+            measure("short", rep, conversation(user)[1])
+        for rep in range(args.reps_long):
+            user = ("Here is the incident report. Summarize it and list the actions:\n\n"
+                    + document(tok, args.doc_tokens, seed=rep))
+            messages = conversation(user)[1]
+            measure("long", rep, messages)
+            # The next turn: a short question on the document everyone has just prefilled.
+            measure("follow-up", rep, messages + [
+                {"role": "assistant", "content": "The report describes a failed rollout; the "
+                                                 "actions are listed at its end."},
+                {"role": "user", "content": "Which of those actions touch the worker service?"}])
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -295,6 +304,15 @@ LABELS = {
 }
 
 
+TITLES = {
+    "short": "short user turn",
+    "long": "long user turn",
+    "follow-up": "follow-up turn (a short question right after the long turn: (a) has that "
+                 "prompt in its prompt cache, each engine variant its own KV of it in its "
+                 "namespace's conversation store, sparse where that turn was SpecPrefilled)",
+}
+
+
 def table(report: dict[str, Any], command: str) -> str:
     rows, meta = report["rows"], report["meta"]
     lines = [
@@ -306,12 +324,14 @@ def table(report: dict[str, Any], command: str) -> str:
         f"weights, real Qwen3 vocabulary (151,669 rows, tied embeddings).",
         "",
     ]
-    for workload in ("short", "long"):
+    for workload in ("short", "long", "follow-up"):
+        if workload not in meta:
+            continue
         m = meta[workload]
         anchor = statistics.median(rows[f"{workload}:a"]["ttft"])
         reps = len(rows[f"{workload}:a"]["ttft"])
         lines += [
-            f"**{workload} user turn** — prompt {m['prompt_tokens']} tokens, cached boundary "
+            f"**{TITLES[workload]}** — prompt {m['prompt_tokens']} tokens, cached boundary "
             f"{m['boundary']}, naive boundary {m['naive_boundary']}; median of {reps} run(s).",
             "",
             "| variant | TTFT | vs (a) | KL(dense ‖ variant), nats | prefill path |",

@@ -148,6 +148,29 @@ def test_restore_of_a_shorter_prefix_and_views_for_the_batch():
             kv.restore(snap, bad)
 
 
+def test_a_sparse_snapshot_restores_the_stored_tokens_of_a_prefix_rotated_past_the_dropped():
+    import mlx.core as mx
+
+    from engine_adapter.mlx_engine import cache as kv
+
+    c = kv.PositionedKVCache()
+    k = mx.arange(2 * 4 * 4, dtype=mx.float32).reshape(1, 2, 4, 4)
+    c.update_and_fetch(k, k)
+    # Four stored tokens standing for a 10-token prompt: positions 0, 1, 5, 6.
+    snap = kv.snapshot([c], 4, positions=[0, 1, 5, 6], span=10)
+    assert snap.prompt_tokens == 10 and snap.positions_before(6) == (0, 1, 5)
+    for n, stored in ((10, 4), (6, 3), (5, 2), (1, 1)):
+        (part,) = kv.restore(snap, n)
+        assert kv.cache_size([part]) == stored and part.position_shift == n - stored
+        assert mx.array_equal(part.keys, k[..., :stored, :]).item()
+    assert kv.restore(snap)[0].position_shift == 6
+    with pytest.raises(ValueError, match="cannot restore"):
+        kv.restore(kv.snapshot([c], 2, positions=[3, 4], span=6), 3)   # nothing stored before 3
+    for positions, span in (([0, 1, 2], 10), ([0, 2, 1, 3], 10), ([0, 1, 2, 9], 9)):
+        with pytest.raises(ValueError, match="sparse snapshot"):
+            kv.snapshot([c], 4, positions=positions, span=span)   # 3 for 4, unordered, past span
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, None])
 def test_bad_size_is_refused(bad):
     with pytest.raises(ValueError, match="max_bytes"):

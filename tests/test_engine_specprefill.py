@@ -310,6 +310,56 @@ def test_specprefill_after_a_restored_conversation_protects_all_of_it(target, dr
     assert engine.snapshot_stats()["conversation_hits"] == 1
 
 
+def run_dense(engine: MLXEngine, model: Any, ids: list[int], end: int,
+              visible: list[bool]) -> Any:
+    """Run ``ids`` and check every step against the masked reference; the prefill info."""
+    events = run(engine, ids, end)
+    tokens = [e.token for e in events]
+    for k, event in enumerate(events):
+        assert_close(event.logprobs,
+                     masked_logprobs(model, ids + tokens[:k], visible + [True] * k))
+    return events[0].prefill
+
+
+def test_the_turns_after_a_specprefill_restore_its_kept_tokens(target, draft, make_engine):
+    model, tok = target
+    config = SpecPrefillConfig(keep_pct=0.1, threshold=40, chunk_size=8, tail_tokens=8)
+    engine = make_engine(reuse_conversation_kv=True, specprefill=config)
+    first, end = prompt(tok, 120)
+    kept = set(expected_kept(draft, first, end, config))
+    # One token: its KV is stored from the finished response's cache (the later turns, running
+    # on, store theirs from the batch).
+    assert run(engine, first, end, max_tokens=1)[0].prefill.mode == "specprefill"
+    seen = len(first) - 1                      # where the first turn's stored prompt ends
+
+    def visible(ids: list[int]) -> list[bool]:
+        # The kept tokens of the first turn stand for all of it; everything after is dense.
+        return [i < end or i in kept or i >= seen for i in range(len(ids))]
+
+    second = extend(tok, first, 5)             # a short turn: restored + dense, no SpecPrefill
+    info = run_dense(engine, model, second, end, visible(second))
+    assert info.mode == "dense" and info.conversation_tokens == seen
+    assert info.prefilled_tokens == len(second) - seen
+    third = extend(tok, second, 5)             # and the turn after that restores the second's
+    info = run_dense(engine, model, third, end, visible(third))
+    assert info.mode == "dense" and info.conversation_tokens == len(second) - 1
+    # A sibling of the first turn, sharing only part of its sparse history, restores that part.
+    cut = seen - 20
+    sibling = first[:cut] + tok.encode(" a different ending<|im_end|>\n<|im_start|>assistant\n")
+    info = run_dense(engine, model, sibling, end, [i < end or i in kept or i >= cut
+                                                  for i in range(len(sibling))])
+    assert info.mode == "dense" and info.conversation_tokens == cut
+
+
+def test_reuse_sparse_kv_off_sparsifies_the_history_again(target, make_engine):
+    _, tok = target
+    engine = make_engine(reuse_conversation_kv=True, reuse_sparse_kv=False, specprefill=SMALL)
+    first, end = prompt(tok, 120)
+    assert run(engine, first, end)[0].prefill.mode == "specprefill"
+    info = run(engine, extend(tok, first, 5), end)[0].prefill
+    assert info.mode == "specprefill" and info.conversation_tokens == 0
+
+
 def test_specprefill_engages_only_above_the_threshold(target, make_engine):
     _, tok = target
     engine = make_engine(specprefill=SpecPrefillConfig(threshold=50, chunk_size=8, tail_tokens=8))

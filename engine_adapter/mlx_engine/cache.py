@@ -10,6 +10,7 @@ caches of newly inserted prompts.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,11 +41,31 @@ class PositionedKVCache(KVCache):
 
 @dataclass(frozen=True, slots=True)
 class KVSnapshot:
-    """Keys and values of the first ``n_tokens`` of a sequence, one pair per layer."""
+    """Keys and values of the first ``n_tokens`` stored tokens of a sequence, one pair per layer.
+
+    A dense snapshot stores prompt positions ``0 .. n_tokens - 1``. A sparse one (a
+    SpecPrefill's KV) stores only some: ``positions`` says each stored token's prompt position
+    (increasing), and ``span`` how many prompt tokens the snapshot stands for.
+    """
 
     layers: tuple[tuple[mx.array, mx.array], ...]
     n_tokens: int
     nbytes: int
+    positions: tuple[int, ...] | None = None
+    span: int | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Prompt tokens the snapshot stands for (stored or, when sparse, dropped)."""
+        return self.n_tokens if self.span is None else self.span
+
+    def stored_before(self, n: int) -> int:
+        """Stored tokens among the first ``n`` prompt positions."""
+        return min(n, self.n_tokens) if self.positions is None else bisect_left(self.positions, n)
+
+    def positions_before(self, n: int) -> tuple[int, ...] | None:
+        """The stored positions among the first ``n`` (None: dense, all of them)."""
+        return None if self.positions is None else self.positions[:self.stored_before(n)]
 
 
 def supports_positioned_cache(model: Any) -> bool:
@@ -69,34 +90,50 @@ def cache_size(cache: Sequence[Any]) -> int:
     return int(cache[0].offset) if cache else 0
 
 
-def snapshot(cache: Sequence[KVCache], n_tokens: int) -> KVSnapshot:
-    """Copy of the first ``n_tokens`` of a per-sequence cache, evaluated."""
+def snapshot(cache: Sequence[KVCache], n_tokens: int, *,
+             positions: Sequence[int] | None = None, span: int | None = None) -> KVSnapshot:
+    """Copy of the first ``n_tokens`` stored tokens of a per-sequence cache, evaluated; with
+    ``positions`` (one per stored token, increasing) and ``span``, a sparse snapshot."""
     if any(c.keys is None or c.offset < n_tokens for c in cache):
         raise ValueError(f"cache holds fewer than {n_tokens} tokens")
+    if positions is not None:
+        positions = tuple(positions)
+        span = positions[-1] + 1 if span is None and positions else span
+        if len(positions) != n_tokens or span is None or (positions and positions[-1] >= span) \
+                or any(b <= a for a, b in zip(positions, positions[1:], strict=False)):
+            raise ValueError("a sparse snapshot needs one increasing position per stored "
+                             "token, all before its span")
     layers = tuple(
         (mx.contiguous(c.keys[..., :n_tokens, :]), mx.contiguous(c.values[..., :n_tokens, :]))
         for c in cache if c.keys is not None and c.values is not None
     )
     mx.eval(layers)
     nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-    return KVSnapshot(layers, n_tokens, nbytes)
+    if positions is None:
+        return KVSnapshot(layers, n_tokens, nbytes)
+    return KVSnapshot(layers, n_tokens, nbytes, positions, span)
 
 
 def restore(snap: KVSnapshot, n_tokens: int | None = None, *,
             copy: bool = True) -> list[PositionedKVCache]:
-    """A new per-sequence cache holding the snapshot's first ``n_tokens`` (all by default).
+    """A new per-sequence cache standing for the snapshot's first ``n_tokens`` prompt tokens
+    (all by default). From a sparse snapshot it holds the stored ones among them and is
+    rotated ahead by the dropped ones (``position_shift``), so what follows sits at position
+    ``n_tokens``.
 
     With ``copy`` (the default) its arrays are copies, so later writes into the cache (slice
     assignment after a trim, say) never reach the store: what a cache that is prefilled in
     place needs. ``copy=False`` gives read-only views, for a cache handed straight to
     ``BatchGenerator.insert``: merging it into the batch copies it anyway, and a second copy
     before that would only cost time to first token."""
-    n = snap.n_tokens if n_tokens is None else n_tokens
-    if not 0 < n <= snap.n_tokens:
-        raise ValueError(f"cannot restore {n} tokens from a snapshot of {snap.n_tokens}")
+    span = snap.prompt_tokens
+    want = span if n_tokens is None else n_tokens
+    n = snap.stored_before(want)
+    if not 0 < want <= span or n == 0:
+        raise ValueError(f"cannot restore {want} tokens from a snapshot of {span}")
     caches = []
     for keys, values in snap.layers:
-        c = PositionedKVCache()
+        c = PositionedKVCache(position_shift=want - n)
         if n < snap.n_tokens:
             keys, values = keys[..., :n, :], values[..., :n, :]
         c.keys, c.values = (mx.array(keys), mx.array(values)) if copy else (keys, values)

@@ -66,6 +66,9 @@ class _Sequence:
     conversation_at: int = 0   # >0: store [0, conversation_at) (prompt - 1) in the conversation store
     conversation_ready: bool = False  # that segment is prefilled: store it after the first token
     base: int = 0              # tokens restored before insertion (BatchGenerator's progress is after them)
+    # Prompt positions of the tokens stored for [0, base) when some were dropped (a SpecPrefill's
+    # KV, or a restore of one); None: dense, all of them.
+    stored_positions: tuple[int, ...] | None = None
     leads: Key | None = None   # the static prefix this request computes for parked followers
     parked_on: Key | None = None
     may_park: bool = True
@@ -139,6 +142,7 @@ class MLXEngine:
         reuse_static_kv: bool = True,
         conversation_store: StaticKVStore | None = None,
         reuse_conversation_kv: bool = True,
+        reuse_sparse_kv: bool = True,
         specprefill: SpecPrefillConfig | None = None,
         stop_token_ids: Sequence[int] = (),
         max_batch_size: int = 16,
@@ -166,6 +170,10 @@ class MLXEngine:
         if reuse_conversation_kv:
             self.conversation_store = (conversation_store if conversation_store is not None
                                        else StaticKVStore())
+        # A SpecPrefill's KV (its kept tokens, at their positions) goes to the conversation store
+        # too, so the next turn restores it and computes only what is new, instead of scoring
+        # and sparsifying the same history again (it sees that history as this turn did).
+        self.reuse_sparse_kv = reuse_sparse_kv
         self.specprefill = specprefill or SpecPrefillConfig()
         self.stop_token_ids = tuple(stop_token_ids)
         self.vocab_size = vocab_size(model)
@@ -519,8 +527,11 @@ class MLXEngine:
         longer than the static prefix; else None (the static path)."""
         if self.conversation_store is None or not self._positioned:
             return None
-        return self.conversation_store.longest_common_prefix(req.namespace, TARGET_ID, ids,
-                                                             len(ids) - 1, min_tokens=static)
+        hit = self.conversation_store.longest_common_prefix(req.namespace, TARGET_ID, ids,
+                                                            len(ids) - 1, min_tokens=static)
+        if hit is not None and hit[1].stored_before(hit[0]) == 0:
+            return None  # a sparse entry that kept nothing of the shared part: nothing to restore
+        return hit
 
     def _insert(self, seq: _Sequence, segments: list[list[int]], cache: list[Any]) -> None:
         req = seq.request
@@ -541,6 +552,7 @@ class MLXEngine:
         last = len(ids) - 1 if self.conversation_store is not None and self._positioned else 0
         if conv is not None:
             reused = conversation = seq.base = conv[0]
+            seq.stored_positions = conv[1].positions_before(reused)
             seq.conversation_at = last if last > reused else 0
             self._insert(seq, [ids[reused:]], kv.restore(conv[1], reused, copy=False))
             self.stats.conversation_hits += 1
@@ -595,15 +607,21 @@ class MLXEngine:
         if store is None or n <= 0:
             return
         try:
+            positions = seq.stored_positions
+            if positions is not None:     # sparse: what was restored or kept, then all the rest
+                positions = positions + tuple(range(seq.base, n))
+            stored = n if positions is None else len(positions)
             cache = r.prompt_cache
             if cache is None:
                 extracted = self._generator.extract_cache([seq.uid]).get(seq.uid)
                 cache = extracted[0] if extracted is not None else None
-            if cache is None or kv.cache_size(cache) < n:
+            if cache is None or kv.cache_size(cache) < stored:
                 log.warning("prompt KV of %s not there; not stored", seq.request.request_id)
                 return
-            store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n],
-                      kv.snapshot(cache, n), supersede=True)
+            snap = (kv.snapshot(cache, n) if positions is None
+                    else kv.snapshot(cache, stored, positions=positions, span=n))
+            store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n], snap,
+                      supersede=True)
         except Exception:
             log.warning("could not store the prompt KV of %s", seq.request.request_id,
                         exc_info=True)
@@ -636,9 +654,11 @@ class MLXEngine:
             raise ValueError(f"token id {max(ids)} is outside the draft's vocabulary "
                              f"({draft_vocab})")
         n = len(ids)
+        protected_positions: tuple[int, ...] | None = None
         if conv is not None:       # a copy: the sparse prefill writes after it
             protected = reused = conv[0]
             target = kv.restore(conv[1], protected)
+            protected_positions = conv[1].positions_before(protected)
         else:
             protected = static
             target, reused = yield from self._static_cache_steps(self.model, TARGET_ID,
@@ -659,6 +679,13 @@ class MLXEngine:
         shift = (n - 1) - kv.cache_size(target)
         for layer in target:
             layer.position_shift = shift
+        if self.reuse_sparse_kv and self.conversation_store is not None and n > 1:
+            # The prompt minus its last token is all in ``target`` now: stored after the
+            # first token, as a dense prompt is.
+            seq.base = seq.conversation_at = n - 1
+            seq.stored_positions = (protected_positions if protected_positions is not None
+                                    else tuple(range(protected))) + tuple(positions)
+            seq.conversation_ready = True
         self._insert(seq, [[ids[-1]]], target)
         computed = (protected - reused) + len(positions) + 1
         seq.info = PrefillInfo(n, static, reused, computed, SPECPREFILL,
