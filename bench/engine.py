@@ -10,6 +10,8 @@ about 1/20 of its size (same Qwen3 vocabulary):
   (a) mlx_lm.server serving the target: dense prefill with its own prompt cache (it saw turn 1)
   (b) SpecPrefill over the whole prompt (no boundary, so nothing to reuse)
   (c) SpecPrefill with the naive boundary (full prompt minus a render without system messages)
+      (b) and (c) run on an engine without the conversation store, so each request is exactly
+      what its name says (with it, they would restore their own earlier, sparse, prompts)
   (d) our cached boundary: static prefix dense and reused from the KV store, SpecPrefill on the
       rest (dense when the rest is under the threshold; a dense turn then restores, from the
       engine's conversation store, the longest prefix it shares with an earlier prompt of its
@@ -206,7 +208,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tools = bench_tools(N_TOOLS)
     cache = StaticPrefixCache()
 
-    engine = MLXEngine(target, draft_model=draft)                    # (b), (c), (d): namespaced
+    engine = MLXEngine(target, draft_model=draft)                    # (d)
+    baseline = MLXEngine(target, draft_model=draft, reuse_conversation_kv=False)  # (b), (c)
     dense = MLXEngine(target, reuse_static_kv=False, reuse_conversation_kv=False)  # (e)
     server, url = start_server(target_dir)
     log = print if args.verbose else (lambda *a, **k: None)
@@ -223,7 +226,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # prompt into the engine's conversation store, as (a)'s server has it in its prompt cache.
         engine_first(engine, first_ids, warm.specprefill_system_end, "d", specprefill=False)
         naive = naive_boundary(renderer, first, tools, len(first_ids))
-        engine_first(engine, first_ids[:naive + 1], naive, "c")     # stores the naive prefix KV
+        engine_first(baseline, first_ids[:naive + 1], naive, "c")   # stores the naive prefix KV
         log(f"turn 1: {len(first_ids)} tokens, boundary {warm.specprefill_system_end}, "
             f"naive {naive}")
 
@@ -247,10 +250,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     assert prompt_tokens in (-1, len(ids)), (prompt_tokens, len(ids))
                     measured["a"] = (ttft, None, None)
                 elif variant == "b":
-                    ttft, lp, info = engine_first(engine, ids, 0, "b")
+                    ttft, lp, info = engine_first(baseline, ids, 0, "b")
                     measured["b"] = (t_render + ttft, kl_divergence(ref, lp), info)
                 elif variant == "c":
-                    ttft, lp, info = engine_first(engine, ids, naive, "c")
+                    ttft, lp, info = engine_first(baseline, ids, naive, "c")
                     measured["c"] = (t_render + t_naive + ttft, kl_divergence(ref, lp), info)
                 else:
                     ttft, lp, info = engine_first(engine, ids, end, "d")
@@ -287,6 +290,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.terminate()
         server.wait(timeout=30)
         engine.close()
+        baseline.close()
         dense.close()
     return {"rows": rows, "meta": meta, "machine": machine(),
             "target_params": non_embedding_params(TARGET),
@@ -308,8 +312,8 @@ TITLES = {
     "short": "short user turn",
     "long": "long user turn",
     "follow-up": "follow-up turn (a short question right after the long turn: (a) has that "
-                 "prompt in its prompt cache, each engine variant its own KV of it in its "
-                 "namespace's conversation store, sparse where that turn was SpecPrefilled)",
+                 "prompt in its prompt cache, (d) its own KV of it, sparse after the boundary, in "
+                 "its namespace's conversation store; (b) and (c) keep no conversation)",
 }
 
 
