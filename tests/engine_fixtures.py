@@ -49,6 +49,24 @@ def draft(engine_models_dir: Path) -> Any:
     return load_tiny(engine_models_dir, "qwen3", draft=True)
 
 
+@pytest.fixture
+def engines(target: tuple[Any, Any]) -> Any:
+    """``make(model=None, **options)``: an MLXEngine on ``model`` (the target by default);
+    every engine made is closed at teardown."""
+    from engine_adapter.mlx_engine import MLXEngine
+
+    made: list[MLXEngine] = []
+
+    def make(model: Any = None, **options: Any) -> MLXEngine:
+        engine = MLXEngine(model if model is not None else target[0], **options)
+        made.append(engine)
+        return engine
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
 def turn(tok: Any, static_words: int, user: str) -> tuple[list[int], int]:
     """Prompt ids with a static part of about ``static_words`` words and its length."""
     static = tok.encode("<|im_start|>system\nYou are a careful assistant with tools. "

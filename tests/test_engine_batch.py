@@ -32,20 +32,10 @@ pytest_plugins = ["tests.engine_fixtures"]
 
 
 @pytest.fixture
-def make_engine(target):
-    engines: list[MLXEngine] = []
-
-    def make(**options: Any) -> MLXEngine:
-        # These tests pin the static-prefix path; tests/test_engine_conversation.py covers the
-        # conversation store (on by default), which would restore repeated prompts whole.
-        options.setdefault("reuse_conversation_kv", False)
-        engine = MLXEngine(target[0], **options)
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.close()
+def make_engine(engines):
+    # These tests pin the static-prefix path; tests/test_engine_conversation.py covers the
+    # conversation store (on by default), which would restore repeated prompts whole.
+    return lambda **options: engines(**{"reuse_conversation_kv": False, **options})
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])

@@ -159,20 +159,13 @@ def test_score_tokens_scores_the_tokens_after_the_boundary(target, draft):
 # -- the engine with SpecPrefill ---------------------------------------------------------------
 
 @pytest.fixture
-def make_engine(target, draft):
-    engines: list[MLXEngine] = []
-
+def make_engine(engines, draft):
     def make(model: Any = None, draft_model: Any = draft, **options: Any) -> MLXEngine:
         options.setdefault("specprefill", SMALL)
         options.setdefault("reuse_conversation_kv", False)  # the static path, as in test_engine_batch
-        engine = MLXEngine(model if model is not None else target[0],
-                           draft_model=draft_model, **options)
-        engines.append(engine)
-        return engine
+        return engines(model, draft_model=draft_model, **options)
 
-    yield make
-    for engine in engines:
-        engine.close()
+    return make
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
