@@ -159,6 +159,8 @@ def test_a_sparse_snapshot_restores_the_stored_tokens_of_a_prefix_rotated_past_t
     # Four stored tokens standing for a 10-token prompt: positions 0, 1, 5, 6.
     snap = kv.snapshot([c], 4, positions=[0, 1, 5, 6], span=10)
     assert snap.prompt_tokens == 10 and snap.positions_before(6) == (0, 1, 5)
+    assert snap.dense_tokens == 2 and kv.snapshot([c], 3).dense_tokens == 3
+    assert kv.snapshot([c], 3, positions=[0, 1, 2], span=9).dense_tokens == 3
     for n, stored in ((10, 4), (6, 3), (5, 2), (1, 1)):
         (part,) = kv.restore(snap, n)
         assert kv.cache_size([part]) == stored and part.position_shift == n - stored

@@ -27,7 +27,14 @@ from engine_adapter.mlx_engine.specprefill import (  # noqa: E402
     score_tokens,
     select_chunks,
 )
-from tests.engine_fixtures import ATOL, assert_close, load_tiny, run  # noqa: E402
+from prefix_cache.boundary import common_prefix_len  # noqa: E402
+from tests.engine_fixtures import (  # noqa: E402
+    ATOL,
+    assert_close,
+    assert_matches_dense,
+    load_tiny,
+    run,
+)
 
 pytest_plugins = ["tests.engine_fixtures"]
 
@@ -342,6 +349,25 @@ def test_the_turns_after_a_specprefill_restore_its_kept_tokens(target, draft, ma
     info = run_dense(engine, model, sibling, end, [i < end or i in kept or i >= cut
                                                   for i in range(len(sibling))])
     assert info.mode == "dense" and info.conversation_tokens == cut
+
+
+def test_a_request_with_specprefill_off_restores_only_the_dense_part_of_a_sparse_history(
+        target, make_engine):
+    model, tok = target
+    engine = make_engine(reuse_conversation_kv=True, specprefill=SMALL)
+    first, end = prompt(tok, 120)
+    middle, _ = prompt(tok, 60)               # a dense turn: its prompt stored whole
+    assert run(engine, middle, end, specprefill=False)[0].prefill.mode == "dense"
+    assert run(engine, first, end)[0].prefill.mode == "specprefill"   # restores middle's part
+    second = extend(tok, first, 5)
+    events = run(engine, second, end, specprefill=False)
+    info = events[0].prefill
+    shared = common_prefix_len(middle, first)
+    assert end < shared < len(first) - 1
+    # The first prompt's entry is whole up to what it restored from the dense turn, sparse
+    # after it: a dense request restores only that whole part and computes all the rest.
+    assert info.mode == "dense" and info.conversation_tokens == shared
+    assert_matches_dense(model, second, events)
 
 
 def test_reuse_sparse_kv_off_sparsifies_the_history_again(target, make_engine):

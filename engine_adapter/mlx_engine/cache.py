@@ -59,6 +59,21 @@ class KVSnapshot:
         """Prompt tokens the snapshot stands for (stored or, when sparse, dropped)."""
         return self.n_tokens if self.span is None else self.span
 
+    @property
+    def dense_tokens(self) -> int:
+        """The leading prompt tokens all stored (a sparse snapshot's protected part)."""
+        if self.positions is None:
+            return self.n_tokens
+        # Positions increase, so positions[i] >= i, and == i exactly up to the first gap.
+        lo, hi = 0, len(self.positions)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.positions[mid] == mid:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
     def stored_before(self, n: int) -> int:
         """Stored tokens among the first ``n`` prompt positions."""
         return min(n, self.n_tokens) if self.positions is None else bisect_left(self.positions, n)

@@ -529,9 +529,18 @@ class MLXEngine:
             return None
         hit = self.conversation_store.longest_common_prefix(req.namespace, TARGET_ID, ids,
                                                             len(ids) - 1, min_tokens=static)
-        if hit is not None and hit[1].stored_before(hit[0]) == 0:
+        if hit is None:
+            return None
+        n, snap = hit
+        if req.specprefill is False:
+            # A request that turned SpecPrefill off gets exact attention over its whole prompt:
+            # of a sparse entry only the part stored whole (its protected prefix) is restored.
+            n = min(n, snap.dense_tokens)
+            if n <= static:
+                return None
+        if snap.stored_before(n) == 0:
             return None  # a sparse entry that kept nothing of the shared part: nothing to restore
-        return hit
+        return n, snap
 
     def _insert(self, seq: _Sequence, segments: list[list[int]], cache: list[Any]) -> None:
         req = seq.request
