@@ -557,6 +557,7 @@ class MLXEngine:
                      fallback: str | None, conv: tuple[int, Any] | None = None) -> None:
         req = seq.request
         reused = conversation = 0
+        seq.stored_positions = None
         # The prompt minus its last token goes to the conversation store once it is prefilled.
         last = len(ids) - 1 if self.conversation_store is not None and self._positioned else 0
         if conv is not None:
@@ -688,14 +689,15 @@ class MLXEngine:
         shift = (n - 1) - kv.cache_size(target)
         for layer in target:
             layer.position_shift = shift
+        self._insert(seq, [[ids[-1]]], target)
         if self.reuse_sparse_kv and self.conversation_store is not None and n > 1:
-            # The prompt minus its last token is all in ``target`` now: stored after the
-            # first token, as a dense prompt is.
+            # The prompt minus its last token is all in ``target``: stored after the first
+            # token, as a dense prompt is (set once inserted: a failure before falls back to a
+            # dense admission, which must not inherit any of it).
             seq.base = seq.conversation_at = n - 1
             seq.stored_positions = (protected_positions if protected_positions is not None
                                     else tuple(range(protected))) + tuple(positions)
             seq.conversation_ready = True
-        self._insert(seq, [[ids[-1]]], target)
         computed = (protected - reused) + len(positions) + 1
         seq.info = PrefillInfo(n, static, reused, computed, SPECPREFILL,
                                kept_tokens=len(positions) + 1,
