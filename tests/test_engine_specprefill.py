@@ -370,6 +370,29 @@ def test_a_request_with_specprefill_off_restores_only_the_dense_part_of_a_sparse
     assert_matches_dense(model, second, events)
 
 
+def test_a_specprefill_that_fails_at_insertion_stores_a_dense_entry(target, make_engine):
+    model, tok = target
+    engine = make_engine(reuse_conversation_kv=True, specprefill=SpecPrefillConfig(
+        keep_pct=0.3, threshold=40, chunk_size=8, tail_tokens=8))
+    real, calls = engine._insert, []
+
+    def insert_once_failing(seq: Any, segments: Any, cache: Any) -> None:
+        calls.append(len(segments[0]))
+        if len(calls) == 1:
+            raise MemoryError("no room for the sparse cache")
+        real(seq, segments, cache)
+
+    engine._insert = insert_once_failing        # the engine thread looks it up per call
+    first, end = prompt(tok, 120)
+    info = run(engine, first, end)[0].prefill
+    assert info.mode == "dense" and "MemoryError" in info.fallback and calls[0] == 1
+    second = extend(tok, first, 5)             # restores the fallback's dense prompt: exact
+    events = run(engine, second, end)
+    assert events[0].prefill.mode == "dense"
+    assert events[0].prefill.conversation_tokens == len(first) - 1
+    assert_matches_dense(model, second, events)
+
+
 def test_reuse_sparse_kv_off_sparsifies_the_history_again(target, make_engine):
     _, tok = target
     engine = make_engine(reuse_conversation_kv=True, reuse_sparse_kv=False, specprefill=SMALL)
