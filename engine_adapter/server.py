@@ -34,7 +34,7 @@ import hmac
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -177,14 +177,24 @@ def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
 def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
                  host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  trust_namespace: bool = False, api_key: str | None = None,
-                 log_level: str = "info") -> int:
-    """Load the model and serve it until stopped; the exit code."""
+                 log_level: str = "info",
+                 engine_options: Sequence[str] | Mapping[str, Any] | None = None) -> int:
+    """Load the model and serve it until stopped; the exit code. ``engine_options``: the
+    ``--engine-option KEY=VALUE`` flags, or a mapping (see ``engine_adapter.options``)."""
     import uvicorn
 
     from prefix_cache.service.server import log_config
+    from prefix_cache.service.settings import parse_key_values
+
+    from .options import EngineOptions
 
     try:
-        chat = ChatEngine.load(model_dir, draft_dir)
+        options = EngineOptions.parse(parse_key_values(engine_options or {}))
+    except ValueError as exc:
+        print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        chat = ChatEngine.load(model_dir, draft_dir, **options.engine_kwargs())
     except (OSError, ValueError, ImportError) as exc:
         print(f"prefix-cache serve-engine: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -135,7 +135,8 @@ def cmd_serve_engine(args: argparse.Namespace) -> int:
     from engine_adapter.server import serve_engine  # imports mlx: only for this command
 
     return serve_engine(args.model, args.draft_model, host=args.host, port=args.port,
-                        trust_namespace=args.trust_namespace, api_key=args.api_key)
+                        trust_namespace=args.trust_namespace, api_key=args.api_key,
+                        engine_options=args.engine_option)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
@@ -194,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run completions in-process on the MLX engine (instead of --upstream)")
     serve.add_argument("--draft-model", metavar="DIR",
                        help="SpecPrefill draft model of the engine (needs --engine mlx)")
+    serve.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
+                       help="an in-process engine's option, e.g. kv_bytes=8GiB, "
+                            "conversation_bytes=16GiB, max_context=32768 (repeatable; "
+                            "engine_adapter.options lists them)")
     serve.add_argument("--redis", metavar="URL", help="shared store (default: in-process memory)")
     serve.set_defaults(func=cmd_serve)
     se = sub.add_parser("serve-engine", help="run the MLX engine as an OpenAI-compatible server "
@@ -210,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("PREFIX_CACHE_ENGINE_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1 "
                          "(env PREFIX_CACHE_ENGINE_API_KEY)")
+    se.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
+                    help="an engine option, e.g. kv_bytes=8GiB, conversation_bytes=16GiB, "
+                         "max_context=32768, specprefill_keep_pct=0.2 (repeatable; "
+                         "engine_adapter.options lists them)")
     se.set_defaults(func=cmd_serve_engine)
     demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
                           "tool-rendering template) and print its path")

@@ -485,6 +485,29 @@ def test_serve_engine_api_key(engine_server: tuple[str, ChatEngine]) -> None:
     assert not chat_engine._closed
 
 
+def test_engine_options_reach_the_in_process_engine(tiny_model_dir: Path) -> None:
+    settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", keys_file=None,
+                               models_file=None, upstream=None, engine_options=[
+                                   "kv_bytes=3MiB", "conversation_bytes=0", "max_context=4096",
+                                   "specprefill_threshold=100"])
+    app = create_app(settings)
+    engine = app.state.service.models.get(MODEL).engine.engine
+    try:
+        assert engine.kv_store.max_bytes == 3 << 20 and engine.conversation_store is None
+        assert engine.context_length == 4096 and engine.specprefill.threshold == 100
+    finally:
+        engine.close()
+
+
+def test_serve_engine_command_exits_2_on_bad_engine_options(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from prefix_cache import cli
+
+    assert cli.main(["serve-engine", "--model", "/no/such/folder",
+                     "--engine-option", "kv_bites=1GiB"]) == 2
+    assert "kv_bites" in capsys.readouterr().err
+
+
 def test_serve_engine_command_exits_2_on_a_missing_folder(
         capsys: pytest.CaptureFixture[str]) -> None:
     from prefix_cache import cli

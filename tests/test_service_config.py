@@ -162,6 +162,58 @@ def test_engine_specs_are_accepted_and_checked(model_dir: Path, tmp_path: Path) 
     assert (u.engine, u.draft_model) == (None, None)
 
 
+def test_engine_options_from_flags_environment_and_models_file(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = flag_overrides({"engine_option": ["kv_bytes=8GiB", "max_context = 4096"]})
+    settings = ServiceSettings(**flags)
+    assert settings.engine_options == {"kv_bytes": "8GiB", "max_context": "4096"}
+    monkeypatch.setenv("PREFIX_CACHE_ENGINE_OPTIONS", '{"conversation_bytes": "2GiB"}')
+    assert ServiceSettings().engine_options == {"conversation_bytes": "2GiB"}
+    # Given flags replace the environment's options, as every flag wins over its variable.
+    assert ServiceSettings(**flags).engine_options == {"kv_bytes": "8GiB", "max_context": "4096"}
+    monkeypatch.delenv("PREFIX_CACHE_ENGINE_OPTIONS")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        make_settings({"engine_options": ["kv_bytes"]})
+    # A models-file entry lays its options over the settings', key by key.
+    path = tmp_path / "models.yaml"
+    path.write_text(f"e: {{folder: {model_dir}, engine: mlx, engine_options: {{kv_bytes: 1MiB}}}}\n"
+                    f"f: {{folder: {model_dir}, engine: mlx}}\n")
+    e, f = load_model_specs(ServiceSettings(models_file=path, engine_options={
+        "kv_bytes": "8GiB", "max_context": 4096}))
+    assert e.engine_options == {"kv_bytes": "1MiB", "max_context": 4096}
+    assert f.engine_options == {"kv_bytes": "8GiB", "max_context": 4096}
+
+
+@pytest.mark.parametrize("entry, settings, fragment", [
+    ("engine: mlx, engine_options: {kv_bytez: 1GiB}", {}, "kv_bytez: Extra inputs"),
+    ("engine: mlx", {"engine_options": {"specprefill_keep_pct": 0}}, "specprefill_keep_pct"),
+    ("engine: mlx", {"engine_options": {"kv_bytes": "lots"}}, "kv_bytes"),
+    ("engine_options: {kv_bytes: 1GiB}", {}, "give engine: mlx too"),
+])
+def test_bad_engine_options_are_refused_naming_the_model_and_key(
+        model_dir: Path, tmp_path: Path, entry: str, settings: dict[str, Any],
+        fragment: str) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(f"m: {{folder: {model_dir}, {entry}}}\n")
+    with pytest.raises(ValueError, match=fragment) as info:
+        load_model_specs(ServiceSettings(models_file=path, **settings))
+    assert "'m'" in str(info.value)
+
+
+def test_engine_options_parse_sizes_and_list_the_known_keys() -> None:
+    from engine_adapter.options import EngineOptions
+
+    options = EngineOptions.parse({"kv_bytes": "8GiB", "conversation_bytes": "512MiB",
+                                   "max_context": "32768", "specprefill_keep_pct": "0.1"})
+    assert (options.kv_bytes, options.conversation_bytes) == (8 << 30, 512 << 20)
+    assert (options.max_context, options.specprefill_keep_pct) == (32768, 0.1)
+    assert EngineOptions.parse(None) == EngineOptions()
+    with pytest.raises(ValueError, match="known: kv_bytes, conversation_bytes"):
+        EngineOptions.parse({"nope": 1})
+    with pytest.raises(ValueError, match="max_context"):
+        EngineOptions.parse({"max_context": 1})
+
+
 # -- the command ----------------------------------------------------------------------------------
 
 
@@ -172,6 +224,8 @@ def test_engine_specs_are_accepted_and_checked(model_dir: Path, tmp_path: Path) 
     (["--model", "/no/such/folder"], "does not exist"),
     (["--upstream", "localhost:8080"], "must be http"),
     (["--port", "-1"], "port"),
+    (["--engine", "mlx", "--engine-option", "kv_bytes"], "KEY=VALUE"),
+    (["--engine", "mlx", "--engine-option", "kv_bytes=huge"], "kv_bytes"),
 ])
 def test_serve_exits_2_on_what_it_cannot_serve(model_dir: Path, capsys: pytest.CaptureFixture[str],
                                                 argv: list[str], fragment: str) -> None:
@@ -241,7 +295,8 @@ def test_deploy_examples_are_valid() -> None:
     specs = load_model_specs(ServiceSettings(models_file=deploy / "models.example.yaml"))
     assert [(s.name, s.upstream_kind, s.upstream is not None) for s in specs] == [
         ("qwen3-8b", "openai", True), ("qwen3-8b-specprefill", "specprefill", True),
-        ("boundaries-only", "openai", False)]
+        ("boundaries-only", "openai", False), ("qwen3-8b-in-process", "openai", False)]
+    assert specs[-1].engine == "mlx" and specs[-1].engine_options["kv_bytes"] == "8GiB"
     ring = KeyRing.from_settings(ServiceSettings(keys_file=deploy / "keys.example.yaml"))
     assert ring.tenants == ["acme", "globex"]
     ring.require_admin("Bearer sk-admin-CHANGE-ME")

@@ -27,7 +27,7 @@ class SpecPrefillConfig:
     """When SpecPrefill engages and how much it keeps."""
 
     keep_pct: float = 0.2
-    threshold: int = 8192   # engages when more than this many tokens follow the boundary
+    threshold: int = 8192   # engages above this many tokens left to compute after the protected part
     chunk_size: int = 32
     tail_tokens: int = 512
     lookahead: int = 8

@@ -12,9 +12,11 @@ A model comes from ``--model DIR`` (named after its folder) or from a ``--models
       upstream_health_path: /health   # optional: what GET /readyz probes
       engine: mlx                     # or: completions run in-process on the MLX engine
       draft_model: /models/Qwen3-0.6B # optional, with engine: the SpecPrefill draft
+      engine_options: {kv_bytes: 8GiB} # optional, with engine: over --engine-option's
 
 Fields an entry leaves out fall back to the settings (``--upstream``, ``--engine``,
-``--draft-model`` and the ``PREFIX_CACHE_UPSTREAM_*`` variables); an entry that names an
+``--draft-model``, ``--engine-option`` and the ``PREFIX_CACHE_UPSTREAM_*`` variables; an
+entry's ``engine_options`` are laid over the settings' key by key); an entry that names an
 engine takes no default upstream, and one that names an upstream no default engine. A model
 has an upstream or an engine, not both. With no model at all the demo model folder is served.
 
@@ -65,6 +67,7 @@ class ModelSpec(BaseModel):
     upstream_health_path: str = DEFAULT_HEALTH_PATH
     engine: str | None = None
     draft_model: Path | None = None
+    engine_options: dict[str, Any] = Field(default_factory=dict)
 
 
 def load_model_specs(settings: ServiceSettings,
@@ -77,6 +80,7 @@ def load_model_specs(settings: ServiceSettings,
         "upstream_api_key": settings.upstream_api_key,
         "engine": settings.engine,
         "draft_model": settings.draft_model,
+        "engine_options": settings.engine_options,
     }
     specs: list[ModelSpec] = []
     if settings.models_file is not None:
@@ -114,6 +118,11 @@ def _specs_from_file(path: Path, defaults: dict[str, Any]) -> list[ModelSpec]:
         if not isinstance(entry, dict):
             raise ValueError(f"{where}: must be a mapping with at least 'folder'")
         data = {**defaults, **entry, "name": str(name)}
+        if isinstance(entry.get("engine_options"), dict):
+            if entry.get("engine", defaults["engine"]) is None:
+                raise ValueError(f"{where}: engine_options are for the in-process engine: "
+                                 "give engine: mlx too")
+            data["engine_options"] = {**defaults["engine_options"], **entry["engine_options"]}
         if entry.get("engine") is not None and "upstream" not in entry:
             data["upstream"] = None  # the entry runs in-process: no default upstream
         if entry.get("upstream") is not None and "engine" not in entry:
@@ -134,6 +143,8 @@ def _check(specs: Sequence[ModelSpec]) -> None:
         if spec.draft_model is not None and spec.engine is None:
             raise ValueError(f"model {spec.name!r}: a draft model (--draft-model, draft_model) "
                              "is for the in-process engine: give --engine mlx (engine: mlx) too")
+        if spec.engine is not None:
+            _check_engine_options(spec)
         if spec.engine is not None and spec.upstream is not None:
             raise ValueError(f"model {spec.name!r}: has both an in-process engine and an "
                              "upstream; give one of --engine/engine and --upstream/upstream")
@@ -148,6 +159,16 @@ def _check(specs: Sequence[ModelSpec]) -> None:
             raise ValueError(f"models {labels[label]!r} and {spec.name!r} have the same key "
                              f"label {label!r}: rename one")
         labels[label] = spec.name
+
+
+def _check_engine_options(spec: ModelSpec) -> None:
+    """Refuse bad engine options before anything loads (imports no mlx)."""
+    from engine_adapter.options import EngineOptions
+
+    try:
+        EngineOptions.parse(spec.engine_options)
+    except ValueError as exc:
+        raise ValueError(f"model {spec.name!r}: {exc}") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +215,10 @@ def load_engine(spec: ModelSpec) -> Any:
         raise EngineUnavailableError(
             f"model {spec.name!r}: the MLX engine needs mlx and mlx-lm installed: {exc}") from exc
     try:
-        return ChatEngine.load(spec.folder, spec.draft_model, name=spec.name)
+        from engine_adapter.options import EngineOptions
+
+        options = EngineOptions.parse(spec.engine_options).engine_kwargs()
+        return ChatEngine.load(spec.folder, spec.draft_model, name=spec.name, **options)
     except (OSError, ValueError, RuntimeError) as exc:
         raise EngineUnavailableError(
             f"model {spec.name!r}: cannot load the MLX engine from {str(spec.folder)!r}"

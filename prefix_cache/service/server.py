@@ -31,7 +31,7 @@ FLAGS_ENV = "PREFIX_CACHE_SERVE_FLAGS"  # not a settings field: read by worker p
 FLAG_FIELDS = {
     "host": "host", "port": "port", "workers": "workers", "model": "model_dirs",
     "models": "models_file", "upstream": "upstream", "engine": "engine",
-    "draft_model": "draft_model", "redis": "redis",
+    "draft_model": "draft_model", "redis": "redis", "engine_option": "engine_options",
 }
 
 

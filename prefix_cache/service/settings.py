@@ -21,6 +21,9 @@ UPSTREAM_MODEL                                  model name sent upstream (defaul
 UPSTREAM_API_KEY                                bearer key the sidecar sends upstream
 ENGINE                     --engine mlx         completions on the in-process MLX engine
 DRAFT_MODEL                --draft-model DIR    SpecPrefill draft model of that engine
+ENGINE_OPTIONS             --engine-option K=V  JSON {kv_bytes, conversation_bytes, max_context,
+                                                ...} for in-process engines (the flag
+                                                repeats; engine_adapter.options lists them)
 REDIS                      --redis URL          shared store; default: in-process memory
 KEYS_FILE                                       YAML/JSON {tenants: {KEY: tenant}, admin_keys: [..]}
 API_KEYS                                        JSON {KEY: tenant}; none anywhere: open service,
@@ -62,6 +65,20 @@ def _split_list(value: Any, sep: str) -> Any:
     return [part.strip() for part in text.split(sep) if part.strip()]
 
 
+def parse_key_values(items: Any, flag: str = "--engine-option") -> Any:
+    """``["kv_bytes=8GiB", ...]`` (a repeated ``KEY=VALUE`` flag) as a mapping; other values
+    (a mapping from JSON) pass through."""
+    if not isinstance(items, (list, tuple)):
+        return items
+    values: dict[str, str] = {}
+    for item in items:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag} takes KEY=VALUE, got {item!r}")
+        values[key.strip()] = value.strip()
+    return values
+
+
 class ServiceSettings(BaseSettings):
     """Everything ``prefix-cache serve`` can be told; see the module docstring for the table."""
 
@@ -78,6 +95,7 @@ class ServiceSettings(BaseSettings):
     upstream_api_key: str | None = None
     engine: str | None = None
     draft_model: Path | None = None
+    engine_options: dict[str, Any] = Field(default_factory=dict)
     redis: str | None = None
     keys_file: Path | None = None
     api_keys: dict[str, str] = Field(default_factory=dict)
@@ -95,6 +113,11 @@ class ServiceSettings(BaseSettings):
     @classmethod
     def _model_dirs(cls, value: Any) -> Any:
         return _split_list(value, os.pathsep)
+
+    @field_validator("engine_options", mode="before")
+    @classmethod
+    def _engine_options(cls, value: Any) -> Any:
+        return parse_key_values(value)
 
     @field_validator("admin_keys", mode="before")
     @classmethod

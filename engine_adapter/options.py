@@ -1,0 +1,74 @@
+"""What an operator can set on an MLX engine, from flags, the environment or a models file.
+
+    prefix-cache serve --engine mlx --model DIR --engine-option kv_bytes=8GiB
+    prefix-cache serve-engine --model DIR --engine-option conversation_bytes=16GiB
+    PREFIX_CACHE_ENGINE_OPTIONS='{"max_context": 32768}'      (serve, every in-process engine)
+    models.yaml:  qwen3-8b: {folder: ..., engine: mlx, engine_options: {kv_bytes: 8GiB}}
+
+The KV stores' defaults (1 GiB each) suit small models; a real one needs more: Qwen3-8B's KV is
+~144 KiB per token, so a 10k-token tools block alone takes ~1.4 GiB and a store smaller than
+one entry rejects it (counted as ``rejected``). Sizes take units (``512MiB``, ``8GiB``, ``2GB``)
+or plain bytes. No mlx import here: the sidecar checks options before it loads an engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+
+GIB = 1 << 30
+
+
+class EngineOptions(BaseModel):
+    """Engine knobs; everything else keeps ``MLXEngine``'s defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kv_bytes: ByteSize = Field(default=ByteSize(GIB), ge=0,
+                               description="static-prefix KV store; 0 turns its reuse off")
+    conversation_bytes: ByteSize = Field(default=ByteSize(GIB), ge=0,
+                                         description="conversation store; 0 turns it off")
+    reuse_sparse_kv: bool = Field(default=True, description="SpecPrefilled prompts go to the "
+                                  "conversation store too (their kept tokens)")
+    max_context: int | None = Field(default=None, ge=2, description="lower the model's context "
+                                    "window (prompt + max_tokens) to bound KV memory")
+    max_batch_size: int = Field(default=16, ge=1, le=4096,
+                                description="sequences decoded together")
+    specprefill_keep_pct: float = Field(default=0.2, gt=0.0, le=1.0,
+                                        description="share of the scored tokens kept")
+    specprefill_threshold: int = Field(default=8192, ge=0, description="SpecPrefill engages "
+                                       "above this many tokens left to compute")
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any] | None) -> EngineOptions:
+        """Options from a mapping; ValueError naming each bad key."""
+        try:
+            return cls.model_validate(dict(values or {}))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'engine options'}: "
+                                 f"{e['msg']}" for e in exc.errors())
+            raise ValueError(f"invalid engine options: {problems} (known: "
+                             f"{', '.join(cls.model_fields)})") from None
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``MLXEngine`` (and so ``MLXEngine.load``); imports mlx."""
+        from .mlx_engine import SpecPrefillConfig
+        from .mlx_engine.kv_store import StaticKVStore
+
+        kwargs: dict[str, Any] = {
+            "reuse_static_kv": self.kv_bytes > 0,
+            "reuse_conversation_kv": self.conversation_bytes > 0,
+            "reuse_sparse_kv": self.reuse_sparse_kv,
+            "max_context": self.max_context,
+            "max_batch_size": self.max_batch_size,
+            "specprefill": SpecPrefillConfig(keep_pct=self.specprefill_keep_pct,
+                                             threshold=self.specprefill_threshold),
+        }
+        if self.kv_bytes > 0:
+            kwargs["kv_store"] = StaticKVStore(int(self.kv_bytes))
+        if self.conversation_bytes > 0:
+            kwargs["conversation_store"] = StaticKVStore(int(self.conversation_bytes))
+        return kwargs
+
