@@ -71,6 +71,9 @@ def engine_families(stats: Iterable[tuple[str, Mapping[str, Any]]]) -> Iterator[
     kv_evictions = CounterMetricFamily(f"{NS}_kv_evictions",
                                        "KV store entries evicted to stay within bytes.",
                                        labels=["model", "store"])
+    kv_rejected = CounterMetricFamily(f"{NS}_kv_rejected", "KV snapshots not kept because "
+                                      "they are larger than the whole store (raise its bytes).",
+                                      labels=["model", "store"])
     for name, s in stats:
         for key, field, _ in COUNTERS:
             counters[key].add_metric([name], float(s.get(field, 0)))
@@ -86,7 +89,8 @@ def engine_families(stats: Iterable[tuple[str, Mapping[str, Any]]]) -> Iterator[
             kv_lookups.add_metric([name, store, "hit"], float(kv.get("hits", 0)))
             kv_lookups.add_metric([name, store, "miss"], float(kv.get("misses", 0)))
             kv_evictions.add_metric([name, store], float(kv.get("evictions", 0)))
+            kv_rejected.add_metric([name, store], float(kv.get("rejected", 0)))
     if not stats:
         return
     yield from counters.values()
-    yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions)
+    yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected)

@@ -73,11 +73,17 @@ def test_replacing_an_entry_does_not_count_its_bytes_twice():
     assert store.nbytes == 70 and len(store) == 1 and store.stats.evictions == 0
 
 
-def test_an_entry_larger_than_the_store_is_rejected_and_evicts_nothing():
+def test_an_entry_larger_than_the_store_is_rejected_and_evicts_nothing(caplog):
     store = StaticKVStore(100)
     store.put("n", "m", [1], Blob(50))
-    assert not store.put("n", "m", [2], Blob(101))
-    assert store.get("n", "m", [1]) is not None and store.stats.rejected == 1
+    with caplog.at_level("WARNING", logger="engine_adapter.mlx_engine"):
+        assert not store.put("n", "m", [2], Blob(101))
+        assert not store.put("n", "m", [3], Blob(102))
+    assert store.get("n", "m", [1]) is not None and store.stats.rejected == 2
+    # The operator is told once what to raise, not once per prefix.
+    assert [r.getMessage() for r in caplog.records] == [
+        "a KV snapshot of 101 bytes is larger than the whole store (100 bytes) and is not kept; "
+        "raise the store's size (engine option kv_bytes or conversation_bytes)"]
 
 
 def test_purge_one_namespace():

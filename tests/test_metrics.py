@@ -90,7 +90,7 @@ ENGINE_STATS = {
     "requests": 5, "completed": 4, "cancelled": 1, "failed": 0, "specprefill": 2, "fallbacks": 1,
     "reused_tokens": 900, "prefilled_tokens": 120, "generated_tokens": 40, "parked": 0,
     "conversation_hits": 3, "last_fallback": "x", "active": 1,
-    "kv_store": {"hits": 4, "misses": 1, "puts": 1, "evictions": 0, "rejected": 0,
+    "kv_store": {"hits": 4, "misses": 1, "puts": 1, "evictions": 0, "rejected": 2,
                  "superseded": 0, "by_namespace": {"t": 1}, "entries": 1, "bytes": 4096,
                  "max_bytes": 1 << 30},
 }
@@ -124,6 +124,7 @@ def _check_engine_samples(samples: dict) -> None:
     assert samples[("prefix_cache_engine_kv_bytes", static)] == 4096
     hits = (("model", "tiny"), ("result", "hit"), ("store", "static"))
     assert samples[("prefix_cache_engine_kv_lookups_total", hits)] == 4
+    assert samples[("prefix_cache_engine_kv_rejected_total", static)] == 2
     # the conversation store is off in these stats, and the broken engine is left out
     assert not any(dict(labels).get("store") == "conversation" for _, labels in samples)
     assert not any(dict(labels).get("model") == "broken" for _, labels in samples)

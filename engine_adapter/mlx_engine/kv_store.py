@@ -11,6 +11,7 @@ colliding hash cannot hand out the KV of other tokens. No mlx import: a snapshot
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -23,6 +24,8 @@ from prefix_cache.boundary import packed_prefix_len
 from prefix_cache.entry import pack_ids
 
 DEFAULT_MAX_BYTES = 1 << 30
+
+log = logging.getLogger("engine_adapter.mlx_engine")
 
 
 class Snapshot(Protocol):
@@ -143,6 +146,10 @@ class StaticKVStore:
         with self._lock:
             if size > self.max_bytes:
                 self.stats.rejected += 1
+                if self.stats.rejected == 1:  # once: it repeats for every such prefix
+                    log.warning("a KV snapshot of %d bytes is larger than the whole store (%d "
+                                "bytes) and is not kept; raise the store's size (engine option "
+                                "kv_bytes or conversation_bytes)", size, self.max_bytes)
                 return False
             old = self._entries.pop(key, None)
             if old is not None:
