@@ -37,7 +37,7 @@ from prefix_cache.service.errors import BadRequest, ClientDisconnected, error_bo
 from prefix_cache.service.relay import until_disconnect
 
 from .mlx_engine import EngineError, GenerationRequest
-from .mlx_engine.request import check_context
+from .mlx_engine.request import ContextLengthError
 
 DEFAULT_MAX_TOKENS = 512
 MAX_STOP_STRINGS = 4
@@ -268,14 +268,11 @@ class ChatEngine:
             specprefill_threshold=params.specprefill_threshold,
         )
         try:
-            request.validate(self.vocab_size)
+            request.validate(self.vocab_size, self.context_length)
+        except ContextLengthError as exc:
+            raise BadRequest(str(exc), code="context_length_exceeded") from exc
         except (ValueError, TypeError) as exc:
             raise BadRequest(str(exc), code="invalid_request") from exc
-        if self.context_length is not None:
-            try:
-                check_context(len(request.prompt_ids), request.max_tokens, self.context_length)
-            except ValueError as exc:
-                raise BadRequest(str(exc), code="context_length_exceeded") from exc
         return request
 
     # -- running ----------------------------------------------------------------------------

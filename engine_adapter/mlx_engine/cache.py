@@ -62,17 +62,11 @@ class KVSnapshot:
     @property
     def dense_tokens(self) -> int:
         """The leading prompt tokens all stored (a sparse snapshot's protected part)."""
-        if self.positions is None:
+        p = self.positions
+        if p is None:
             return self.n_tokens
-        # Positions increase, so positions[i] >= i, and == i exactly up to the first gap.
-        lo, hi = 0, len(self.positions)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.positions[mid] == mid:
-                lo = mid + 1
-            else:
-                hi = mid
-        return lo
+        # Positions increase, so p[i] >= i, and p[i] == i exactly up to the first gap.
+        return bisect_left(range(len(p)), True, key=lambda i: p[i] != i)
 
     def stored_before(self, n: int) -> int:
         """Stored tokens among the first ``n`` prompt positions."""

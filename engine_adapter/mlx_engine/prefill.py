@@ -1,7 +1,8 @@
 """Filling a per-sequence cache: dense over a run of tokens, or sparse at original positions.
 
-Each comes as a step generator (one model chunk per step, so the engine can interleave other
-sequences' decode steps, as ``BatchGenerator`` does with its own prefill) and as a plain call.
+Each is a step generator (one model chunk per step, so the engine can interleave other
+sequences' decode steps, as ``BatchGenerator`` does with its own prefill); ``run_steps`` drives
+one to its end at once.
 """
 
 from __future__ import annotations
@@ -64,17 +65,6 @@ def run_steps(steps: Generator[None, None, T]) -> T:
             next(steps)
         except StopIteration as done:
             return cast(T, done.value)
-
-
-def dense_prefill(model: Any, ids: Sequence[int], cache: list[Any], step: int = DEFAULT_STEP) -> None:
-    """``dense_prefill_steps`` at once."""
-    run_steps(dense_prefill_steps(model, ids, cache, step))
-
-
-def sparse_prefill(model: Any, ids: Sequence[int], positions: Sequence[int], cache: list[Any],
-                   step: int = DEFAULT_STEP) -> None:
-    """``sparse_prefill_steps`` at once."""
-    run_steps(sparse_prefill_steps(model, ids, positions, cache, step))
 
 
 def next_logits(model: Any, ids: Sequence[int], cache: list[Any]) -> mx.array:

@@ -65,13 +65,17 @@ class GenerationRequest:
             raise ValueError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
 
 
+class ContextLengthError(ValueError):
+    """The prompt and ``max_tokens`` do not fit in the model's context window."""
+
+
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
-    """ValueError unless the prompt and ``max_tokens`` generated tokens fit in the context."""
+    """ContextLengthError unless the prompt and ``max_tokens`` generated tokens fit."""
     if prompt_tokens >= context_length:
-        raise ValueError(f"the prompt has {prompt_tokens} tokens; the model's context is "
+        raise ContextLengthError(f"the prompt has {prompt_tokens} tokens; the model's context is "
                          f"{context_length} tokens, and at least one must be left to generate")
     if prompt_tokens + max_tokens > context_length:
-        raise ValueError(f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
+        raise ContextLengthError(f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
                          f"is {prompt_tokens + max_tokens} tokens, over the model's context of "
                          f"{context_length}; ask for at most {context_length - prompt_tokens}")
 
