@@ -6,7 +6,7 @@
     models.yaml:  qwen3-8b: {folder: ..., engine: mlx, engine_options: {kv_bytes: 8GiB}}
 
 The KV stores' defaults (1 GiB each) suit small models; a real one needs more: Qwen3-8B's KV is
-~144 KiB per token, so a 10k-token tools block alone takes ~1.4 GiB and a store smaller than
+~144 KiB per token (36 layers x 8 KV heads x 128 dims x K,V x 2 bytes), so a 10k-token tools block alone takes ~1.4 GiB and a store smaller than
 one entry rejects it (counted as ``rejected``). Sizes take units (``512MiB``, ``8GiB``, ``2GB``)
 or plain bytes. No mlx import here: the sidecar checks options before it loads an engine.
 """
