@@ -32,9 +32,9 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from prefix_cache.http.errors import BadRequest, ClientDisconnected, error_body
+from prefix_cache.http.relay import until_disconnect
 from prefix_cache.render import unwrap_tokenizer
-from prefix_cache.service.errors import BadRequest, ClientDisconnected, error_body
-from prefix_cache.service.relay import until_disconnect
 
 from .mlx_engine import EngineError, GenerationRequest
 from .mlx_engine.request import ContextLengthError

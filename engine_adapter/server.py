@@ -30,7 +30,6 @@ from its own API keys, never from the client's body.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import sys
 import time
@@ -42,11 +41,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefix_cache.http.auth import bearer_matches
+from prefix_cache.http.body import read_json_object
+from prefix_cache.http.errors import BadRequest, Unauthorized, install_error_handlers
 from prefix_cache.keys import validate_label
 from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.render import get_renderer
-from prefix_cache.service.body import read_json_object
-from prefix_cache.service.errors import BadRequest, Unauthorized, install_error_handlers
 
 from .openai_engine import ChatEngine
 
@@ -128,9 +128,7 @@ def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
     def check_key(request: Request) -> None:
         if not api_key:
             return
-        scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                                 api_key.encode()):
+        if not bearer_matches(request.headers.get("authorization"), api_key):
             raise Unauthorized("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
 
     @asynccontextmanager
@@ -183,7 +181,7 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     ``--engine-option KEY=VALUE`` flags, or a mapping (see ``engine_adapter.options``)."""
     import uvicorn
 
-    from prefix_cache.service.server import log_config
+    from prefix_cache.http.logs import uvicorn_log_config
     from prefix_cache.service.settings import parse_key_values
 
     from .options import EngineOptions
@@ -199,9 +197,7 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
         print(f"prefix-cache serve-engine: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     app = create_engine_app(chat, trust_namespace=trust_namespace, api_key=api_key)
-    config = log_config(log_level)
-    config["loggers"]["engine_adapter"] = {"handlers": ["default"], "level": log_level.upper(),
-                                           "propagate": False}
+    config = uvicorn_log_config(log_level, ("prefix_cache", "engine_adapter"))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            log_config=config, server_header=False,
                                            timeout_graceful_shutdown=10))  # sets up logging

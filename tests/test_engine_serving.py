@@ -24,10 +24,10 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 from engine_adapter.mlx_engine import TokenEvent  # noqa: E402
 from engine_adapter.openai_engine import ChatEngine, IncrementalDecoder  # noqa: E402
 from engine_adapter.server import _Namespaces, create_engine_app  # noqa: E402
+from prefix_cache.http.errors import BadRequest  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.render import get_renderer  # noqa: E402
 from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.errors import BadRequest  # noqa: E402
 from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 

@@ -11,8 +11,8 @@ import pytest
 
 from prefix_cache import MemoryStore
 from prefix_cache.errors import StoreUnavailableError
+from prefix_cache.http.errors import Forbidden, Unauthorized
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.errors import Forbidden, Unauthorized
 from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.quota import TenantQuotaStore, entry_size
 from prefix_cache.service.tenants import KeyRing

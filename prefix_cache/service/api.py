@@ -9,11 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..cache import PrefixResult
-from .body import read_json_object
-from .deps import State, Tenant
-from .errors import ClientDisconnected
+from ..http.errors import ClientDisconnected
+from ..http.relay import RelayResponse, until_disconnect
+from .deps import State, Tenant, read_body
 from .models import ServedModel
-from .relay import RelayResponse, until_disconnect
 from .schemas import BoundaryRequest, ChatRequest
 from .state import ServiceState
 
@@ -44,7 +43,7 @@ async def list_models(state: State, tenant: Tenant) -> dict[str, Any]:
 
 @router.post("/v1/prefix/boundary")
 async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Response:
-    _, body = await read_json_object(request, state.settings.max_body_bytes)
+    _, body = await read_body(request, state)
     req = BoundaryRequest.model_validate(body)
     result = await resolve(state, state.models.get(req.model), body, tenant)
     out: dict[str, Any] = {
@@ -61,7 +60,7 @@ async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Res
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, state: State, tenant: Tenant) -> Response:
-    raw, body = await read_json_object(request, state.settings.max_body_bytes)
+    raw, body = await read_body(request, state)
     req = ChatRequest.model_validate(body)
     model = state.models.get(req.model)
     if model.engine is not None:

@@ -11,12 +11,12 @@ from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
 from ..engine_metrics import EngineCollector
+from ..http.errors import install_error_handlers
 from ..metrics import Metrics, mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
 from . import admin, api, dashboard, health
-from .errors import install_error_handlers
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
 from .settings import ServiceSettings

@@ -37,9 +37,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import NoChatTemplateError
+from ..http.errors import BadRequest, NotFound
 from ..keys import model_label
 from .config_files import read_config_file
-from .errors import BadRequest, NotFound
 from .settings import ServiceSettings, UpstreamKind
 from .upstream import DEFAULT_HEALTH_PATH, Upstream, normalize_base_url
 

@@ -7,7 +7,6 @@ environment) and the same environment, so all of them serve the same configurati
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -17,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..http.logs import uvicorn_log_config
 from .app import create_app, open_backing_store
 from .models import ModelRegistry, load_model_specs
 from .settings import ServiceSettings
@@ -60,16 +60,6 @@ def startup_warnings(settings: ServiceSettings) -> list[str]:
     return warnings
 
 
-def log_config(level: str) -> dict[str, Any]:
-    """uvicorn's logging setup plus our own loggers, applied in every worker process."""
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["prefix_cache"] = {"handlers": ["default"], "level": level.upper(),
-                                         "propagate": False}
-    return config
-
-
 def serve(overrides: Mapping[str, Any]) -> int:
     """Run until stopped; the exit code (2: the configuration cannot be served)."""
     import uvicorn
@@ -93,7 +83,7 @@ def serve(overrides: Mapping[str, Any]) -> int:
              "memory" if settings.uses_memory_store else "redis")
     common: dict[str, Any] = {
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
-        "log_config": log_config(settings.log_level), "server_header": False,
+        "log_config": uvicorn_log_config(settings.log_level), "server_header": False,
         "timeout_graceful_shutdown": 10,
     }
     # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: after a clean stop, exit 0.

@@ -24,7 +24,7 @@ import httpx
 import orjson
 
 from ..cache import PrefixResult
-from .errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from ..http.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from .settings import UpstreamKind
 
 log = logging.getLogger("prefix_cache.service")
