@@ -1,6 +1,9 @@
 """Downstream engines that use the static-prefix boundary.
 
 - ``engine_adapter.mlx_engine``: the in-process batched MLX engine (imports mlx).
+- ``engine_adapter.backend``: that engine as a ``prefix_cache.chat.backend.ChatBackend``
+  (token ids in, text deltas out); ``engine_adapter.registry``: engines by name for
+  ``--engine``; ``engine_adapter.server``: ``prefix-cache serve-engine``.
 - ``engine_adapter.plugin``: routes an engine's own ``specprefill_system_end`` computation
   through ``StaticPrefixCache`` (no mlx).
 - ``engine_adapter.tiny_model``: tiny random-weights model folders for tests and demos.
@@ -15,6 +18,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
+    "MLXBackend": "engine_adapter.backend",
     "MLXEngine": "engine_adapter.mlx_engine",
     "GenerationRequest": "engine_adapter.mlx_engine",
     "SpecPrefillConfig": "engine_adapter.mlx_engine",

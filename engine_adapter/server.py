@@ -33,7 +33,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefix_cache.chat.openai_params import parse_chat_params
+from prefix_cache.chat.openai_stream import respond_chat
 from prefix_cache.http.auth import bearer_matches
 from prefix_cache.http.body import read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized, install_error_handlers
@@ -48,7 +50,7 @@ from prefix_cache.keys import validate_label
 from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.render import get_renderer
 
-from .openai_engine import ChatEngine
+from .backend import MLXBackend
 
 log = logging.getLogger("engine_adapter.server")
 
@@ -118,10 +120,10 @@ class _Namespaces:
             raise BadRequest(str(exc), code="invalid_specprefill_namespace") from None
 
 
-def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
+def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
                       api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                       close_engine: bool = True) -> FastAPI:
-    """The app serving ``chat``; with ``close_engine`` the engine is closed at shutdown."""
+    """The app serving the backend ``chat``; with ``close_engine`` it is closed at shutdown."""
     namespaces = _Namespaces(trust_namespace)
     started = int(time.time())
 
@@ -161,13 +163,13 @@ def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         _, body = await read_json_object(request, max_body_bytes)
-        params = chat.parse(body)
+        params = parse_chat_params(body, chat.name)
         namespace = namespaces.of(body)
         ids = prompt_ids_of(body, chat.vocab_size)
         if ids is None:  # rendering a long template takes a while: off the event loop
             ids = await asyncio.to_thread(render_prompt, chat.tokenizer, body)
-        generation = chat.request(params, ids, boundary_of(body, len(ids)), namespace)
-        return await chat.respond(request, params, generation)
+        generation = params.request(ids, boundary_of(body, len(ids)), namespace)
+        return await respond_chat(request, chat, params, generation)
 
     return app
 
@@ -176,23 +178,22 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
                  host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  trust_namespace: bool = False, api_key: str | None = None,
                  log_level: str = "info",
-                 engine_options: Sequence[str] | Mapping[str, Any] | None = None) -> int:
-    """Load the model and serve it until stopped; the exit code. ``engine_options``: the
-    ``--engine-option KEY=VALUE`` flags, or a mapping (see ``engine_adapter.options``)."""
+                 engine_options: Mapping[str, Any] | None = None) -> int:
+    """Load the model and serve it until stopped; the exit code. ``engine_options``: see
+    ``engine_adapter.options``."""
     import uvicorn
 
     from prefix_cache.http.logs import uvicorn_log_config
-    from prefix_cache.service.settings import parse_key_values
 
     from .options import EngineOptions
 
     try:
-        options = EngineOptions.parse(parse_key_values(engine_options or {}))
+        options = EngineOptions.parse(engine_options)
     except ValueError as exc:
         print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        chat = ChatEngine.load(model_dir, draft_dir, **options.engine_kwargs())
+        chat = MLXBackend.load(model_dir, draft_dir, **options.engine_kwargs())
     except (OSError, ValueError, ImportError) as exc:
         print(f"prefix-cache serve-engine: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -132,11 +132,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_engine(args: argparse.Namespace) -> int:
-    from engine_adapter.server import serve_engine  # imports mlx: only for this command
+    from .chat.engines import engine_factory
+    from .service.settings import parse_key_values
 
-    return serve_engine(args.model, args.draft_model, host=args.host, port=args.port,
-                        trust_namespace=args.trust_namespace, api_key=args.api_key,
-                        engine_options=args.engine_option)
+    try:
+        options = parse_key_values(args.engine_option or [])
+    except ValueError as exc:
+        print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    draft = Path(args.draft_model) if args.draft_model else None
+    return engine_factory("mlx").serve(Path(args.model), draft, host=args.host, port=args.port,
+                                       trust_namespace=args.trust_namespace,
+                                       api_key=args.api_key, options=options)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:

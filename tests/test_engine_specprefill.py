@@ -307,7 +307,7 @@ def test_specprefill_after_a_restored_conversation_protects_all_of_it(target, dr
     for k, event in enumerate(events):
         want = masked_logprobs(model, second + tokens[:k], visible + [True] * k)
         assert_close(event.logprobs, want)
-    assert engine.snapshot_stats()["conversation_hits"] == 1
+    assert engine.snapshot_stats().conversation_hits == 1
 
 
 def run_dense(engine: MLXEngine, model: Any, ids: list[int], end: int,
@@ -428,7 +428,7 @@ def test_any_specprefill_error_falls_back_to_dense(target, make_engine, monkeypa
     info = events[0].prefill
     assert info.mode == "dense" and "draft exploded" in info.fallback
     assert_close(events[0].logprobs, dense_logprobs(model, ids))
-    assert engine.snapshot_stats()["fallbacks"] == 1
+    assert engine.snapshot_stats().fallbacks == 1
     assert all(type(layer.self_attn.rope).__name__ == "RoPE" for layer in model.layers)
 
 

@@ -6,10 +6,12 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache
+from prefix_cache.chat.backend import EngineStats, KVStoreStats
 from prefix_cache.metrics import Metrics, TenantLabels, _quantile
 
 from .templates import BEHAVIOURS
@@ -86,21 +88,21 @@ def test_several_workers_aggregate(tmp_path) -> None:
     assert snap["store"]["entries"] == 6  # livesum over the workers (until marked dead)
 
 
-ENGINE_STATS = {
-    "requests": 5, "completed": 4, "cancelled": 1, "failed": 0, "specprefill": 2, "fallbacks": 1,
-    "reused_tokens": 900, "prefilled_tokens": 120, "generated_tokens": 40, "parked": 0,
-    "conversation_hits": 3, "last_fallback": "x", "active": 1,
-    "kv_store": {"hits": 4, "misses": 1, "puts": 1, "evictions": 0, "rejected": 2,
-                 "superseded": 0, "by_namespace": {"t": 1}, "entries": 1, "bytes": 4096,
-                 "max_bytes": 1 << 30},
-}
+ENGINE_STATS = EngineStats(
+    requests=5, completed=4, cancelled=1, failed=0, specprefill=2, fallbacks=1,
+    reused_tokens=900, prefilled_tokens=120, generated_tokens=40, parked=0,
+    conversation_hits=3, last_fallback="x", active=1,
+    kv_store=KVStoreStats(hits=4, misses=1, puts=1, evictions=0, rejected=2,
+                          superseded=0, by_namespace={"t": 1}, entries=1, bytes=4096,
+                          max_bytes=1 << 30),
+)
 
 
 class _Engine:
-    def __init__(self, stats: dict) -> None:
+    def __init__(self, stats: EngineStats | None) -> None:
         self.stats = stats
 
-    def snapshot_stats(self) -> dict:
+    def snapshot_stats(self) -> EngineStats:
         if self.stats is None:
             raise RuntimeError("engine gone")
         return self.stats
@@ -135,10 +137,10 @@ def test_engine_counters_are_exported_at_scrape_time() -> None:
 
     metrics = Metrics()
     assert not _engine_samples(metrics)
-    engines = [("tiny", _Engine(dict(ENGINE_STATS))), ("broken", _Engine(None))]
+    engines = [("tiny", _Engine(ENGINE_STATS)), ("broken", _Engine(None))]
     metrics.add_collector(EngineCollector(lambda: engines))
     _check_engine_samples(_engine_samples(metrics))
-    engines[0][1].stats["requests"] = 6                  # read at scrape time, not copied
+    engines[0][1].stats = replace(ENGINE_STATS, requests=6)  # read at scrape time, not copied
     assert _engine_samples(metrics)[("prefix_cache_engine_requests_total",
                                      (("model", "tiny"),))] == 6
     assert metrics.snapshot()["hits"] == 0               # the JSON stats are unaffected
@@ -152,7 +154,7 @@ def test_engine_counters_in_multiprocess_mode(tmp_path) -> None:
         from prefix_cache.metrics import Metrics
         from tests.test_metrics import ENGINE_STATS, _Engine, _check_engine_samples, _engine_samples
         m = Metrics()
-        m.add_collector(EngineCollector(lambda: [("tiny", _Engine(dict(ENGINE_STATS))),
+        m.add_collector(EngineCollector(lambda: [("tiny", _Engine(ENGINE_STATS)),
                                                  ("broken", _Engine(None))]))
         _check_engine_samples(_engine_samples(m))
         print("ok")

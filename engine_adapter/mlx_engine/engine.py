@@ -26,16 +26,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from prefix_cache.chat.backend import EngineStats
+
+from ..options import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_PREFILL_BATCH_SIZE,
+    DEFAULT_PREFILL_STEP,
+)
 from . import cache as kv
 from .kv_store import Key, StaticKVStore, prefix_key
-from .prefill import DEFAULT_STEP, dense_prefill_steps, sparse_prefill_steps
+from .prefill import dense_prefill_steps, sparse_prefill_steps
 from .request import (
     DENSE,
     SPECPREFILL,
@@ -85,8 +92,8 @@ class _SparseJob:
 
 
 @dataclass(slots=True)
-class EngineStats:
-    """Counters since the engine started."""
+class EngineCounters:
+    """Counters since the engine started (``snapshot_stats()`` reads them)."""
 
     requests: int = 0
     completed: int = 0
@@ -145,9 +152,9 @@ class MLXEngine:
         reuse_sparse_kv: bool = True,
         specprefill: SpecPrefillConfig | None = None,
         stop_token_ids: Sequence[int] = (),
-        max_batch_size: int = 16,
-        prefill_batch_size: int = 8,
-        prefill_step_size: int = DEFAULT_STEP,
+        max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
+        prefill_batch_size: int = DEFAULT_PREFILL_BATCH_SIZE,
+        prefill_step_size: int = DEFAULT_PREFILL_STEP,
         tokenizer: Any | None = None,
         max_context: int | None = None,
     ) -> None:
@@ -183,7 +190,7 @@ class MLXEngine:
         window = context_length(model)
         self.context_length = (max_context if window is None
                                else min(window, max_context or window))
-        self.stats = EngineStats()
+        self.stats = EngineCounters()
         self._positioned = kv.supports_positioned_cache(model)
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
         self._step_size = prefill_step_size
@@ -279,22 +286,14 @@ class MLXEngine:
                 "active": len(self._by_id), "queued": len(self._inbox),
                 "sparse_prefills": len(self._sparse_jobs)}
 
-    def snapshot_stats(self) -> dict[str, Any]:
-        """Engine and KV-store counters as a plain dict."""
-        s = self.stats
-        out = {k: getattr(s, k) for k in ("requests", "completed", "cancelled", "failed",
-                                          "specprefill", "fallbacks", "reused_tokens",
-                                          "prefilled_tokens", "generated_tokens",
-                                          "parked", "conversation_hits", "last_fallback")}
-        out["active"] = len(self._by_id)
-        if self.kv_store is not None:
-            out["kv_store"] = {**self.kv_store.stats.as_dict(), "entries": len(self.kv_store),
-                               "bytes": self.kv_store.nbytes, "max_bytes": self.kv_store.max_bytes}
-        conv = self.conversation_store
-        if conv is not None:
-            out["conversation_store"] = {**conv.stats.as_dict(), "entries": len(conv),
-                                         "bytes": conv.nbytes, "max_bytes": conv.max_bytes}
-        return out
+    def snapshot_stats(self) -> EngineStats:
+        """Engine and KV-store figures now."""
+        kv, conv = self.kv_store, self.conversation_store
+        return EngineStats(
+            **{f.name: getattr(self.stats, f.name) for f in fields(EngineCounters)},
+            active=len(self._by_id),
+            kv_store=kv.snapshot_stats() if kv is not None else None,
+            conversation_store=conv.snapshot_stats() if conv is not None else None)
 
     def close(self) -> None:
         """Finish the engine thread; requests still running get an EngineError."""

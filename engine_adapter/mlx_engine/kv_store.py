@@ -21,9 +21,10 @@ from typing import Any, Protocol
 import xxhash
 
 from prefix_cache.boundary import packed_prefix_len
+from prefix_cache.chat.backend import KVStoreStats
 from prefix_cache.entry import pack_ids
 
-DEFAULT_MAX_BYTES = 1 << 30
+from ..options import DEFAULT_KV_BYTES
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -46,8 +47,8 @@ class _Entry:
 
 
 @dataclass(slots=True)
-class KVStoreStats:
-    """Counters of one store (a snapshot is a plain dict: ``stats.as_dict()``)."""
+class KVStoreCounters:
+    """Counters of one store, as they run (``StaticKVStore.snapshot_stats()`` reads them)."""
 
     hits: int = 0
     misses: int = 0
@@ -56,12 +57,6 @@ class KVStoreStats:
     rejected: int = 0      # bigger than the whole store
     superseded: int = 0    # dropped by a put whose ids they were a prefix of (``supersede``)
     by_namespace: dict[str, int] = field(default_factory=dict)  # entries per namespace
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"hits": self.hits, "misses": self.misses, "puts": self.puts,
-                "evictions": self.evictions, "rejected": self.rejected,
-                "superseded": self.superseded,
-                "by_namespace": dict(self.by_namespace)}
 
 
 def prefix_key(namespace: str, model_id: str, prefix_ids: Sequence[int]) -> tuple[Key, bytes]:
@@ -73,11 +68,11 @@ def prefix_key(namespace: str, model_id: str, prefix_ids: Sequence[int]) -> tupl
 class StaticKVStore:
     """LRU of static-prefix KV snapshots, at most ``max_bytes`` in all; thread-safe."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_KV_BYTES) -> None:
         if not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self.stats = KVStoreStats()
+        self.stats = KVStoreCounters()
         self._entries: OrderedDict[Key, _Entry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
@@ -88,6 +83,16 @@ class StaticKVStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def snapshot_stats(self) -> KVStoreStats:
+        """The store's figures now."""
+        with self._lock:
+            c = self.stats
+            return KVStoreStats(hits=c.hits, misses=c.misses, puts=c.puts,
+                                evictions=c.evictions, rejected=c.rejected,
+                                superseded=c.superseded, entries=len(self._entries),
+                                bytes=self._bytes, max_bytes=self.max_bytes,
+                                by_namespace=dict(c.by_namespace))
 
     def get(self, namespace: str, model_id: str, prefix_ids: Sequence[int]) -> Any | None:
         """The snapshot for exactly these prefix ids in this namespace, or None."""

@@ -89,14 +89,14 @@ def stats_document(state: ServiceState) -> dict[str, Any]:
 
 
 def engine_rows(state: ServiceState) -> list[dict[str, Any]]:
-    """``{"model": name, **snapshot_stats()}`` per in-process engine (none behind an upstream).
+    """``{"model": name, **stats}`` per in-process engine (none behind an upstream).
     An engine that cannot answer is left out: the page must draw whatever else it has."""
     rows = []
     for m in state.models:
         if m.engine is None:
             continue
         try:
-            rows.append({"model": m.name, **m.engine.snapshot_stats()})
+            rows.append({"model": m.name, **m.engine.snapshot_stats().as_dict()})
         except Exception:
             continue
     return rows
