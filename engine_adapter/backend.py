@@ -11,7 +11,7 @@ closing the output iterator closes the engine's, which cancels the request.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import replace
 from pathlib import Path
@@ -81,7 +81,7 @@ class MLXBackend:
         self._engine_request(checked).validate(self.vocab_size, self.context_length)
         return checked
 
-    async def generate(self, request: BackendRequest) -> AsyncIterator[BackendOutput]:
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
         engine_request = self._engine_request(self.check(request))
         decoder = IncrementalDecoder(self.tokenizer)
         stops = StopStrings(request.sampling.stop)

@@ -16,7 +16,7 @@ An engine is anything with these calls (``ChatBackend``); the sidecar finds one 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
@@ -145,7 +145,7 @@ class ChatBackend(Protocol):
         """The request as it will run; InvalidRequestError (a 400) when it cannot."""
         ...
 
-    def generate(self, request: BackendRequest) -> AsyncIterator[BackendOutput]:
+    def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
         """The outputs of a checked request; BackendError if the engine fails meanwhile."""
         ...
 
