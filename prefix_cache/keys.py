@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -103,3 +104,20 @@ def format_key(prefix: str, namespace: str, model: str, digest: str) -> str:
 def key_pattern(prefix: str, namespace: str | None = None, model: str | None = None) -> str:
     """A SCAN/glob pattern over keys of one tenant and/or model."""
     return f"{prefix}:{namespace or '*'}:{model or '*'}:*"
+
+
+@dataclass(frozen=True, slots=True)
+class KeyParts:
+    """The fields of a cache key, read back from it."""
+
+    prefix: str
+    namespace: str
+    model: str
+    digest: str
+
+
+def parse_key(key: str) -> KeyParts | None:
+    """The fields of ``<prefix>:<namespace>:<model>:<hash>``; None for a key of another shape
+    (labels never hold ':', so a key of ours has exactly four fields)."""
+    parts = key.split(":")
+    return KeyParts(*parts) if len(parts) == 4 else None

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from .observer import CacheObserver
+from .store.base import StoreStats
 
 NS = "prefix_cache"
 OTHER = "other"
@@ -140,16 +141,14 @@ class Metrics(CacheObserver):
 
     # -- store gauges -----------------------------------------------------------------------
 
-    def refresh_store(self, stats: dict[str, Any]) -> None:
+    def refresh_store(self, stats: StoreStats) -> None:
         """Copy a store's ``stats()`` into the gauges (memory tier figures, breaker state)."""
-        local = stats.get("local", stats)
-        if local.get("backend") == "memory":
-            self.store_entries.labels("memory").set(local.get("entries", 0))
-            self.store_bytes.labels("memory").set(local.get("bytes", 0))
-            self.store_evictions.labels("memory").set(local.get("evictions", 0))
-        remote = stats.get("remote", stats)
-        if "breaker" in remote:
-            self.breaker_open.set(1 if remote["breaker"] == "open" else 0)
+        if stats.memory is not None:
+            self.store_entries.labels("memory").set(stats.memory.entries)
+            self.store_bytes.labels("memory").set(stats.memory.bytes)
+            self.store_evictions.labels("memory").set(stats.memory.evictions)
+        if stats.remote is not None:
+            self.breaker_open.set(1 if stats.remote.breaker == "open" else 0)
 
     # -- exposition -------------------------------------------------------------------------
 

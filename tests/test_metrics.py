@@ -70,11 +70,13 @@ def test_several_workers_aggregate(tmp_path) -> None:
     worker = textwrap.dedent("""
         import sys
         from prefix_cache.metrics import Metrics
+        from prefix_cache.store.base import MemoryStats, StoreStats
         m = Metrics()
         for _ in range(int(sys.argv[1])):
             m.resolved(cache="hit", namespace="t", model="m", seconds=0.001, static_tokens=10, boundary=10)
         m.resolved(cache="miss", namespace="t", model="m", seconds=0.05, static_tokens=10, boundary=10)
-        m.refresh_store({"backend": "memory", "entries": 3, "bytes": 100, "evictions": 0})
+        m.refresh_store(StoreStats("memory", memory=MemoryStats(entries=3, bytes=100, max_bytes=1000,
+                                                                evictions=0, expirations=0)))
         """)
     for n in (5, 7):
         subprocess.run([sys.executable, "-c", worker, str(n)], env=env, check=True, timeout=60)

@@ -88,7 +88,7 @@ def chat(system: dict[str, str] | None = None, user: Any = "Deploy the service."
 
 
 def entries(app: Any) -> int:
-    return int(app.state.service.store.stats()["entries"])
+    return int(app.state.service.store.stats().memory.entries)
 
 
 # -- POST /v1/prefix/boundary ---------------------------------------------------------------

@@ -20,7 +20,7 @@ async def stats(state: State) -> dict[str, Any]:
     return {
         "cache": state.cache.stats.snapshot(),
         "metrics": state.metrics.snapshot(),
-        "store": state.store.stats(),
+        "store": state.store.stats().as_dict(),
         "tenants": state.keyring.tenants,
         "models": [m.name for m in state.models],
     }
