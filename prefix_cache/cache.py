@@ -24,7 +24,7 @@ from . import boundary, keys
 from .entry import Entry, decode_entry, encode_entry, pack_ids
 from .errors import EntryError, InvalidRequestError, PrefixCacheError, StoreUnavailableError
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
-from .observer import CacheObserver
+from .observer import CacheObserver, ObserverGroup
 from .render import TemplateRenderer, get_renderer
 from .singleflight import SingleFlight
 from .stats import CacheStats
@@ -88,8 +88,11 @@ class StaticPrefixCache:
         # request-owned static part. On, the template's own default system block and tools
         # are protected too.
         self.protect_default_prefix = protect_default_prefix
+        # One stream of events, two tallies of it: ``stats`` in this process, and whatever the
+        # caller observes (the service's Prometheus metrics, aggregated across workers).
         self.stats = CacheStats()
         self.observer = observer or CacheObserver()
+        self._events = ObserverGroup(self.stats, self.observer)
         self._flights = SingleFlight()
         self._executor = ThreadPoolExecutor(
             max_workers=max_render_threads or min(8, (os.cpu_count() or 2) + 2),
@@ -156,7 +159,7 @@ class StaticPrefixCache:
             if leader:
                 loop.run_in_executor(self._executor, self._lead, plan, flight)
             else:
-                self.stats.add(coalesced=1)
+                self._events.waited()
             # Shielded: a cancelled request must not cancel the flight others wait on.
             static_ids = await asyncio.shield(asyncio.wrap_future(flight))
         except PrefixCacheError as exc:
@@ -165,9 +168,8 @@ class StaticPrefixCache:
         return self._miss(plan, prompt, static_ids)
 
     def _failed(self, namespace: str, model: str | None, tokenizer: Any, exc: Exception) -> None:
-        self.stats.add(errors=1)
         label = keys.model_label(model or getattr(tokenizer, "name_or_path", "") or "model")
-        self.observer.failed(namespace=namespace, model=label, error=exc)
+        self._events.failed(namespace=namespace, model=label, error=exc)
 
     def close(self) -> None:
         """Stop the render threads and close the store."""
@@ -203,11 +205,10 @@ class StaticPrefixCache:
             if not isinstance(prompt_ids, (list, tuple)):
                 raise InvalidRequestError("prompt_ids must be a list of token ids")
             return prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
-        self.stats.add(prompt_renders=1)
+        self._events.prompt_rendered()
         return plan.renderer.render_ids(plan.messages, plan.tools, plan.kwargs)
 
     def _none(self, plan: _Plan, prompt: list[int]) -> PrefixResult:
-        self.stats.add(none=1)
         return self._report(plan, PrefixResult(0, prompt, NONE, ""))
 
     def _miss(self, plan: _Plan, prompt: list[int], static_ids: list[int]) -> PrefixResult:
@@ -215,7 +216,7 @@ class StaticPrefixCache:
         return self._report(plan, PrefixResult(end, prompt, MISS, plan.key, len(static_ids)))
 
     def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:
-        self.observer.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
+        self._events.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
                                seconds=time.perf_counter() - plan.started,
                                static_tokens=result.static_tokens,
                                boundary=result.specprefill_system_end)
@@ -229,21 +230,18 @@ class StaticPrefixCache:
         except (OverflowError, TypeError) as exc:
             raise InvalidRequestError("prompt_ids must be token ids in [0, 2**32)") from exc
         end = boundary.packed_prefix_len(head, entry.packed_ids)
-        self.stats.add(hits=1, render_seconds_saved=entry.render_seconds)
-        self.observer.saved(model=plan.model, seconds=entry.render_seconds)
+        self._events.saved(model=plan.model, seconds=entry.render_seconds)
         return self._report(plan, PrefixResult(end, prompt, HIT, plan.key, n))
 
     def _read(self, plan: _Plan, value: bytes | None) -> Entry | None:
         """Decode a stored value; anything that is not exactly ours counts as a miss."""
         if value is None:
-            self.stats.add(misses=1)
             return None
         try:
             return decode_entry(value, plan.key, plan.check)
         except EntryError as exc:
             log.warning("rejected stored entry %s: %s", plan.key, exc)
-            self.stats.add(misses=1, verification_failures=1)
-            self.observer.verification_failure()
+            self._events.verification_failure()
             return None
 
     def _await_flight_sync(self, plan: _Plan) -> list[int]:
@@ -251,7 +249,7 @@ class StaticPrefixCache:
         if leader:
             self._lead(plan, flight)
         else:
-            self.stats.add(coalesced=1)
+            self._events.waited()
         return flight.result()
 
     def _lead(self, plan: _Plan, flight: Future[list[int]]) -> None:
@@ -295,8 +293,7 @@ class StaticPrefixCache:
             lambda conv: plan.renderer.render_ids(conv, plan.tools, plan.kwargs), plan.static or []
         )
         elapsed = time.perf_counter() - started
-        self.stats.add(renders=2, render_seconds=elapsed)
-        self.observer.computed(model=plan.model, seconds=elapsed, static_tokens=len(ids))
+        self._events.computed(model=plan.model, seconds=elapsed, static_tokens=len(ids))
         return ids, elapsed
 
     # -- store access, failures converted to misses in one place -------------------------------
@@ -323,7 +320,6 @@ class StaticPrefixCache:
             self._store_failed("put", exc)
 
     def _store_failed(self, op: str, exc: StoreUnavailableError) -> None:
-        self.stats.add(store_errors=1)
-        self.observer.store_error(op=op)
+        self._events.store_error(op=op)
         log.warning("store %s failed, computing instead: %s", op, exc)
 

@@ -1,4 +1,8 @@
-"""Counters of one cache: what it served, what it rendered, what it saved."""
+"""Counters of one cache, tallied from its events: what it served, rendered and saved.
+
+``CacheStats`` is an observer like the service's metrics, fed the very same events, so the two
+tallies cannot disagree about what happened in a process (the metrics also sum the workers).
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,12 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .observer import CacheObserver
+
 
 @dataclass
-class CacheStats:
-    """Monotonic counters; ``add`` is thread-safe, reads are snapshots via ``snapshot``."""
+class CacheStats(CacheObserver):
+    """Monotonic counters; thread-safe; reads are snapshots via ``snapshot``."""
 
     hits: int = 0
     misses: int = 0
@@ -37,3 +43,30 @@ class CacheStats:
         lookups = data["hits"] + data["misses"]
         data["hit_rate"] = data["hits"] / lookups if lookups else 0.0
         return data
+
+    # -- the events ------------------------------------------------------------------------
+
+    def resolved(self, *, cache: str, namespace: str, model: str, seconds: float,
+                 static_tokens: int, boundary: int) -> None:
+        self.add(**{{"hit": "hits", "miss": "misses"}.get(cache, "none"): 1})
+
+    def failed(self, *, namespace: str, model: str, error: Exception) -> None:
+        self.add(errors=1)
+
+    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
+        self.add(renders=2, render_seconds=seconds)
+
+    def saved(self, *, model: str, seconds: float) -> None:
+        self.add(render_seconds_saved=seconds)
+
+    def waited(self) -> None:
+        self.add(coalesced=1)
+
+    def prompt_rendered(self) -> None:
+        self.add(prompt_renders=1)
+
+    def store_error(self, *, op: str) -> None:
+        self.add(store_errors=1)
+
+    def verification_failure(self) -> None:
+        self.add(verification_failures=1)

@@ -292,8 +292,10 @@ def test_observer_sees_every_event(qwen3) -> None:
     with pytest.raises(InvalidRequestError):
         cache.resolve(qwen3, [{"role": "robot"}], chat_template=TEMPLATE, namespace="t1", model="m")
     names = [name for name, _ in obs.events]
-    assert names == ["computed", "resolved", "saved", "resolved", "resolved",
-                     "verification_failure", "computed", "resolved", "failed"]
+    assert names == ["prompt_rendered", "computed", "resolved",
+                     "prompt_rendered", "saved", "resolved",
+                     "prompt_rendered", "resolved",
+                     "prompt_rendered", "verification_failure", "computed", "resolved", "failed"]
     resolved = [kw for name, kw in obs.events if name == "resolved"]
     assert [r["cache"] for r in resolved] == ["miss", "hit", "none", "miss"]
     assert all(r["namespace"] == "t1" and r["model"] == "m" and r["seconds"] > 0 for r in resolved)

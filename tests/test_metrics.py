@@ -8,13 +8,14 @@ import sys
 import textwrap
 from dataclasses import replace
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_cache import StaticPrefixCache
+from prefix_cache import StaticPrefixCache, TemplateRenderError
 from prefix_cache.chat.backend import EngineStats, KVStoreStats
 from prefix_cache.metrics import Metrics, TenantLabels, _quantile
 
-from .templates import BEHAVIOURS
+from .templates import BEHAVIOURS, NO_SYSTEM_ROLE
 
 TEMPLATE = BEHAVIOURS["default_system"]
 
@@ -50,6 +51,23 @@ def test_counts_agree_between_exposition_and_snapshot(qwen3) -> None:
     for name in ("prefix_cache_lookup_seconds_bucket", "prefix_cache_render_seconds_bucket",
                  "prefix_cache_static_prefix_tokens_bucket", "prefix_cache_render_seconds_saved_total"):
         assert any(n == name for n, _ in samples), name
+
+
+def test_the_cache_stats_and_the_metrics_are_one_tally(qwen3) -> None:
+    """Both count the cache's events: a miss whose render fails is an error in both, never a
+    miss in one and an error in the other."""
+    metrics = Metrics()
+    cache = StaticPrefixCache(observer=metrics)
+    for i in range(4):
+        cache.resolve(qwen3, conv(i), chat_template=TEMPLATE, namespace="acme", model="demo")
+    with pytest.raises(TemplateRenderError):
+        cache.resolve(qwen3, conv(9), chat_template=NO_SYSTEM_ROLE, namespace="acme", model="demo")
+    cache.resolve(qwen3, [{"role": "user", "content": "x"}], chat_template=TEMPLATE,
+                  namespace="acme", model="demo")
+    ours, theirs = cache.stats.snapshot(), metrics.snapshot()
+    assert (ours["hits"], ours["misses"], ours["none"], ours["errors"], ours["renders"]) == (
+        theirs["hits"], theirs["misses"], theirs["requests"]["none"],
+        theirs["requests"]["error"], theirs["renders"]) == (2, 2, 1, 1, 4)
 
 
 def test_tenant_labels_are_bounded() -> None:

@@ -16,10 +16,10 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 @router.get("/stats")
 async def stats(state: State) -> dict[str, Any]:
-    """The cache's counters and the store's figures, per tenant included."""
+    """The cache's counters (the metrics' tally: every worker's, in multiprocess mode) and the
+    store's figures, per tenant included."""
     return {
-        "cache": state.cache.stats.snapshot(),
-        "metrics": state.metrics.snapshot(),
+        "cache": state.metrics.snapshot(),
         "store": state.store.stats().as_dict(),
         "tenants": state.keyring.tenants,
         "models": [m.name for m in state.models],
