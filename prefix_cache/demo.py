@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 DEMO_NAME = "demo-qwen3"
+HOME_ENV = "PREFIX_CACHE_HOME"  # the folder the demo model is made in (default ~/.cache/prefix-cache)
 
 # Qwen3's layout: the system text, then the tools block inside the system turn, then the turns.
 DEMO_TEMPLATE = """\
@@ -42,7 +43,7 @@ def demo_model_dir(root: Path | None = None) -> Path:
     """The demo model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
     from .offline_tokenizers import make_model_dir
 
-    base = root or Path(os.environ.get("PREFIX_CACHE_HOME", Path.home() / ".cache" / "prefix-cache"))
+    base = root or Path(os.environ.get(HOME_ENV, Path.home() / ".cache" / "prefix-cache"))
     folder = base / DEMO_NAME
     template = folder / "chat_template.jinja"
     if not template.is_file() or template.read_text(encoding="utf-8") != DEMO_TEMPLATE:

@@ -187,7 +187,7 @@ _LLAMA31_RENAMES = {
     128010: "<|python_tag|>",
 }
 
-_ENV_CACHE = "PREFIX_CACHE_TOKENIZERS"
+CACHE_ENV = "PREFIX_CACHE_TOKENIZERS"
 _FILES = ("tokenizer.json", "tokenizer_config.json")
 _LOAD_LOCK = threading.Lock()
 
@@ -492,7 +492,7 @@ assert tuple(_RECIPES) == NAMES
 
 def default_cache_dir() -> Path:
     """``$PREFIX_CACHE_TOKENIZERS`` if set, else ``~/.cache/prefix-cache/tokenizers``."""
-    env = os.environ.get(_ENV_CACHE)
+    env = os.environ.get(CACHE_ENV)
     return Path(env) if env else Path.home() / ".cache" / "prefix-cache" / "tokenizers"
 
 

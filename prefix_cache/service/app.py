@@ -34,9 +34,10 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
     if settings.uses_memory_store:
         return open_store(None, max_bytes=n_tenants * settings.tenant_max_bytes)
     try:
-        return open_store(settings.redis)
+        return open_store(settings.redis_url)
     except ImportError as exc:
-        raise ValueError(f"--redis {settings.redis}: the Redis store is not available: {exc}") from exc
+        raise ValueError(f"--redis {settings.redis_url}: the Redis store is not available: "
+                         f"{exc}") from exc
 
 
 def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from ..http.logs import uvicorn_log_config
 from .app import create_app, open_backing_store
 from .models import ModelRegistry, load_model_specs
-from .settings import ServiceSettings
+from .settings import ServiceSettings, check_renamed_env
 from .tenants import KeyRing
 
 log = logging.getLogger("prefix_cache.service")
@@ -27,21 +27,10 @@ log = logging.getLogger("prefix_cache.service")
 EXIT_OK, EXIT_CONFIG = 0, 2
 FLAGS_ENV = "PREFIX_CACHE_SERVE_FLAGS"  # not a settings field: read by worker processes only
 
-# argparse destination -> settings field
-FLAG_FIELDS = {
-    "host": "host", "port": "port", "workers": "workers", "model": "model_dirs",
-    "models": "models_file", "upstream": "upstream", "engine": "engine",
-    "draft_model": "draft_model", "redis": "redis", "engine_option": "engine_options",
-}
-
-
-def flag_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings the flags set explicitly (an absent flag leaves the environment's value)."""
-    return {field: args[flag] for flag, field in FLAG_FIELDS.items() if args.get(flag) is not None}
-
 
 def make_settings(overrides: Mapping[str, Any]) -> ServiceSettings:
     """Settings from the flags and the environment; ValueError naming what is wrong."""
+    check_renamed_env()
     try:
         return ServiceSettings(**overrides)
     except ValidationError as exc:
