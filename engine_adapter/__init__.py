@@ -6,7 +6,7 @@
   ``--engine``; ``engine_adapter.server``: ``prefix-cache serve-engine``.
 - ``engine_adapter.plugin``: routes an engine's own ``specprefill_system_end`` computation
   through ``StaticPrefixCache`` (no mlx).
-- ``engine_adapter.tiny_model``: tiny random-weights model folders for tests and demos.
+- ``engine_adapter.testing.tiny_model``: tiny random-weights model folders for tests and demos.
 
 Nothing here is imported eagerly: ``import engine_adapter`` stays cheap and mlx-free, and names
 resolve on first use (``engine_adapter.MLXEngine`` imports mlx then).

@@ -101,7 +101,7 @@ def _open_store(args: argparse.Namespace) -> Any:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmark import run_benchmark
+    from .testing.benchmark import run_benchmark
 
     return run_benchmark(args)
 

@@ -41,7 +41,7 @@ DEMO_TEMPLATE = """\
 
 def demo_model_dir(root: Path | None = None) -> Path:
     """The demo model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
-    from .offline_tokenizers import make_model_dir
+    from .tokenizer_folders import make_model_dir
 
     base = root or Path(os.environ.get(HOME_ENV, Path.home() / ".cache" / "prefix-cache"))
     folder = base / DEMO_NAME

@@ -15,7 +15,11 @@ from typing import Any
 import pytest
 
 from prefix_cache import cli
-from prefix_cache.offline_tokenizers import TEMPLATE_TOKENIZER, load_tokenizer, make_model_dir
+from prefix_cache.testing.offline_tokenizers import (
+    TEMPLATE_TOKENIZER,
+    load_offline_tokenizer,
+    make_model_dir,
+)
 
 from . import reference
 from .conftest import SHARED_TEMPLATES, make_tools
@@ -80,7 +84,7 @@ def test_template(stem: str, model_dirs, tmp_path, capsysbinary) -> None:
                      str(template_file), "--requests", str(path)])
     lines = [json.loads(line) for line in capsysbinary.readouterr().out.decode().splitlines()]
     assert len(lines) == 2 * len(reqs)
-    tok = load_tokenizer(tok_name)
+    tok = load_offline_tokenizer(tok_name)
     rendered = 0
     seen: set[str] = set()
     for i, req in enumerate(reqs):

@@ -19,7 +19,7 @@ from engine_adapter.mlx_engine import (  # noqa: E402
     StaticKVStore,
 )
 from engine_adapter.mlx_engine.model_info import context_length  # noqa: E402
-from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
+from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
     assert_close,
     assert_matches_dense,

@@ -13,7 +13,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from engine_adapter.mlx_engine import MLXEngine, StaticKVStore  # noqa: E402
-from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
+from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
 from prefix_cache.boundary import common_prefix_len  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
     assert_close,

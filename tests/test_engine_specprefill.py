@@ -15,7 +15,6 @@ pytest.importorskip("mlx_lm")
 from engine_adapter.mlx_engine import GenerationRequest, MLXEngine, SpecPrefillConfig  # noqa: E402
 from engine_adapter.mlx_engine import cache as kv  # noqa: E402
 from engine_adapter.mlx_engine import sparse as sparse_module  # noqa: E402
-from engine_adapter.mlx_engine.reference import dense_logprobs, masked_logprobs  # noqa: E402
 from engine_adapter.mlx_engine.rope import (  # noqa: E402
     PositionPlan,
     captured_queries,
@@ -27,6 +26,7 @@ from engine_adapter.mlx_engine.specprefill import (  # noqa: E402
     score_tokens,
     select_chunks,
 )
+from engine_adapter.testing.reference import dense_logprobs, masked_logprobs  # noqa: E402
 from prefix_cache.boundary import common_prefix_len  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
     ATOL,
@@ -453,7 +453,7 @@ def test_a_failure_inside_the_sparse_prefill_falls_back_with_the_model_intact(ta
 
 
 def test_a_draft_with_another_vocabulary_falls_back(target, engine_models_dir, make_engine):
-    from engine_adapter.tiny_model import make_tiny_model
+    from engine_adapter.testing.tiny_model import make_tiny_model
 
     model, tok = target
     folder = engine_models_dir / "llama3-vocab-draft"

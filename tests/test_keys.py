@@ -151,12 +151,13 @@ def test_non_json_input_is_a_clear_error(qwen3) -> None:
 def test_fingerprint_is_stable_across_processes(qwen3) -> None:
     """Replicas on other machines must compute the same key: no per-process randomness."""
     code = (
-        "from prefix_cache.offline_tokenizers import load_tokenizer;"
+        "from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer;"
         "from prefix_cache.render import tokenizer_fingerprint;"
-        "print(tokenizer_fingerprint(load_tokenizer('qwen3')).hex())"
+        "print(tokenizer_fingerprint(load_offline_tokenizer('qwen3')).hex())"
     )
+    repo = str(__import__("pathlib").Path(__file__).resolve().parents[1])  # this tree's package
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONHASHSEED": "12345", "HF_HUB_OFFLINE": "1",
+                         cwd=repo, env={"PYTHONHASHSEED": "12345", "HF_HUB_OFFLINE": "1",
                               "PATH": "/usr/bin:/bin", "HOME": str(__import__("pathlib").Path.home())})
     assert out.stdout.strip() == tokenizer_fingerprint(qwen3).hex()
 

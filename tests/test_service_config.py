@@ -15,13 +15,13 @@ import pytest
 
 from prefix_cache import cli
 from prefix_cache.demo import DEMO_TEMPLATE
-from prefix_cache.offline_tokenizers import make_model_dir
 from prefix_cache.service.flags import flag_overrides
 from prefix_cache.service.models import load_model_specs
 from prefix_cache.service.server import make_settings, startup_warnings
 from prefix_cache.service.settings import ServiceSettings
 from prefix_cache.service.tenants import KeyRing
 from prefix_cache.service.upstream import Upstream, normalize_base_url
+from prefix_cache.testing.offline_tokenizers import make_model_dir
 
 from .service_helpers import ServeProcess, local_client
 

@@ -14,8 +14,8 @@ import pytest
 
 from prefix_cache import cli
 from prefix_cache.demo import DEMO_TEMPLATE
-from prefix_cache.offline_tokenizers import make_model_dir
 from prefix_cache.service.settings import ServiceSettings, env_name
+from prefix_cache.testing.offline_tokenizers import make_model_dir
 
 from .redis_server import RedisServer, needs_redis
 from .service_helpers import ServeProcess, local_client

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic.fields import FieldInfo
 
 from ..demo import HOME_ENV
-from ..offline_tokenizers import CACHE_ENV
+from ..tokenizer_folders import CACHE_ENV
 from .settings import ServiceSettings, env_name
 
 
