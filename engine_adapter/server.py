@@ -43,14 +43,17 @@ from fastapi.responses import JSONResponse, Response
 
 from prefix_cache.chat.openai_params import parse_chat_params
 from prefix_cache.chat.openai_stream import respond_chat
+from prefix_cache.errors import InvalidRequestError
 from prefix_cache.http.auth import bearer_matches
 from prefix_cache.http.body import read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized, install_error_handlers
 from prefix_cache.keys import validate_label
 from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.render import get_renderer
+from prefix_cache.token_ids import validate_token_ids
 
 from .backend import MLXBackend
+from .mlx_engine.request import check_vocabulary
 
 log = logging.getLogger("engine_adapter.server")
 
@@ -62,16 +65,14 @@ EXIT_OK, EXIT_CONFIG = 0, 2
 
 def prompt_ids_of(body: dict[str, Any], vocab_size: int | None) -> list[int] | None:
     """``prompt_token_ids`` checked, or None when the body has none."""
-    ids = body.get("prompt_token_ids")
-    if ids is None:
+    value = body.get("prompt_token_ids")
+    if value is None:
         return None
-    if not isinstance(ids, list) or not ids or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise BadRequest("prompt_token_ids must be a non-empty list of non-negative integers",
-                         code="invalid_prompt_token_ids")
-    if vocab_size is not None and max(ids) >= vocab_size:
-        raise BadRequest(f"prompt_token_ids has id {max(ids)}, outside the model's vocabulary "
-                         f"({vocab_size})", code="invalid_prompt_token_ids")
+    try:
+        ids = validate_token_ids(value, "prompt_token_ids")
+        check_vocabulary(ids, vocab_size, "prompt_token_ids")
+    except InvalidRequestError as exc:  # the same check, named for this field
+        raise InvalidRequestError(str(exc), code="invalid_prompt_token_ids") from None
     return ids
 
 

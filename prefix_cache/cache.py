@@ -21,14 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import boundary, keys
-from .entry import Entry, decode_entry, encode_entry, pack_ids
-from .errors import EntryError, InvalidRequestError, PrefixCacheError, StoreUnavailableError
+from .entry import Entry, decode_entry, encode_entry
+from .errors import EntryError, PrefixCacheError, StoreUnavailableError
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
 from .observer import CacheObserver, ObserverGroup
 from .render import TemplateRenderer, get_renderer
 from .singleflight import SingleFlight
 from .stats import CacheStats
 from .store import MemoryStore, Store
+from .token_ids import pack_ids, validate_token_ids
 
 log = logging.getLogger("prefix_cache")
 
@@ -202,9 +203,7 @@ class StaticPrefixCache:
 
     def _prompt(self, plan: _Plan, prompt_ids: Sequence[int] | None) -> list[int]:
         if prompt_ids is not None:
-            if not isinstance(prompt_ids, (list, tuple)):
-                raise InvalidRequestError("prompt_ids must be a list of token ids")
-            return prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
+            return validate_token_ids(prompt_ids)
         self._events.prompt_rendered()
         return plan.renderer.render_ids(plan.messages, plan.tools, plan.kwargs)
 
@@ -225,11 +224,7 @@ class StaticPrefixCache:
     def _hit(self, plan: _Plan, prompt: list[int], entry: Entry) -> PrefixResult:
         # Same cut as _miss, done on packed bytes: the stored ids are never unpacked.
         n = entry.n_static
-        try:
-            head = pack_ids(prompt[:n])
-        except (OverflowError, TypeError) as exc:
-            raise InvalidRequestError("prompt_ids must be token ids in [0, 2**32)") from exc
-        end = boundary.packed_prefix_len(head, entry.packed_ids)
+        end = boundary.packed_prefix_len(pack_ids(prompt[:n]), entry.packed_ids)
         self._events.saved(model=plan.model, seconds=entry.render_seconds)
         return self._report(plan, PrefixResult(end, prompt, HIT, plan.key, n))
 

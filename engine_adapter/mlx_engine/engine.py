@@ -27,7 +27,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from prefix_cache.chat.backend import EngineStats
+from prefix_cache.chat.backend import EngineHealth, EngineStats
 
 from ..options import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
 from . import cache as kv
@@ -169,12 +169,12 @@ class MLXEngine:
         """Tokens of one request as they come, for asyncio; closing the iterator cancels it."""
         return async_events(self.submit, self.cancel, request)
 
-    def health(self) -> dict[str, Any]:
+    def health(self) -> EngineHealth:
         """Whether the engine thread is up to take requests, and how busy it is (what a
         readiness probe reports)."""
-        return {"ok": self._thread.is_alive() and not self._closed,
-                "active": len(self._by_id), "queued": len(self._inbox),
-                "sparse_prefills": len(self._sparse_jobs)}
+        return EngineHealth(ok=self._thread.is_alive() and not self._closed,
+                            active=len(self._by_id), queued=len(self._inbox),
+                            sparse_prefills=len(self._sparse_jobs))
 
     def snapshot_stats(self) -> EngineStats:
         """Engine and KV-store figures now."""

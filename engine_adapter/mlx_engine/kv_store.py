@@ -21,8 +21,8 @@ import xxhash
 
 from prefix_cache.boundary import packed_prefix_len
 from prefix_cache.chat.backend import KVStoreStats
-from prefix_cache.entry import pack_ids
 from prefix_cache.lru import ByteLRU
+from prefix_cache.token_ids import pack_ids
 
 from ..options import DEFAULT_KV_BYTES
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from prefix_cache.chat.backend import BackendError
 from prefix_cache.errors import ContextLengthError, InvalidRequestError
+from prefix_cache.token_ids import validate_token_ids
 
 
 def _new_id() -> str:
@@ -42,13 +43,8 @@ class GenerationRequest:
     def validate(self, vocab_size: int | None = None, context_length: int | None = None) -> None:
         """Raise InvalidRequestError (a ValueError) naming the first bad field; the prompt plus ``max_tokens`` must fit
         in ``context_length`` when it is given."""
-        ids = self.prompt_ids
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise InvalidRequestError("prompt_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise InvalidRequestError("prompt_ids must be non-negative ints")
-        if vocab_size is not None and max(ids) >= vocab_size:
-            raise InvalidRequestError(f"prompt_ids has id {max(ids)}, outside the vocabulary ({vocab_size})")
+        ids = validate_token_ids(self.prompt_ids, "prompt_ids")
+        check_vocabulary(ids, vocab_size, "prompt_ids")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if context_length is not None:
@@ -66,6 +62,15 @@ class GenerationRequest:
             raise InvalidRequestError(f"specprefill_keep_pct must be in (0, 1], got {self.specprefill_keep_pct}")
         if self.specprefill_threshold is not None and self.specprefill_threshold < 0:
             raise InvalidRequestError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
+
+
+def check_vocabulary(ids: list[int], vocab_size: int | None, what: str) -> None:
+    """InvalidRequestError unless there are ids and every one has an embedding row."""
+    if not ids:
+        raise InvalidRequestError(f"{what} must be a non-empty list of token ids")
+    if vocab_size is not None and max(ids) >= vocab_size:
+        raise InvalidRequestError(f"{what} has id {max(ids)}, outside the model's vocabulary "
+                                  f"({vocab_size})")
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
