@@ -137,10 +137,13 @@ class KVReuse:
                 plan.restored = static
                 plan.conversation_at = last if last > static else 0
                 return DensePrefill([ids[static:]], kv.restore(snap, copy=False), plan, static, 0)
+            cache = kv.make_cache(self.model)
             plan.static_at, plan.conversation_at = static, last
+            # From here on requests with this static prefix park until this one stores it
+            # (or leaves: ``forget`` releases them).
             plan.leads = prefix_key(req.namespace, TARGET_ID, ids[:static])[0]
             self._computing.setdefault(plan.leads, [])
-            return DensePrefill([ids[:static], ids[static:]], kv.make_cache(self.model), plan, 0, 0)
+            return DensePrefill([ids[:static], ids[static:]], cache, plan, 0, 0)
         plan.conversation_at = last
         return DensePrefill([ids], kv.make_cache(self.model), plan, 0, 0)
 
