@@ -29,7 +29,7 @@ from .render import TemplateRenderer, get_renderer
 from .singleflight import SingleFlight
 from .stats import CacheStats
 from .store import MemoryStore, Store
-from .token_ids import pack_ids, validate_token_ids
+from .token_ids import TokenIds, checked_token_ids
 
 log = logging.getLogger("prefix_cache")
 
@@ -120,7 +120,7 @@ class StaticPrefixCache:
                               chat_template, namespace, model)
             prompt = self._prompt(plan, prompt_ids)
             if plan.static is None:
-                return self._none(plan, prompt)
+                return self._none(plan, prompt.ids)
             entry = self._read(plan, self._get(plan.key))
             if entry is not None:
                 return self._hit(plan, prompt, entry)
@@ -128,7 +128,7 @@ class StaticPrefixCache:
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
-        return self._miss(plan, prompt, static_ids)
+        return self._miss(plan, prompt.ids, static_ids)
 
     async def aresolve(
         self,
@@ -152,7 +152,7 @@ class StaticPrefixCache:
             else:
                 prompt = self._prompt(plan, prompt_ids)
             if plan.static is None:
-                return self._none(plan, prompt)
+                return self._none(plan, prompt.ids)
             entry = self._read(plan, await self._aget(plan.key))
             if entry is not None:
                 return self._hit(plan, prompt, entry)
@@ -166,7 +166,7 @@ class StaticPrefixCache:
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
-        return self._miss(plan, prompt, static_ids)
+        return self._miss(plan, prompt.ids, static_ids)
 
     def _failed(self, namespace: str, model: str | None, tokenizer: Any, exc: Exception) -> None:
         label = keys.model_label(model or getattr(tokenizer, "name_or_path", "") or "model")
@@ -201,11 +201,13 @@ class StaticPrefixCache:
         return _Plan(renderer, messages, tools, kwargs, static, key, keys.check_value(material),
                      namespace, label, started)
 
-    def _prompt(self, plan: _Plan, prompt_ids: Sequence[int] | None) -> list[int]:
+    def _prompt(self, plan: _Plan, prompt_ids: Sequence[int] | None) -> TokenIds:
+        """The prompt's ids, checked when the caller gave them, packed for the hit's cut."""
         if prompt_ids is not None:
-            return validate_token_ids(prompt_ids)
+            return checked_token_ids(prompt_ids)
         self._events.prompt_rendered()
-        return plan.renderer.render_ids(plan.messages, plan.tools, plan.kwargs)
+        ids = plan.renderer.render_ids(plan.messages, plan.tools, plan.kwargs)
+        return TokenIds.of_rendered(ids)
 
     def _none(self, plan: _Plan, prompt: list[int]) -> PrefixResult:
         return self._report(plan, PrefixResult(0, prompt, NONE, ""))
@@ -221,12 +223,12 @@ class StaticPrefixCache:
                                boundary=result.specprefill_system_end)
         return result
 
-    def _hit(self, plan: _Plan, prompt: list[int], entry: Entry) -> PrefixResult:
+    def _hit(self, plan: _Plan, prompt: TokenIds, entry: Entry) -> PrefixResult:
         # Same cut as _miss, done on packed bytes: the stored ids are never unpacked.
         n = entry.n_static
-        end = boundary.packed_prefix_len(pack_ids(prompt[:n]), entry.packed_ids)
+        end = boundary.packed_prefix_len(prompt.packed[:4 * n], entry.packed_ids)
         self._events.saved(model=plan.model, seconds=entry.render_seconds)
-        return self._report(plan, PrefixResult(end, prompt, HIT, plan.key, n))
+        return self._report(plan, PrefixResult(end, prompt.ids, HIT, plan.key, n))
 
     def _read(self, plan: _Plan, value: bytes | None) -> Entry | None:
         """Decode a stored value; anything that is not exactly ours counts as a miss."""
