@@ -85,7 +85,7 @@ class Metrics(CacheObserver):
         self.tenant_label = TenantLabels(max_tenants)
         self.requests = Counter(f"{NS}_requests_total", "Boundary requests by cache result.",
                                 ["result", "model", "tenant"], registry=reg)
-        self.renders = Counter(f"{NS}_renders_total", "Probe renders run (two per computation).",
+        self.renders = Counter(f"{NS}_renders_total", "Probe renders run (four per computation).",
                                ["model"], registry=reg)
         self.render_seconds = Histogram(f"{NS}_render_seconds", "Two-probe computation time.",
                                         ["model"], buckets=LATENCY_BUCKETS, registry=reg)
@@ -125,8 +125,8 @@ class Metrics(CacheObserver):
     def failed(self, *, namespace: str, model: str, error: Exception) -> None:
         self.requests.labels("error", model, self.tenant_label(namespace)).inc()
 
-    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
-        self.renders.labels(model).inc(2)
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
+        self.renders.labels(model).inc(renders)
         self.render_seconds.labels(model).observe(seconds)
 
     def saved(self, *, model: str, seconds: float) -> None:

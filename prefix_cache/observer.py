@@ -14,8 +14,8 @@ class CacheObserver:
     def failed(self, *, namespace: str, model: str, error: Exception) -> None:
         """A request failed (bad input, template error)."""
 
-    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
-        """A two-probe computation ran (two renders) and took ``seconds``."""
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
+        """A static-prefix computation ran ``renders`` probe renders and took ``seconds``."""
 
     def saved(self, *, model: str, seconds: float) -> None:
         """A hit skipped a computation that had cost ``seconds``."""

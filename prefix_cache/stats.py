@@ -16,8 +16,9 @@ class CacheStats:
     none: int = 0                       # requests with no static part to protect
     coalesced: int = 0                  # misses that waited on another request's render
     errors: int = 0                     # requests that failed (bad input, template errors)
-    renders: int = 0                    # probe renders (two per computed static prefix)
+    renders: int = 0                    # probe renders (four per computed static prefix)
     prompt_renders: int = 0             # renders of the real prompt (no prompt_ids given)
+    cap_renders: int = 0                # renders locating a request's first non-static text
     render_seconds: float = 0.0         # time spent in probe renders
     render_seconds_saved: float = 0.0   # probe-render time that hits did not spend
     verification_failures: int = 0      # stored entries rejected (corrupt, foreign, collision)
