@@ -117,6 +117,6 @@ def first_user_text_index(tok: Any, messages: list[dict], tools: list | None = N
     text = render(tok, messages, tools, kwargs, template, tokenize=False)
     pos = text.find(content.strip())
     assert pos >= 0, "first user text not found in the rendered prompt"
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    head = tok(text[:pos], add_special_tokens=False)["input_ids"]
+    ids = tok.encode(text, add_special_tokens=False)  # a wrapper passes encode through
+    head = tok.encode(text[:pos], add_special_tokens=False)
     return cpl(ids, head)
