@@ -42,23 +42,30 @@ def model_label(name: str) -> str:
     return label if label[0].isalnum() else "m" + label[:127]
 
 
-def canonical_bytes(value: Any, what: str) -> bytes:
-    """Exact bytes of plain data, as a template is given it; InvalidRequestError for anything else.
+def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
+                    kwargs: Mapping[str, Any] | None) -> bytes:
+    """Exact bytes of the plain data a template is given; InvalidRequestError for anything else.
 
     Plain data is what a JSON body parses to: exactly dict, list, str, int, float, bool and None
     (subclasses excluded: an Enum, a str subclass or a numpy scalar can print differently from
     its value, and transformers' own conversion of such objects has changed between versions).
     Tuples, sets, dates, UUIDs and other objects are refused rather than keyed as the JSON they
     would serialize to, because the template does not see them as that JSON. Key order, int vs
-    float, bool vs int, NaN, -0.0 and integers of any size all stay distinct.
+    float, bool vs int, NaN, -0.0 and integers of any size all stay distinct. ``tools`` is kept
+    as given: ``[]`` and ``None`` render differently on real templates (``tools is not none``,
+    the ``tool_use`` named template), so they key differently.
 
     msgpack with ``strict_types`` does the type check and the encoding in one C pass; only data
     it cannot take (integers beyond 64 bits, or a type to refuse) goes through the Python walk.
     """
+    fields = [list(static), None if tools is None else list(tools), dict(kwargs) if kwargs else None]
     try:
-        return _pack(value)
+        return _pack(fields)
     except (TypeError, OverflowError, ValueError):
-        return _pack(_plain(value, what))
+        return _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
+
+
+_FIELD_NAMES = ("messages", "tools", "chat_template_kwargs")
 
 
 def _pack(value: Any) -> bytes:
@@ -107,21 +114,10 @@ def key_material(
     kwargs: Mapping[str, Any] | None,
     date: str | None = None,
 ) -> bytes:
-    """Length-prefixed fields, so no field's bytes can run into the next one's.
-
-    ``tools`` is kept as given: ``[]`` and ``None`` render differently on real templates
-    (``tools is not none``, and the ``tool_use`` named template), so they key differently.
-    """
-    fields = (
-        KEY_VERSION,
-        namespace.encode(),
-        identity,
-        (date or "").encode(),
-        canonical_bytes(list(static), "messages"),
-        canonical_bytes(None if tools is None else list(tools), "tools"),
-        canonical_bytes(dict(kwargs) if kwargs else None, "chat_template_kwargs"),
-    )
-    return b"".join(len(f).to_bytes(4, "little") + f for f in fields)
+    """Length-prefixed fields, so no field's bytes can run into the next one's."""
+    fields = (KEY_VERSION, namespace.encode(), identity, (date or "").encode(),
+              canonical_bytes(static, tools, kwargs))
+    return b"".join([len(f).to_bytes(4, "little") + f for f in fields])
 
 
 def key_hash(material: bytes) -> str:

@@ -67,7 +67,7 @@ def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
         id(getattr(tokenizer, "backend_tokenizer", None)),
         len(tokenizer),
         bool(getattr(tokenizer, "split_special_tokens", False)),
-        tuple(tokenizer.special_tokens_map.items()),
+        tokenizer.special_tokens_map,
     )
 
 
@@ -115,9 +115,10 @@ _SLOW_FLAGS = ("legacy", "add_prefix_space", "do_lower_case", "add_dummy_prefix"
 # -- what a wrapper adds --------------------------------------------------------------------------
 
 
-def python_renderer(tokenizer: Any) -> Callable[..., Any] | None:
-    """The Python chat-template function an mlx-lm wrapper renders with (``chat_template_type``)."""
-    if unwrap_tokenizer(tokenizer) is tokenizer:
+def python_renderer(tokenizer: Any, inner: Any = None) -> Callable[..., Any] | None:
+    """The Python chat-template function an mlx-lm wrapper renders with (``chat_template_type``).
+    ``inner``: the unwrapped tokenizer, when the caller has it already."""
+    if (inner if inner is not None else unwrap_tokenizer(tokenizer)) is tokenizer:
         return None
     renderer = getattr(tokenizer, "_chat_template", None)
     return renderer if callable(renderer) else None
@@ -178,7 +179,6 @@ class TemplateRenderer:
         self.tokenizer = unwrap_tokenizer(target)   # what tokenizes
         self.template = template    # None: the wrapper's Python renderer
         self.identity = identity
-        # transformers exposes strftime_now to templates; those that call it render today's date.
         self.uses_date = uses_date
         self._wrapped = self.tokenizer is not target
 
@@ -266,14 +266,14 @@ def get_renderer(tokenizer: Any, chat_template: str | None = None,
     as in transformers.
     """
     inner = unwrap_tokenizer(tokenizer)
-    function = python_renderer(tokenizer)
+    function = python_renderer(tokenizer, inner)
+    template: str | None = None
     if function is not None:
         if chat_template is not None:
             raise InvalidRequestError(
                 "this tokenizer renders with mlx-lm's Python chat template "
                 f"({getattr(function, '__module__', '?')}); a chat_template cannot be given")
-        template_id, uses_date = _function_identity(function)
-        template: str | None = None
+        template_id = _function_identity(function)[0]
     else:
         try:
             template = inner.get_chat_template(chat_template, None if tools is None else list(tools))
@@ -281,21 +281,27 @@ def get_renderer(tokenizer: Any, chat_template: str | None = None,
             raise NoChatTemplateError(str(exc)) from exc
         if not template:
             raise NoChatTemplateError("the tokenizer has no chat template and none was given")
-        template_id, uses_date = template, "strftime_now" in template
+        template_id = template
     digest = current_fingerprint(inner)
     descriptor = wrapper_descriptor(tokenizer) if inner is not tokenizer else b""
     memo_key = (digest, descriptor, template_id)
     table = _renderers.get(tokenizer)
     renderer = table.get(memo_key) if table is not None else None
     if renderer is None:
-        with _lock:
-            table = _renderers.setdefault(tokenizer, {})
-            if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
-                # Per-request templates could grow this without end; the oldest is dropped.
-                table.pop(next(iter(table)))
-            identity = xxhash.xxh3_128_digest(b"".join(
-                len(part).to_bytes(4, "little") + part
-                for part in (digest, descriptor, template_id.encode())))
-            renderer = table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity,
-                                                                    uses_date))
+        renderer = _new_renderer(tokenizer, template, function, memo_key)
     return renderer
+
+
+def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., Any] | None,
+                  memo_key: tuple[bytes, bytes, str]) -> TemplateRenderer:
+    digest, descriptor, template_id = memo_key
+    identity = xxhash.xxh3_128_digest(b"".join(
+        len(part).to_bytes(4, "little") + part for part in (digest, descriptor, template_id.encode())))
+    # transformers exposes strftime_now to templates; those that call it render today's date.
+    uses_date = _function_identity(function)[1] if function else "strftime_now" in (template or "")
+    with _lock:
+        table = _renderers.setdefault(tokenizer, {})
+        if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
+            # Per-request templates could grow this without end; the oldest is dropped.
+            table.pop(next(iter(table)))
+        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, uses_date))
