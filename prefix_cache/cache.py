@@ -56,6 +56,15 @@ class PrefixResult:
 
 
 @dataclass(frozen=True, slots=True)
+class _Prompt:
+    """The prompt's token ids, and whether it rendered with the tools=[] fallback (None: the
+    caller gave the ids)."""
+
+    ids: TokenIds
+    empty_tools: bool | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Plan:
     """Everything resolved before any render: validated inputs, renderer and key."""
 
@@ -125,13 +134,14 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model)
-            given = None if prompt_ids is None else checked_token_ids(prompt_ids)
+            # The prompt first: a request whose own render fails stores nothing.
+            prompt = self._given(prompt_ids) if prompt_ids is not None else self._render(plan)
             if plan.static is None:
-                return self._none(plan, given if given is not None else self._render_any(plan))
+                return self._none(plan, prompt)
             stored = self._read(plan, self._get(plan.key))
             cache = MISS if stored is None else HIT
             entry = stored if stored is not None else self._await_flight_sync(plan)
-            prompt, end = self._finish(plan, given, entry)
+            prompt, end = self._finish(plan, prompt, entry)
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
@@ -154,23 +164,20 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model)
-            given = None if prompt_ids is None else checked_token_ids(prompt_ids)
+            if prompt_ids is not None:
+                prompt = self._given(prompt_ids)
+            else:  # the prompt first: a request whose own render fails stores nothing
+                prompt = await loop.run_in_executor(self._executor, self._render, plan)
             if plan.static is None:
-                if given is None:
-                    given = await loop.run_in_executor(self._executor, self._render_any, plan)
-                return self._none(plan, given)
+                return self._none(plan, prompt)
             stored = self._read(plan, await self._aget(plan.key))
             cache = MISS if stored is None else HIT
             entry = stored if stored is not None else await self._await_flight(plan, loop)
-            if given is None:
+            if self._finish_renders(plan, prompt, entry):
                 prompt, end = await loop.run_in_executor(
-                    self._executor, self._finish, plan, None, entry)
+                    self._executor, self._finish, plan, prompt, entry)
             else:
-                prompt = given
-                end, past_cap = self._cut(plan, given, entry)
-                if past_cap:
-                    end = await loop.run_in_executor(
-                        self._executor, self._capped, plan, given, entry, end)
+                prompt, end = self._finish(plan, prompt, entry)
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
@@ -212,24 +219,39 @@ class StaticPrefixCache:
         return _Plan(renderer, messages, tools, kwargs, n_static, static, key,
                      keys.check_value(material), date, namespace, label, started)
 
-    def _render_any(self, plan: _Plan) -> TokenIds:
-        """The prompt of a request with no static part (the tools fallback as documented)."""
-        self.stats.add(prompt_renders=1)
-        return TokenIds.of_rendered(plan.renderer.render_ids(plan.messages, plan.tools, plan.kwargs))
+    @staticmethod
+    def _given(prompt_ids: Any) -> _Prompt:
+        return _Prompt(checked_token_ids(prompt_ids), None)
 
-    def _render_prompt(self, plan: _Plan, entry: Entry) -> TokenIds:
-        """The prompt, rendered with the same ``tools`` argument as the probes were."""
+    def _render(self, plan: _Plan) -> _Prompt:
+        """The request's prompt, with the documented tools fallback."""
         self.stats.add(prompt_renders=1)
-        return TokenIds.of_rendered(plan.renderer.apply(plan.messages, _tools(plan, entry),
-                                                        plan.kwargs))
+        ids, tools = plan.renderer.render_with_choice(plan.messages, plan.tools, plan.kwargs)
+        return _Prompt(TokenIds.of_rendered(ids), plan.tools is None and tools is not None)
 
-    def _finish(self, plan: _Plan, given: TokenIds | None, entry: Entry) -> tuple[TokenIds, int]:
-        """The prompt (rendered if not given) and its boundary."""
-        prompt = given if given is not None else self._render_prompt(plan, entry)
-        end, past_cap = self._cut(plan, prompt, entry)
+    def _finish(self, plan: _Plan, prompt: _Prompt, entry: Entry) -> tuple[_Prompt, int]:
+        """The prompt, rendered again in the rare case its tools argument is not the probes',
+        and its boundary."""
+        if prompt.empty_tools is not None and prompt.empty_tools != entry.empty_tools:
+            self.stats.add(prompt_renders=1)
+            try:
+                ids = plan.renderer.apply(plan.messages, _tools(plan, entry), plan.kwargs)
+            except TemplateRenderError as exc:
+                raise TemplateRenderError(
+                    f"the template renders this prompt only with tools={'[]' if prompt.empty_tools else 'None'}"
+                    f" but its static part only with tools={'[]' if entry.empty_tools else 'None'}; "
+                    f"pass tools explicitly ({exc})") from exc
+            prompt = _Prompt(TokenIds.of_rendered(ids), entry.empty_tools)
+        end, past_cap = self._cut(plan, prompt.ids, entry)
         if past_cap:
-            end = self._capped(plan, prompt, entry, end)
+            end = self._capped(plan, prompt.ids, entry, end)
         return prompt, end
+
+    def _finish_renders(self, plan: _Plan, prompt: _Prompt, entry: Entry) -> bool:
+        """Whether ``_finish`` will render (then it runs off the event loop)."""
+        if prompt.empty_tools is not None and prompt.empty_tools != entry.empty_tools:
+            return True
+        return self._cut(plan, prompt.ids, entry)[1]
 
     def _cut(self, plan: _Plan, prompt: TokenIds, entry: Entry) -> tuple[int, bool]:
         """Where the prompt leaves the scaffold (a memcmp on packed ids), and whether that cut
@@ -252,16 +274,16 @@ class StaticPrefixCache:
             return 0
         return min(end, boundary.packed_prefix_len(prompt.packed, pack_ids(ids)))
 
-    def _none(self, plan: _Plan, prompt: TokenIds) -> PrefixResult:
+    def _none(self, plan: _Plan, prompt: _Prompt) -> PrefixResult:
         self.stats.add(none=1)
-        return self._report(plan, PrefixResult(0, prompt.ids, NONE, ""))
+        return self._report(plan, PrefixResult(0, prompt.ids.ids, NONE, ""))
 
-    def _answer(self, plan: _Plan, prompt: TokenIds, end: int, entry: Entry,
+    def _answer(self, plan: _Plan, prompt: _Prompt, end: int, entry: Entry,
                 cache: str) -> PrefixResult:
         if cache == HIT:
             self.stats.add(hits=1, render_seconds_saved=entry.render_seconds)
             self.observer.saved(model=plan.model, seconds=entry.render_seconds)
-        return self._report(plan, PrefixResult(end, prompt.ids, cache, plan.key, entry.n_static))
+        return self._report(plan, PrefixResult(end, prompt.ids.ids, cache, plan.key, entry.n_static))
 
     def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:
         self.observer.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from prefix_cache import InvalidRequestError, MemoryStore, StaticPrefixCache
+from prefix_cache import InvalidRequestError, MemoryStore, StaticPrefixCache, TemplateRenderError
 
 from . import reference
 from .conftest import make_tools
@@ -174,7 +174,7 @@ class Effort(enum.Enum):
     HIGH = "high"
 
 
-class StrEffort(str, enum.Enum):
+class StrEffort(enum.StrEnum):
     HIGH = "high"
 
 
@@ -296,6 +296,19 @@ def test_tools_fallback_is_not_learned(qwen3) -> None:
     assert first.prompt_ids == engine_ids
     assert first.specprefill_system_end == second.specprefill_system_end == expected
     assert second.hit
+
+
+def test_prompt_and_probes_that_need_different_tools_are_refused(qwen3) -> None:
+    """One render of a request never mixes tools=None and tools=[]: when its prompt renders
+    only with [] but its probes only with None, the request is refused, not guessed."""
+    template = ("{%- if messages[-1].content == 'List the tools.' %}{%- for t in tools %}{%- endfor %}"
+                "{%- endif %}" + TOOLS_NOT_NONE)
+    cache = StaticPrefixCache()
+    with pytest.raises(TemplateRenderError, match="pass tools explicitly"):
+        cache.resolve(qwen3, conv("List the tools."), chat_template=template)
+    explicit = cache.resolve(qwen3, conv("List the tools."), [], chat_template=template)
+    assert explicit.specprefill_system_end == reference.two_probe(
+        qwen3, conv("List the tools."), [], template=template)
 
 
 # -- 7. midnight --------------------------------------------------------------------------------------
