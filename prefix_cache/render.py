@@ -276,7 +276,8 @@ def get_renderer(tokenizer: Any, chat_template: str | None = None,
         template_id = _function_identity(function)[0]
     else:
         try:
-            template = inner.get_chat_template(chat_template, None if tools is None else list(tools))
+            # transformers only asks whether tools is None: [] picks tool_use too.
+            template = inner.get_chat_template(chat_template, tools)
         except ValueError as exc:
             raise NoChatTemplateError(str(exc)) from exc
         if not template:
