@@ -173,11 +173,14 @@ class StaticPrefixCache:
             stored = self._read(plan, await self._aget(plan.key))
             cache = MISS if stored is None else HIT
             entry = stored if stored is not None else await self._await_flight(plan, loop)
-            if self._finish_renders(plan, prompt, entry):
+            if _rerender(prompt, entry):
                 prompt, end = await loop.run_in_executor(
                     self._executor, self._finish, plan, prompt, entry)
             else:
-                prompt, end = self._finish(plan, prompt, entry)
+                end, past_cap = self._cut(plan, prompt.ids, entry)
+                if past_cap:
+                    end = await loop.run_in_executor(
+                        self._executor, self._capped, plan, prompt.ids, entry, end)
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
@@ -232,7 +235,7 @@ class StaticPrefixCache:
     def _finish(self, plan: _Plan, prompt: _Prompt, entry: Entry) -> tuple[_Prompt, int]:
         """The prompt, rendered again in the rare case its tools argument is not the probes',
         and its boundary."""
-        if prompt.empty_tools is not None and prompt.empty_tools != entry.empty_tools:
+        if _rerender(prompt, entry):
             self.stats.add(prompt_renders=1)
             try:
                 ids = plan.renderer.apply(plan.messages, _tools(plan, entry), plan.kwargs)
@@ -246,12 +249,6 @@ class StaticPrefixCache:
         if past_cap:
             end = self._capped(plan, prompt.ids, entry, end)
         return prompt, end
-
-    def _finish_renders(self, plan: _Plan, prompt: _Prompt, entry: Entry) -> bool:
-        """Whether ``_finish`` will render (then it runs off the event loop)."""
-        if prompt.empty_tools is not None and prompt.empty_tools != entry.empty_tools:
-            return True
-        return self._cut(plan, prompt.ids, entry)[1]
 
     def _cut(self, plan: _Plan, prompt: TokenIds, entry: Entry) -> tuple[int, bool]:
         """Where the prompt leaves the scaffold (a memcmp on packed ids), and whether that cut
@@ -440,3 +437,8 @@ class StaticPrefixCache:
 def _tools(plan: _Plan, entry: Entry) -> list[dict[str, Any]] | None:
     """The ``tools`` argument the entry's probes rendered with."""
     return [] if entry.empty_tools else plan.tools
+
+
+def _rerender(prompt: _Prompt, entry: Entry) -> bool:
+    """Whether we rendered the prompt with another tools argument than the entry's probes."""
+    return prompt.empty_tools is not None and prompt.empty_tools != entry.empty_tools

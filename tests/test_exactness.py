@@ -144,6 +144,20 @@ def test_moved_system_text_never_extends_into_user_text(qwen3, first: str) -> No
     assert one.specprefill_system_end > expected
 
 
+@pytest.mark.parametrize("give_ids", [True, False])
+async def test_moved_system_text_through_aresolve(qwen3, give_ids: bool) -> None:
+    messages = [{"role": "system", "content": "You are the agent."},
+                *conv("You are right, release it now.", "And the notes?")[1:]]
+    prompt = reference.render(qwen3, messages, None, None, BEFORE_LAST_USER)
+    cache = StaticPrefixCache()
+    for _ in range(2):
+        r = await cache.aresolve(qwen3, messages, prompt_ids=prompt if give_ids else None,
+                                 chat_template=BEFORE_LAST_USER)
+        assert r.specprefill_system_end == reference.exact(qwen3, messages, template=BEFORE_LAST_USER)
+        assert r.prompt_ids == prompt
+    assert r.hit and cache.stats.snapshot()["cap_renders"] == 2
+
+
 def test_moved_system_text_with_the_system_word_is_the_old_overreach(qwen3) -> None:
     """Guards the test above: the plain two-probe cut does pass into the user text there."""
     messages = [{"role": "system", "content": "You are the agent."},
