@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from . import json_io
 from .errors import NoChatTemplateError, PrefixCacheError
 
 log = logging.getLogger("prefix_cache.cli")
@@ -37,7 +38,7 @@ def _read_requests(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]
 
 def _parse(raw: bytes) -> tuple[Any, str | None]:
     try:
-        body = orjson.loads(raw)
+        body = json_io.loads(raw)  # integers of any size stay exact
     except orjson.JSONDecodeError as exc:
         return None, f"invalid JSON: {exc}"
     if not isinstance(body, dict):

@@ -86,7 +86,7 @@ class Metrics(CacheObserver):
         self.tenant_label = TenantLabels(max_tenants)
         self.requests = Counter(f"{NS}_requests_total", "Boundary requests by cache result.",
                                 ["result", "model", "tenant"], registry=reg)
-        self.renders = Counter(f"{NS}_renders_total", "Probe renders run (two per computation).",
+        self.renders = Counter(f"{NS}_renders_total", "Probe renders run (four per computation).",
                                ["model"], registry=reg)
         self.render_seconds = Histogram(f"{NS}_render_seconds", "Two-probe computation time.",
                                         ["model"], buckets=LATENCY_BUCKETS, registry=reg)
@@ -103,6 +103,9 @@ class Metrics(CacheObserver):
                                     ["op"], registry=reg)
         for op in ("get", "put"):  # exposed at zero, so dashboards and alerts see the series
             self.store_errors.labels(op)
+        self.cap_renders = Counter(f"{NS}_cap_renders_total",
+                                   "Renders that located a request's first non-static text.",
+                                   registry=reg)
         self.verification_failures = Counter(f"{NS}_verification_failures_total",
                                              "Stored entries rejected on read.", registry=reg)
         self.store_entries = Gauge(f"{NS}_store_entries", "Entries in the in-process store.",
@@ -126,12 +129,15 @@ class Metrics(CacheObserver):
     def failed(self, *, namespace: str, model: str, error: Exception) -> None:
         self.requests.labels("error", model, self.tenant_label(namespace)).inc()
 
-    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
-        self.renders.labels(model).inc(2)
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
+        self.renders.labels(model).inc(renders)
         self.render_seconds.labels(model).observe(seconds)
 
     def saved(self, *, model: str, seconds: float) -> None:
         self.saved_seconds.labels(model).inc(seconds)
+
+    def cap_rendered(self) -> None:
+        self.cap_renders.inc()
 
     def store_error(self, *, op: str) -> None:
         self.store_errors.labels(op).inc()

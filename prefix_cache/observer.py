@@ -15,8 +15,8 @@ class CacheObserver:
     def failed(self, *, namespace: str, model: str, error: Exception) -> None:
         """A request failed (bad input, template error)."""
 
-    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
-        """A two-probe computation ran (two renders) and took ``seconds``."""
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
+        """A static-prefix computation ran ``renders`` probe renders and took ``seconds``."""
 
     def saved(self, *, model: str, seconds: float) -> None:
         """A hit skipped a computation that had cost ``seconds``."""
@@ -26,6 +26,10 @@ class CacheObserver:
 
     def prompt_rendered(self) -> None:
         """The real prompt was rendered (the caller gave no prompt ids)."""
+
+    def cap_rendered(self) -> None:
+        """One more render located a request's first non-static text (templates that move the
+        static text, requests past the stored cap)."""
 
     def store_error(self, *, op: str) -> None:
         """A store call failed and was treated as a miss."""
@@ -50,9 +54,9 @@ class ObserverGroup(CacheObserver):
         for o in self.observers:
             o.failed(namespace=namespace, model=model, error=error)
 
-    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
         for o in self.observers:
-            o.computed(model=model, seconds=seconds, static_tokens=static_tokens)
+            o.computed(model=model, seconds=seconds, static_tokens=static_tokens, renders=renders)
 
     def saved(self, *, model: str, seconds: float) -> None:
         for o in self.observers:
@@ -65,6 +69,10 @@ class ObserverGroup(CacheObserver):
     def prompt_rendered(self) -> None:
         for o in self.observers:
             o.prompt_rendered()
+
+    def cap_rendered(self) -> None:
+        for o in self.observers:
+            o.cap_rendered()
 
     def store_error(self, *, op: str) -> None:
         for o in self.observers:

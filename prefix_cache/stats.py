@@ -22,8 +22,9 @@ class CacheStats(CacheObserver):
     none: int = 0                       # requests with no static part to protect
     coalesced: int = 0                  # misses that waited on another request's render
     errors: int = 0                     # requests that failed (bad input, template errors)
-    renders: int = 0                    # probe renders (two per computed static prefix)
+    renders: int = 0                    # probe renders (four per computed static prefix)
     prompt_renders: int = 0             # renders of the real prompt (no prompt_ids given)
+    cap_renders: int = 0                # renders locating a request's first non-static text
     render_seconds: float = 0.0         # time spent in probe renders
     render_seconds_saved: float = 0.0   # probe-render time that hits did not spend
     verification_failures: int = 0      # stored entries rejected (corrupt, foreign, collision)
@@ -53,8 +54,8 @@ class CacheStats(CacheObserver):
     def failed(self, *, namespace: str, model: str, error: Exception) -> None:
         self.add(errors=1)
 
-    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
-        self.add(renders=2, render_seconds=seconds)
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
+        self.add(renders=renders, render_seconds=seconds)
 
     def saved(self, *, model: str, seconds: float) -> None:
         self.add(render_seconds_saved=seconds)
@@ -64,6 +65,9 @@ class CacheStats(CacheObserver):
 
     def prompt_rendered(self) -> None:
         self.add(prompt_renders=1)
+
+    def cap_rendered(self) -> None:
+        self.add(cap_renders=1)
 
     def store_error(self, *, op: str) -> None:
         self.add(store_errors=1)

@@ -40,9 +40,10 @@ def test_counts_agree_between_exposition_and_snapshot(qwen3) -> None:
     samples = parsed(metrics)
     key = lambda result: ("prefix_cache_requests_total", (("model", "demo"), ("result", result), ("tenant", "acme")))  # noqa: E731
     assert samples[key("hit")] == 8 and samples[key("miss")] == 2 and samples[key("none")] == 1
-    assert samples[("prefix_cache_renders_total", (("model", "demo"),))] == 4
+    # Four probe renders per miss: the two probes and the two multi-turn probes.
+    assert samples[("prefix_cache_renders_total", (("model", "demo"),))] == 8
     snap = metrics.snapshot()
-    assert (snap["hits"], snap["misses"], snap["renders"]) == (8, 2, 4)
+    assert (snap["hits"], snap["misses"], snap["renders"]) == (8, 2, 8)
     assert snap["hit_rate"] == 0.8 == cache.stats.snapshot()["hit_rate"]
     assert snap["store"]["entries"] == 2 and snap["store"]["bytes"] > 0
     assert snap["render_seconds_saved"] > 0
@@ -67,7 +68,7 @@ def test_the_cache_stats_and_the_metrics_are_one_tally(qwen3) -> None:
     ours, theirs = cache.stats.snapshot(), metrics.snapshot()
     assert (ours["hits"], ours["misses"], ours["none"], ours["errors"], ours["renders"]) == (
         theirs["hits"], theirs["misses"], theirs["requests"]["none"],
-        theirs["requests"]["error"], theirs["renders"]) == (2, 2, 1, 1, 4)
+        theirs["requests"]["error"], theirs["renders"]) == (2, 2, 1, 1, 8)  # four probe renders per miss
 
 
 def test_tenant_labels_are_bounded() -> None:

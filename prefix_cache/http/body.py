@@ -8,6 +8,7 @@ import orjson
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from .. import json_io
 from .errors import BadRequest, ClientDisconnected, PayloadTooLarge
 
 
@@ -37,7 +38,7 @@ async def read_json_object(request: Request, limit: int,
         raise ClientDisconnected("the client disconnected while sending the body") from exc
     raw = b"".join(chunks)
     try:
-        body = orjson.loads(raw)
+        body = json_io.loads(raw)  # integers of any size stay exact
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
