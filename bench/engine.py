@@ -64,7 +64,7 @@ def non_embedding_params(shape: dict[str, int]) -> int:
 
 
 def machine() -> str:
-    from prefix_cache.benchmark import cpu_name
+    from prefix_cache.testing.benchmark import cpu_name
 
     cpu = cpu_name()
     import mlx.core as mx
@@ -92,7 +92,7 @@ def document(tok: Any, n_tokens: int, seed: int) -> str:
 
 def conversation(user_turn: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(turn 1, turn 2) messages of one agent session."""
-    from prefix_cache.benchmark import SYSTEM_PROMPT
+    from prefix_cache.testing.benchmark import SYSTEM_PROMPT
 
     first: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
              {"role": "user", "content": "Find the service configuration and tell me which "
@@ -191,11 +191,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from mlx_lm.utils import load_model
 
     from engine_adapter.mlx_engine import MLXEngine
-    from engine_adapter.mlx_engine.reference import kl_divergence
-    from engine_adapter.tiny_model import tiny_model_folder
+    from engine_adapter.testing.reference import kl_divergence
+    from engine_adapter.testing.tiny_model import tiny_model_folder
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.benchmark import bench_tools
     from prefix_cache.render import get_renderer, unwrap_tokenizer
+    from prefix_cache.testing.benchmark import bench_tools
 
     root = Path(args.models_dir)
     target_dir = tiny_model_folder(root / "bench-target", "qwen3", **TARGET)

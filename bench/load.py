@@ -29,7 +29,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from prefix_cache.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name  # noqa: E402
+from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name  # noqa: E402
 
 UPSTREAM_APP = '''
 import orjson

@@ -1,9 +1,12 @@
 """Downstream engines that use the static-prefix boundary.
 
 - ``engine_adapter.mlx_engine``: the in-process batched MLX engine (imports mlx).
+- ``engine_adapter.backend``: that engine as a ``prefix_cache.chat.backend.ChatBackend``
+  (token ids in, text deltas out); ``engine_adapter.registry``: engines by name for
+  ``--engine``; ``engine_adapter.server``: ``prefix-cache serve-engine``.
 - ``engine_adapter.plugin``: routes an engine's own ``specprefill_system_end`` computation
   through ``StaticPrefixCache`` (no mlx).
-- ``engine_adapter.tiny_model``: tiny random-weights model folders for tests and demos.
+- ``engine_adapter.testing.tiny_model``: tiny random-weights model folders for tests and demos.
 
 Nothing here is imported eagerly: ``import engine_adapter`` stays cheap and mlx-free, and names
 resolve on first use (``engine_adapter.MLXEngine`` imports mlx then).
@@ -15,6 +18,7 @@ import importlib
 from typing import Any
 
 _LAZY = {
+    "MLXBackend": "engine_adapter.backend",
     "MLXEngine": "engine_adapter.mlx_engine",
     "GenerationRequest": "engine_adapter.mlx_engine",
     "SpecPrefillConfig": "engine_adapter.mlx_engine",

@@ -9,6 +9,9 @@ The KV stores' defaults (1 GiB each) suit small models; a real one needs more: Q
 ~144 KiB per token (36 layers x 8 KV heads x 128 dims x K,V x 2 bytes), so a 10k-token tools block alone takes ~1.4 GiB and a store smaller than
 one entry rejects it (counted as ``rejected``). Sizes take units (``512MiB``, ``8GiB``, ``2GB``)
 or plain bytes. No mlx import here: the sidecar checks options before it loads an engine.
+
+Every engine default lives here, the knobs an operator cannot set included; the engine's
+modules take theirs from these constants.
 """
 
 from __future__ import annotations
@@ -20,25 +23,39 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
 GIB = 1 << 30
 
+DEFAULT_KV_BYTES = GIB              # each of the two KV stores (static prefixes, conversations)
+DEFAULT_MAX_BATCH_SIZE = 16         # sequences decoded together
+DEFAULT_PREFILL_BATCH_SIZE = 8      # prompts BatchGenerator prefills together
+DEFAULT_PREFILL_STEP = 2048         # tokens per model call of a prefill chunk
+DEFAULT_MAX_TOKENS = 512            # a chat request that names no max_tokens (cut to the context)
+# SpecPrefill (arXiv 2502.02789)
+DEFAULT_KEEP_PCT = 0.2              # share of the scored chunks kept
+DEFAULT_SPECPREFILL_THRESHOLD = 8192  # engages above this many tokens left to compute
+DEFAULT_CHUNK_SIZE = 32             # tokens kept or dropped together
+DEFAULT_TAIL_TOKENS = 512           # always kept at the end of the prompt (template structure)
+DEFAULT_LOOKAHEAD = 8               # draft decode steps whose attention scores the prompt
+DEFAULT_POOL_KERNEL = 13            # smoothing window of the scores
+
 
 class EngineOptions(BaseModel):
     """Engine knobs; everything else keeps ``MLXEngine``'s defaults."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kv_bytes: ByteSize = Field(default=ByteSize(GIB), ge=0,
+    kv_bytes: ByteSize = Field(default=ByteSize(DEFAULT_KV_BYTES), ge=0,
                                description="static-prefix KV store; 0 turns its reuse off")
-    conversation_bytes: ByteSize = Field(default=ByteSize(GIB), ge=0,
+    conversation_bytes: ByteSize = Field(default=ByteSize(DEFAULT_KV_BYTES), ge=0,
                                          description="conversation store; 0 turns it off")
     reuse_sparse_kv: bool = Field(default=True, description="SpecPrefilled prompts go to the "
                                   "conversation store too (their kept tokens)")
     max_context: int | None = Field(default=None, ge=2, description="lower the model's context "
                                     "window (prompt + max_tokens) to bound KV memory")
-    max_batch_size: int = Field(default=16, ge=1, le=4096,
+    max_batch_size: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1, le=4096,
                                 description="sequences decoded together")
-    specprefill_keep_pct: float = Field(default=0.2, gt=0.0, le=1.0,
+    specprefill_keep_pct: float = Field(default=DEFAULT_KEEP_PCT, gt=0.0, le=1.0,
                                         description="share of the scored tokens kept")
-    specprefill_threshold: int = Field(default=8192, ge=0, description="SpecPrefill engages "
+    specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
+                                       description="SpecPrefill engages "
                                        "above this many tokens left to compute")
 
     @classmethod

@@ -130,7 +130,8 @@ class SpecPrefillBoundary:
 
 
 def _listed(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:
-    return [dict(t) for t in tools] if tools else None
+    # [] stays []: the engine rendered with it, and templates tell it from None.
+    return None if tools is None else [dict(t) for t in tools]
 
 
 def _dict(kwargs: Mapping[str, Any] | None) -> dict[str, Any] | None:

@@ -30,11 +30,10 @@ from its own API keys, never from the client's body.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -42,13 +41,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefix_cache.chat.openai_params import parse_chat_params
+from prefix_cache.chat.openai_stream import respond_chat
+from prefix_cache.errors import InvalidRequestError
+from prefix_cache.http.auth import bearer_matches
+from prefix_cache.http.body import read_json_object
+from prefix_cache.http.errors import BadRequest, Unauthorized, install_error_handlers
 from prefix_cache.keys import validate_label
 from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.render import get_renderer
-from prefix_cache.service.body import read_json_object
-from prefix_cache.service.errors import BadRequest, Unauthorized, install_error_handlers
+from prefix_cache.token_ids import validate_token_ids
 
-from .openai_engine import ChatEngine
+from .backend import MLXBackend
+from .mlx_engine.request import check_vocabulary
 
 log = logging.getLogger("engine_adapter.server")
 
@@ -60,16 +65,14 @@ EXIT_OK, EXIT_CONFIG = 0, 2
 
 def prompt_ids_of(body: dict[str, Any], vocab_size: int | None) -> list[int] | None:
     """``prompt_token_ids`` checked, or None when the body has none."""
-    ids = body.get("prompt_token_ids")
-    if ids is None:
+    value = body.get("prompt_token_ids")
+    if value is None:
         return None
-    if not isinstance(ids, list) or not ids or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-        raise BadRequest("prompt_token_ids must be a non-empty list of non-negative integers",
-                         code="invalid_prompt_token_ids")
-    if vocab_size is not None and max(ids) >= vocab_size:
-        raise BadRequest(f"prompt_token_ids has id {max(ids)}, outside the model's vocabulary "
-                         f"({vocab_size})", code="invalid_prompt_token_ids")
+    try:
+        ids = validate_token_ids(value, "prompt_token_ids")
+        check_vocabulary(ids, vocab_size, "prompt_token_ids")
+    except InvalidRequestError as exc:  # the same check, named for this field
+        raise InvalidRequestError(str(exc), code="invalid_prompt_token_ids") from None
     return ids
 
 
@@ -118,19 +121,17 @@ class _Namespaces:
             raise BadRequest(str(exc), code="invalid_specprefill_namespace") from None
 
 
-def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
+def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
                       api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                       close_engine: bool = True) -> FastAPI:
-    """The app serving ``chat``; with ``close_engine`` the engine is closed at shutdown."""
+    """The app serving the backend ``chat``; with ``close_engine`` it is closed at shutdown."""
     namespaces = _Namespaces(trust_namespace)
     started = int(time.time())
 
     def check_key(request: Request) -> None:
         if not api_key:
             return
-        scheme, _, key = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(),
-                                                                 api_key.encode()):
+        if not bearer_matches(request.headers.get("authorization"), api_key):
             raise Unauthorized("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
 
     @asynccontextmanager
@@ -163,13 +164,13 @@ def create_engine_app(chat: ChatEngine, *, trust_namespace: bool = False,
     async def chat_completions(request: Request) -> Response:
         check_key(request)
         _, body = await read_json_object(request, max_body_bytes)
-        params = chat.parse(body)
+        params = parse_chat_params(body, chat.name)
         namespace = namespaces.of(body)
         ids = prompt_ids_of(body, chat.vocab_size)
         if ids is None:  # rendering a long template takes a while: off the event loop
             ids = await asyncio.to_thread(render_prompt, chat.tokenizer, body)
-        generation = chat.request(params, ids, boundary_of(body, len(ids)), namespace)
-        return await chat.respond(request, params, generation)
+        generation = params.request(ids, boundary_of(body, len(ids)), namespace)
+        return await respond_chat(request, chat, params, generation)
 
     return app
 
@@ -178,30 +179,27 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
                  host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  trust_namespace: bool = False, api_key: str | None = None,
                  log_level: str = "info",
-                 engine_options: Sequence[str] | Mapping[str, Any] | None = None) -> int:
-    """Load the model and serve it until stopped; the exit code. ``engine_options``: the
-    ``--engine-option KEY=VALUE`` flags, or a mapping (see ``engine_adapter.options``)."""
+                 engine_options: Mapping[str, Any] | None = None) -> int:
+    """Load the model and serve it until stopped; the exit code. ``engine_options``: see
+    ``engine_adapter.options``."""
     import uvicorn
 
-    from prefix_cache.service.server import log_config
-    from prefix_cache.service.settings import parse_key_values
+    from prefix_cache.http.logs import uvicorn_log_config
 
     from .options import EngineOptions
 
     try:
-        options = EngineOptions.parse(parse_key_values(engine_options or {}))
+        options = EngineOptions.parse(engine_options)
     except ValueError as exc:
         print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        chat = ChatEngine.load(model_dir, draft_dir, **options.engine_kwargs())
+        chat = MLXBackend.load(model_dir, draft_dir, **options.engine_kwargs())
     except (OSError, ValueError, ImportError) as exc:
         print(f"prefix-cache serve-engine: cannot load the model: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     app = create_engine_app(chat, trust_namespace=trust_namespace, api_key=api_key)
-    config = log_config(log_level)
-    config["loggers"]["engine_adapter"] = {"handlers": ["default"], "level": log_level.upper(),
-                                           "propagate": False}
+    config = uvicorn_log_config(log_level, ("prefix_cache", "engine_adapter"))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            log_config=config, server_header=False,
                                            timeout_graceful_shutdown=10))  # sets up logging

@@ -1,12 +1,16 @@
 """StaticPrefixCache: specprefill_system_end with the probe renders run only on a miss.
 
     request -> key (xxh3-128 of namespace, render identity, static messages, tools, kwargs[, date])
-            -> store.get(key) -- hit  -> boundary = common_prefix_len(prompt_ids, stored ids)
-                              -- miss -> two-probe render once per key (single-flight), store.put
+            -> store.get(key) -- hit  -> the stored scaffold
+                              -- miss -> probe renders once per key (single-flight), store.put
+            -> boundary = common_prefix_len(prompt_ids, scaffold), never past the first
+               non-static message's text (boundary.py)
 
 A hit returns exactly what the uncached computation returns, because the stored value is the
-very scaffold the uncached path would compute and the boundary is cut against this request's
-own prompt ids. Store failures and bad entries cost a recompute, never an error or a wrong answer.
+very scaffold (and cap, and tools choice) the uncached path would compute from the key's inputs,
+and the boundary is cut against this request's own prompt ids in one function for both. Prompt
+ids are checked before anything is looked up or stored. Store failures and bad entries cost a
+recompute, never an error or a wrong answer.
 """
 
 from __future__ import annotations
@@ -21,14 +25,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import boundary, keys
-from .entry import Entry, decode_entry, encode_entry, pack_ids
-from .errors import EntryError, InvalidRequestError, PrefixCacheError, StoreUnavailableError
+from .entry import Entry, decode_entry, encode_entry
+from .errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
-from .observer import CacheObserver
-from .render import TemplateRenderer, get_renderer
+from .observer import CacheObserver, ObserverGroup
+from .render import TemplateRenderer, get_renderer, tool_choices
 from .singleflight import SingleFlight
 from .stats import CacheStats
 from .store import MemoryStore, Store
+from .token_ids import TokenIds, checked_token_ids, pack_ids
 
 log = logging.getLogger("prefix_cache")
 
@@ -51,6 +56,15 @@ class PrefixResult:
 
 
 @dataclass(frozen=True, slots=True)
+class _Prompt:
+    """The prompt's token ids, and whether it rendered with the tools=[] fallback (None: the
+    caller gave the ids)."""
+
+    ids: TokenIds
+    empty_tools: bool | None
+
+
+@dataclass(frozen=True, slots=True)
 class _Plan:
     """Everything resolved before any render: validated inputs, renderer and key."""
 
@@ -58,12 +72,18 @@ class _Plan:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     kwargs: dict[str, Any]
+    n_static: int
     static: list[dict[str, Any]] | None  # None: nothing to protect, boundary 0
     key: str
     check: int
+    date: str | None     # the date in the key (templates that read today's date)
     namespace: str
     model: str
     started: float
+
+    @property
+    def probe_shape(self) -> bool:
+        return boundary.is_probe_shape(self.messages, self.n_static)
 
 
 class StaticPrefixCache:
@@ -88,8 +108,11 @@ class StaticPrefixCache:
         # request-owned static part. On, the template's own default system block and tools
         # are protected too.
         self.protect_default_prefix = protect_default_prefix
+        # One stream of events, two tallies of it: ``stats`` in this process, and whatever the
+        # caller observes (the service's Prometheus metrics, aggregated across workers).
         self.stats = CacheStats()
         self.observer = observer or CacheObserver()
+        self._events = ObserverGroup(self.stats, self.observer)
         self._flights = SingleFlight()
         self._executor = ThreadPoolExecutor(
             max_workers=max_render_threads or min(8, (os.cpu_count() or 2) + 2),
@@ -114,17 +137,18 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model)
-            prompt = self._prompt(plan, prompt_ids)
+            # The prompt first: a request whose own render fails stores nothing.
+            prompt = self._given(prompt_ids) if prompt_ids is not None else self._render(plan)
             if plan.static is None:
                 return self._none(plan, prompt)
-            entry = self._read(plan, self._get(plan.key))
-            if entry is not None:
-                return self._hit(plan, prompt, entry)
-            static_ids = self._await_flight_sync(plan)
+            stored = self._read(plan, self._get(plan.key))
+            cache = MISS if stored is None else HIT
+            entry = stored if stored is not None else self._await_flight_sync(plan)
+            prompt, end = self._finish(plan, prompt, entry)
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
-        return self._miss(plan, prompt, static_ids)
+        return self._answer(plan, prompt, end, entry, cache)
 
     async def aresolve(
         self,
@@ -143,31 +167,31 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model)
-            if prompt_ids is None:
-                prompt = await loop.run_in_executor(self._executor, self._prompt, plan, None)
-            else:
-                prompt = self._prompt(plan, prompt_ids)
+            if prompt_ids is not None:
+                prompt = self._given(prompt_ids)
+            else:  # the prompt first: a request whose own render fails stores nothing
+                prompt = await loop.run_in_executor(self._executor, self._render, plan)
             if plan.static is None:
                 return self._none(plan, prompt)
-            entry = self._read(plan, await self._aget(plan.key))
-            if entry is not None:
-                return self._hit(plan, prompt, entry)
-            flight, leader = self._flights.claim(plan.key)
-            if leader:
-                loop.run_in_executor(self._executor, self._lead, plan, flight)
+            stored = self._read(plan, await self._aget(plan.key))
+            cache = MISS if stored is None else HIT
+            entry = stored if stored is not None else await self._await_flight(plan, loop)
+            if _rerender(prompt, entry):
+                prompt, end = await loop.run_in_executor(
+                    self._executor, self._finish, plan, prompt, entry)
             else:
-                self.stats.add(coalesced=1)
-            # Shielded: a cancelled request must not cancel the flight others wait on.
-            static_ids = await asyncio.shield(asyncio.wrap_future(flight))
+                end, past_cap = self._cut(plan, prompt.ids, entry)
+                if past_cap:
+                    end = await loop.run_in_executor(
+                        self._executor, self._capped, plan, prompt.ids, entry, end)
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
-        return self._miss(plan, prompt, static_ids)
+        return self._answer(plan, prompt, end, entry, cache)
 
     def _failed(self, namespace: str, model: str | None, tokenizer: Any, exc: Exception) -> None:
-        self.stats.add(errors=1)
         label = keys.model_label(model or getattr(tokenizer, "name_or_path", "") or "model")
-        self.observer.failed(namespace=namespace, model=label, error=exc)
+        self._events.failed(namespace=namespace, model=label, error=exc)
 
     def close(self) -> None:
         """Stop the render threads and close the store."""
@@ -188,116 +212,194 @@ class StaticPrefixCache:
         everything_static = n_static == len(messages)
         label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
         if everything_static or (n_static == 0 and not self.protect_default_prefix):
-            return _Plan(renderer, messages, tools, kwargs, None, "", 0, namespace, label, started)
+            return _Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
+                         namespace, label, started)
         static = messages[:n_static]
+        date = renderer.date_tag()
         material = keys.key_material(
             namespace=namespace, identity=renderer.identity, static=static,
-            tools=tools, kwargs=kwargs, date=renderer.date_tag(),
+            tools=tools, kwargs=kwargs, date=date,
         )
         key = keys.format_key(self.prefix, namespace, label, keys.key_hash(material))
-        return _Plan(renderer, messages, tools, kwargs, static, key, keys.check_value(material),
-                     namespace, label, started)
+        return _Plan(renderer, messages, tools, kwargs, n_static, static, key,
+                     keys.check_value(material), date, namespace, label, started)
 
-    def _prompt(self, plan: _Plan, prompt_ids: Sequence[int] | None) -> list[int]:
-        if prompt_ids is not None:
-            if not isinstance(prompt_ids, (list, tuple)):
-                raise InvalidRequestError("prompt_ids must be a list of token ids")
-            return prompt_ids if isinstance(prompt_ids, list) else list(prompt_ids)
-        self.stats.add(prompt_renders=1)
-        return plan.renderer.render_ids(plan.messages, plan.tools, plan.kwargs)
+    @staticmethod
+    def _given(prompt_ids: Any) -> _Prompt:
+        return _Prompt(checked_token_ids(prompt_ids), None)
 
-    def _none(self, plan: _Plan, prompt: list[int]) -> PrefixResult:
-        self.stats.add(none=1)
-        return self._report(plan, PrefixResult(0, prompt, NONE, ""))
+    def _render(self, plan: _Plan) -> _Prompt:
+        """The request's prompt, with the documented tools fallback."""
+        self._events.prompt_rendered()
+        ids, tools = plan.renderer.render_with_choice(plan.messages, plan.tools, plan.kwargs)
+        return _Prompt(TokenIds.of_rendered(ids), plan.tools is None and tools is not None)
 
-    def _miss(self, plan: _Plan, prompt: list[int], static_ids: list[int]) -> PrefixResult:
-        end = boundary.system_end(prompt, static_ids)
-        return self._report(plan, PrefixResult(end, prompt, MISS, plan.key, len(static_ids)))
+    def _finish(self, plan: _Plan, prompt: _Prompt, entry: Entry) -> tuple[_Prompt, int]:
+        """The prompt, rendered again in the rare case its tools argument is not the probes',
+        and its boundary."""
+        if _rerender(prompt, entry):
+            self._events.prompt_rendered()
+            try:
+                ids = plan.renderer.apply(plan.messages, _tools(plan, entry), plan.kwargs)
+            except TemplateRenderError as exc:
+                raise TemplateRenderError(
+                    f"the template renders this prompt only with tools={'[]' if prompt.empty_tools else 'None'}"
+                    f" but its static part only with tools={'[]' if entry.empty_tools else 'None'}; "
+                    f"pass tools explicitly ({exc})") from exc
+            prompt = _Prompt(TokenIds.of_rendered(ids), entry.empty_tools)
+        end, past_cap = self._cut(plan, prompt.ids, entry)
+        if past_cap:
+            end = self._capped(plan, prompt.ids, entry, end)
+        return prompt, end
+
+    def _cut(self, plan: _Plan, prompt: TokenIds, entry: Entry) -> tuple[int, bool]:
+        """Where the prompt leaves the scaffold (a memcmp on packed ids), and whether that cut
+        must still be checked against the first non-static text (only on templates whose
+        multi-turn layout moves the static text, for requests not in the probes' shape)."""
+        end = boundary.packed_prefix_len(prompt.packed, entry.packed_ids)
+        return end, end > entry.cap and not plan.probe_shape
+
+    def _capped(self, plan: _Plan, prompt: TokenIds, entry: Entry, end: int) -> int:
+        """``end``, cut at the start of the first non-static message's text: one more render
+        with that text replaced."""
+        self._events.cap_rendered()
+        replaced = boundary.first_text_replaced(plan.messages, plan.n_static)
+        try:
+            ids = plan.renderer.apply(replaced, _tools(plan, entry), plan.kwargs)
+        except TemplateRenderError as exc:
+            # The template renders this request but not with that text: nothing is known to be
+            # static, so nothing is protected.
+            log.warning("could not locate the first non-static text (%s); boundary 0", exc)
+            return 0
+        return min(end, boundary.packed_prefix_len(prompt.packed, pack_ids(ids)))
+
+    def _none(self, plan: _Plan, prompt: _Prompt) -> PrefixResult:
+        return self._report(plan, PrefixResult(0, prompt.ids.ids, NONE, ""))
+
+    def _answer(self, plan: _Plan, prompt: _Prompt, end: int, entry: Entry,
+                cache: str) -> PrefixResult:
+        if cache == HIT:
+            self._events.saved(model=plan.model, seconds=entry.render_seconds)
+        return self._report(plan, PrefixResult(end, prompt.ids.ids, cache, plan.key, entry.n_static))
 
     def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:
-        self.observer.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
-                               seconds=time.perf_counter() - plan.started,
-                               static_tokens=result.static_tokens,
-                               boundary=result.specprefill_system_end)
+        self._events.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
+                              seconds=time.perf_counter() - plan.started,
+                              static_tokens=result.static_tokens,
+                              boundary=result.specprefill_system_end)
         return result
-
-    def _hit(self, plan: _Plan, prompt: list[int], entry: Entry) -> PrefixResult:
-        # Same cut as _miss, done on packed bytes: the stored ids are never unpacked.
-        n = entry.n_static
-        try:
-            head = pack_ids(prompt[:n])
-        except (OverflowError, TypeError) as exc:
-            raise InvalidRequestError("prompt_ids must be token ids in [0, 2**32)") from exc
-        end = boundary.packed_prefix_len(head, entry.packed_ids)
-        self.stats.add(hits=1, render_seconds_saved=entry.render_seconds)
-        self.observer.saved(model=plan.model, seconds=entry.render_seconds)
-        return self._report(plan, PrefixResult(end, prompt, HIT, plan.key, n))
 
     def _read(self, plan: _Plan, value: bytes | None) -> Entry | None:
         """Decode a stored value; anything that is not exactly ours counts as a miss."""
         if value is None:
-            self.stats.add(misses=1)
             return None
         try:
             return decode_entry(value, plan.key, plan.check)
         except EntryError as exc:
             log.warning("rejected stored entry %s: %s", plan.key, exc)
-            self.stats.add(misses=1, verification_failures=1)
-            self.observer.verification_failure()
+            self._events.verification_failure()
             return None
 
-    def _await_flight_sync(self, plan: _Plan) -> list[int]:
+    def _await_flight_sync(self, plan: _Plan) -> Entry:
         flight, leader = self._flights.claim(plan.key)
         if leader:
             self._lead(plan, flight)
         else:
-            self.stats.add(coalesced=1)
-        return flight.result()
+            self._events.waited()
+        entry: Entry = flight.result()
+        return entry
 
-    def _lead(self, plan: _Plan, flight: Future[list[int]]) -> None:
+    async def _await_flight(self, plan: _Plan, loop: asyncio.AbstractEventLoop) -> Entry:
+        flight, leader = self._flights.claim(plan.key)
+        if leader:
+            loop.run_in_executor(self._executor, self._lead, plan, flight)
+        else:
+            self._events.waited()
+        # Shielded: a cancelled request must not cancel the flight others wait on.
+        entry: Entry = await asyncio.shield(asyncio.wrap_future(flight))
+        return entry
+
+    def _lead(self, plan: _Plan, flight: Future[Entry]) -> None:
         """Compute the scaffold once, store it, publish it to waiters, then end the flight."""
         try:
             try:
-                ids = self._recheck(plan)
-                if ids is not None:
-                    flight.set_result(ids)
+                entry = self._recheck(plan)
+                if entry is not None:
+                    flight.set_result(entry)
                     return
-                ids, seconds = self._compute(plan)
+                entry, storable = self._compute(plan)
             except BaseException as exc:  # waiters get the same error the leader got
                 flight.set_exception(exc)
                 return
             # Store first, then publish: a caller that sees this result and asks again at once
             # must find the entry (a bounded wait: store calls are under a short timeout).
-            try:
-                self._put(plan, ids, seconds)
-            except Exception:  # an unstorable entry still answers this request
-                log.exception("could not store entry %s", plan.key)
-            flight.set_result(ids)
+            if storable:
+                try:
+                    self._put(plan, entry)
+                except Exception:  # an unstorable entry still answers this request
+                    log.exception("could not store entry %s", plan.key)
+            flight.set_result(entry)
         finally:
             if not flight.done():  # never leave waiters hanging
                 flight.set_exception(RuntimeError("static-prefix computation was abandoned"))
             self._flights.release(plan.key, flight)
 
-    def _recheck(self, plan: _Plan) -> list[int] | None:
+    def _recheck(self, plan: _Plan) -> Entry | None:
         """Another flight may have stored the entry between our read and our claim: one more
-        read is far cheaper than the two renders it can save."""
+        read is far cheaper than the renders it can save."""
         stored = self._get(plan.key)
         if stored is None:
             return None
         try:
-            return decode_entry(stored, plan.key, plan.check).static_ids
+            return decode_entry(stored, plan.key, plan.check)
         except EntryError:
             return None
 
-    def _compute(self, plan: _Plan) -> tuple[list[int], float]:
+    def _compute(self, plan: _Plan) -> tuple[Entry, bool]:
+        """The entry for the plan's key, and whether it may be stored under that key: only if
+        every probe rendered on the date the key was made with."""
         started = time.perf_counter()
-        ids = boundary.static_prefix_ids(
-            lambda conv: plan.renderer.render_ids(conv, plan.tools, plan.kwargs), plan.static or []
-        )
+        renders = 0
+        for _ in range(2):  # probes that straddle midnight are rendered again, on one date
+            day = plan.renderer.date_tag()
+            ids, cap, empty_tools, n = self._probe(plan)
+            renders += n
+            settled = plan.renderer.date_tag() == day
+            if settled:
+                break
         elapsed = time.perf_counter() - started
-        self.stats.add(renders=2, render_seconds=elapsed)
-        self.observer.computed(model=plan.model, seconds=elapsed, static_tokens=len(ids))
-        return ids, elapsed
+        self._events.computed(model=plan.model, seconds=elapsed, static_tokens=len(ids),
+                              renders=renders)
+        if settled and day != plan.date:
+            log.info("the date changed since the key was made; %s is not stored", plan.key)
+        entry = Entry(plan.key, plan.check, pack_ids(ids), elapsed, cap, empty_tools)
+        return entry, settled and day == plan.date
+
+    def _probe(self, plan: _Plan) -> tuple[list[int], int, bool, int]:
+        """(scaffold ids, cap, whether they rendered with the [] fallback, renders run).
+
+        All probes of one computation render with the same ``tools`` argument: the request's,
+        or for a request without tools whose probes fail on None, ``[]``.
+        """
+        count = 0
+        choices = tool_choices(plan.tools)
+        for i, tools in enumerate(choices):
+            def render(conv: list[boundary.Message], tools: Any = tools) -> list[int]:
+                nonlocal count
+                count += 1
+                return plan.renderer.apply(conv, tools, plan.kwargs)
+            try:
+                ids = boundary.static_prefix_ids(render, plan.static or [])
+            except TemplateRenderError:
+                if i == len(choices) - 1:
+                    raise
+                continue
+            try:
+                cap = boundary.text_start_cap(render, plan.static or [])
+            except TemplateRenderError:
+                cap = 0  # no multi-turn layout known: every other shape is checked on its own
+            return ids, cap, plan.tools is None and tools is not None, count
+        raise AssertionError("tool_choices is never empty")  # pragma: no cover
 
     # -- store access, failures converted to misses in one place -------------------------------
 
@@ -315,15 +417,24 @@ class StaticPrefixCache:
             self._store_failed("get", exc)
             return None
 
-    def _put(self, plan: _Plan, ids: list[int], render_seconds: float) -> None:
-        value = encode_entry(plan.key, plan.check, ids, render_seconds)
+    def _put(self, plan: _Plan, entry: Entry) -> None:
+        value = encode_entry(plan.key, plan.check, entry.packed_ids, entry.render_seconds,
+                             cap=entry.cap, empty_tools=entry.empty_tools)
         try:
             self.store.put(plan.key, value, self.ttl_seconds)
         except StoreUnavailableError as exc:
             self._store_failed("put", exc)
 
     def _store_failed(self, op: str, exc: StoreUnavailableError) -> None:
-        self.stats.add(store_errors=1)
-        self.observer.store_error(op=op)
+        self._events.store_error(op=op)
         log.warning("store %s failed, computing instead: %s", op, exc)
 
+
+def _tools(plan: _Plan, entry: Entry) -> list[dict[str, Any]] | None:
+    """The ``tools`` argument the entry's probes rendered with."""
+    return [] if entry.empty_tools else plan.tools
+
+
+def _rerender(prompt: _Prompt, entry: Entry) -> bool:
+    """Whether we rendered the prompt with another tools argument than the entry's probes."""
+    return prompt.empty_tools is not None and prompt.empty_tools != entry.empty_tools

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from . import json_io
 from .errors import NoChatTemplateError, PrefixCacheError
 
 log = logging.getLogger("prefix_cache.cli")
@@ -37,7 +38,7 @@ def _read_requests(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]
 
 def _parse(raw: bytes) -> tuple[Any, str | None]:
     try:
-        body = orjson.loads(raw)
+        body = json_io.loads(raw)  # integers of any size stay exact
     except orjson.JSONDecodeError as exc:
         return None, f"invalid JSON: {exc}"
     if not isinstance(body, dict):
@@ -101,7 +102,7 @@ def _open_store(args: argparse.Namespace) -> Any:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmark import run_benchmark
+    from .testing.benchmark import run_benchmark
 
     return run_benchmark(args)
 
@@ -126,34 +127,36 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .service.server import flag_overrides, serve
+    from .service.flags import flag_overrides
+    from .service.server import serve
 
     return serve(flag_overrides(vars(args)))
 
 
 def cmd_serve_engine(args: argparse.Namespace) -> int:
-    from engine_adapter.server import serve_engine  # imports mlx: only for this command
+    from .chat.engines import engine_factory
+    from .service.settings import parse_key_values
 
-    model = args.model
-    if model is None:
-        from engine_adapter.demo_model import demo_chat_model_dir
-
-        try:
-            model = demo_chat_model_dir()  # converted on first use
-        except ValueError as exc:
-            print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
-            return EXIT_FAILED
-    return serve_engine(model, args.draft_model, host=args.host, port=args.port,
-                        trust_namespace=args.trust_namespace, api_key=args.api_key,
-                        engine_options=args.engine_option)
+    try:
+        options = parse_key_values(args.engine_option or [])
+        factory = engine_factory("mlx")
+        # No --model: the engine's default (the demo chat model, converted on first use).
+        model = Path(args.model) if args.model else factory.default_model()
+    except ValueError as exc:
+        print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    draft = Path(args.draft_model) if args.draft_model else None
+    return factory.serve(model, draft, host=args.host, port=args.port,
+                         trust_namespace=args.trust_namespace, api_key=args.api_key,
+                         options=options)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
     if args.chat:
-        from engine_adapter.demo_model import demo_chat_model_dir
+        from .chat.engines import engine_factory
 
         try:
-            print(demo_chat_model_dir())
+            print(engine_factory("mlx").default_model())
         except ValueError as exc:
             print(f"prefix-cache demo-model: {exc}", file=sys.stderr)
             return EXIT_FAILED
@@ -165,6 +168,10 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .service.flags import add_serve_flags
+    from .service.settings import env_name
+
+    redis_env = env_name("redis_url")
     parser = argparse.ArgumentParser(prog="prefix-cache", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,9 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--request", metavar="FILE", help="one OpenAI chat body ('-' for stdin)")
     src.add_argument("--requests", metavar="FILE.jsonl", help="one OpenAI chat body per line")
     b.add_argument("--namespace", default="default", metavar="NS", help="tenant namespace of the keys")
-    b.add_argument("--redis", metavar="URL", default=os.environ.get("PREFIX_CACHE_REDIS_URL"),
+    b.add_argument("--redis", metavar="URL", default=os.environ.get(redis_env),
                    help="shared store: redis://, rediss://, unix://, redis+cluster:// "
-                        "(env PREFIX_CACHE_REDIS_URL; default: in-memory)")
+                        f"(env {redis_env}; default: in-memory)")
     b.set_defaults(func=cmd_boundary)
 
     bench = sub.add_parser("bench", help="benchmark cached vs uncached boundaries")
@@ -191,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--redis", metavar="URL", help="also time Redis and tiered hits (flushes spc:* keys)")
     bench.set_defaults(func=cmd_bench)
     st = sub.add_parser("stats", help="entries and bytes per tenant and model in a shared store")
-    st.add_argument("--redis", metavar="URL", default=os.environ.get("PREFIX_CACHE_REDIS_URL"))
+    st.add_argument("--redis", metavar="URL", default=os.environ.get(redis_env),
+                    help=f"the shared store to count (env {redis_env})")
     st.add_argument("--prefix", default="spc", help="key prefix (default spc)")
     st.add_argument("--namespace", metavar="NS", help="only this tenant")
     st.add_argument("--model", help="only this model label")
@@ -199,25 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.set_defaults(func=cmd_stats)
 
     serve = sub.add_parser("serve", help="run the sidecar: OpenAI-compatible proxy that "
-                           "attaches the cached boundary (settings: prefix_cache.service.settings)")
-    serve.add_argument("--host", help="bind address (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, help="TCP port (default 8000; 0 picks a free one)")
-    serve.add_argument("--workers", type=int, help="worker processes (default 1)")
-    serve.add_argument("--model", action="append", metavar="DIR",
-                       help="model folder, named after the folder (repeatable)")
-    serve.add_argument("--models", metavar="FILE",
-                       help="YAML/JSON: name -> {folder, template, upstream, engine, ...}")
-    serve.add_argument("--upstream", metavar="URL",
-                       help="OpenAI-compatible base URL for models that name no upstream")
-    serve.add_argument("--engine", choices=("mlx",),
-                       help="run completions in-process on the MLX engine (instead of --upstream)")
-    serve.add_argument("--draft-model", metavar="DIR",
-                       help="SpecPrefill draft model of the engine (needs --engine mlx)")
-    serve.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
-                       help="an in-process engine's option, e.g. kv_bytes=8GiB, "
-                            "conversation_bytes=16GiB, max_context=32768 (repeatable; "
-                            "engine_adapter.options lists them)")
-    serve.add_argument("--redis", metavar="URL", help="shared store (default: in-process memory)")
+                           "attaches the cached boundary",
+                           description="Run the sidecar. Every setting is a PREFIX_CACHE_* "
+                           "variable; flags win over variables.")
+    add_serve_flags(serve)  # from the settings model: flags, help, variables
     serve.set_defaults(func=cmd_serve)
     se = sub.add_parser("serve-engine", help="run the MLX engine as an OpenAI-compatible server "
                         "that takes specprefill_system_end and prompt_token_ids")

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 DEMO_NAME = "demo-qwen3"
+HOME_ENV = "PREFIX_CACHE_HOME"  # the folder the demo model is made in (default ~/.cache/prefix-cache)
 
 # Qwen3's layout: the system text, then the tools block inside the system turn, then the turns.
 DEMO_TEMPLATE = """\
@@ -41,12 +42,12 @@ DEMO_TEMPLATE = """\
 def cache_home() -> Path:
     """Where model folders made on first use live: ``$PREFIX_CACHE_HOME`` or
     ``~/.cache/prefix-cache``."""
-    return Path(os.environ.get("PREFIX_CACHE_HOME", Path.home() / ".cache" / "prefix-cache"))
+    return Path(os.environ.get(HOME_ENV, Path.home() / ".cache" / "prefix-cache"))
 
 
 def demo_model_dir(root: Path | None = None) -> Path:
     """The demo model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)."""
-    from .offline_tokenizers import make_model_dir
+    from .tokenizer_folders import make_model_dir
 
     base = root or cache_home()
     folder = base / DEMO_NAME

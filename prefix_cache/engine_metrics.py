@@ -1,23 +1,25 @@
 """Prometheus metrics of in-process engines, read from their counters at scrape time.
 
-The engine keeps its own counters (``snapshot_stats()``: requests, tokens reused from its KV
-stores and tokens computed, SpecPrefills and fallbacks, the two KV stores' hits, bytes and
-entries), so a scrape-time collector exports them as they are instead of mirroring each event.
-In-process engines need a single worker, so reading this process's engines is the whole truth,
-in prometheus-client's multiprocess mode too. No mlx import here: an engine is anything with
-``snapshot_stats()``.
+The engine keeps its own counters (``snapshot_stats()``, an ``EngineStats``: requests, tokens
+reused from its KV stores and tokens computed, SpecPrefills and fallbacks, the two KV stores'
+hits, bytes and entries), so a scrape-time collector exports them as they are instead of
+mirroring each event. In-process engines need a single worker, so reading this process's
+engines is the whole truth, in prometheus-client's multiprocess mode too. No mlx import here:
+an engine is anything with ``snapshot_stats() -> EngineStats``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from .chat.backend import EngineStats, KVStoreStats
+
 NS = "prefix_cache_engine"
 
-# (metric name without the namespace and _total, engine counter, help)
+# (metric name without the namespace and _total, EngineStats field, help)
 COUNTERS = (
     ("requests", "requests", "Requests the engine admitted."),
     ("completed", "completed", "Requests that finished (length or stop)."),
@@ -29,7 +31,7 @@ COUNTERS = (
     ("conversation_hits", "conversation_hits",
      "Requests that restored more than their static prefix from an earlier prompt."),
 )
-KV_STORES = (("static", "kv_store"), ("conversation", "conversation_store"))
+
 
 
 class EngineCollector:
@@ -51,7 +53,7 @@ class EngineCollector:
         yield from engine_families(stats)
 
 
-def engine_families(stats: Iterable[tuple[str, Mapping[str, Any]]]) -> Iterator[Metric]:
+def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric]:
     """The metric families for ``(model name, snapshot_stats())`` pairs."""
     stats = list(stats)
     counters = {key: CounterMetricFamily(f"{NS}_{key}", text, labels=["model"])
@@ -76,20 +78,21 @@ def engine_families(stats: Iterable[tuple[str, Mapping[str, Any]]]) -> Iterator[
                                       labels=["model", "store"])
     for name, s in stats:
         for key, field, _ in COUNTERS:
-            counters[key].add_metric([name], float(s.get(field, 0)))
-        tokens.add_metric([name, "reused"], float(s.get("reused_tokens", 0)))
-        tokens.add_metric([name, "computed"], float(s.get("prefilled_tokens", 0)))
-        active.add_metric([name], float(s.get("active", 0)))
-        for store, field in KV_STORES:
-            kv = s.get(field)
-            if not isinstance(kv, Mapping):
+            counters[key].add_metric([name], float(getattr(s, field)))
+        tokens.add_metric([name, "reused"], float(s.reused_tokens))
+        tokens.add_metric([name, "computed"], float(s.prefilled_tokens))
+        active.add_metric([name], float(s.active))
+        kv_stores: tuple[tuple[str, KVStoreStats | None], ...] = (
+            ("static", s.kv_store), ("conversation", s.conversation_store))
+        for store, kv in kv_stores:
+            if kv is None:
                 continue  # that store is off
-            kv_bytes.add_metric([name, store], float(kv.get("bytes", 0)))
-            kv_entries.add_metric([name, store], float(kv.get("entries", 0)))
-            kv_lookups.add_metric([name, store, "hit"], float(kv.get("hits", 0)))
-            kv_lookups.add_metric([name, store, "miss"], float(kv.get("misses", 0)))
-            kv_evictions.add_metric([name, store], float(kv.get("evictions", 0)))
-            kv_rejected.add_metric([name, store], float(kv.get("rejected", 0)))
+            kv_bytes.add_metric([name, store], float(kv.bytes))
+            kv_entries.add_metric([name, store], float(kv.entries))
+            kv_lookups.add_metric([name, store, "hit"], float(kv.hits))
+            kv_lookups.add_metric([name, store, "miss"], float(kv.misses))
+            kv_evictions.add_metric([name, store], float(kv.evictions))
+            kv_rejected.add_metric([name, store], float(kv.rejected))
     if not stats:
         return
     yield from counters.values()

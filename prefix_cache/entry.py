@@ -2,8 +2,12 @@
 
 Layout (little-endian)::
 
-    magic "SPCE" | version u8 | pad u8 | key_len u16 | check u64 | render_us u32 | n_ids u32
-    key bytes | n_ids * u32 token ids | xxh3-64 digest of all the bytes before it
+    magic "SPCE" | version u8 | flags u8 | key_len u16 | check u64 | render_us u32 | n_ids u32
+    cap u32 | key bytes | n_ids * u32 token ids | xxh3-64 digest of all the bytes before it
+
+``flags`` bit 0: the probes rendered with ``tools=[]`` (the documented fallback for a request
+without tools whose template fails on ``None``), so the prompt is rendered the same way. ``cap``:
+where a multi-turn probe puts its first user text (see ``boundary.text_start_cap``).
 
 The key inside the value catches a foreign entry (a bug or a hand edit put it under another key),
 the check value catches a true collision of the key hash, the digest catches corruption and
@@ -13,35 +17,28 @@ truncation, and the version lets a new layout be rolled out without misreading t
 from __future__ import annotations
 
 import struct
-import sys
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
 
 from .errors import EntryError
+from .token_ids import pack_ids, unpack_ids
+
+__all__ = ["MAGIC", "VERSION", "Entry", "decode_entry", "encode_entry", "pack_ids"]
 
 MAGIC = b"SPCE"
-VERSION = 1
-_HEADER = struct.Struct("<4sBxHQII")
+VERSION = 2
+_HEADER = struct.Struct("<4sBBHQIII")
 _DIGEST = struct.Struct("<Q")
-_U32 = next(code for code in "IL" if array(code).itemsize == 4)
-_SWAP = sys.byteorder == "big"
-_MAX_RENDER_US = 0xFFFF_FFFF
-
-
-def pack_ids(ids: Sequence[int]) -> bytes:
-    """Token ids as little-endian uint32 bytes; OverflowError if one does not fit."""
-    packed = array(_U32, ids)
-    if _SWAP:
-        packed.byteswap()
-    return packed.tobytes()
+_MAX_U32 = 0xFFFF_FFFF
+_EMPTY_TOOLS = 0x01
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """A decoded entry: the static scaffold's token ids (packed) and what it cost to compute.
+    """A decoded entry: the static scaffold's token ids (packed), how the probes rendered, and
+    what they cost.
 
     The ids stay packed: on a hit, comparing the prompt's packed prefix with them is a memcmp,
     several times cheaper than building a list of Python ints and comparing element by element.
@@ -51,6 +48,8 @@ class Entry:
     check: int
     packed_ids: bytes
     render_seconds: float
+    cap: int = _MAX_U32          # multi-turn first-text position (no cap by default)
+    empty_tools: bool = False    # the probes rendered with tools=[] (the fallback)
 
     @property
     def n_static(self) -> int:
@@ -58,20 +57,19 @@ class Entry:
 
     @property
     def static_ids(self) -> list[int]:
-        ids = array(_U32)
-        ids.frombytes(self.packed_ids)
-        if _SWAP:
-            ids.byteswap()
-        return ids.tolist()
+        return unpack_ids(self.packed_ids)
 
 
-def encode_entry(key: str, check: int, static_ids: Sequence[int], render_seconds: float) -> bytes:
-    """Serialize one entry; token ids must fit in uint32."""
+def encode_entry(key: str, check: int, static_ids: Sequence[int] | bytes, render_seconds: float,
+                 *, cap: int = _MAX_U32, empty_tools: bool = False) -> bytes:
+    """Serialize one entry; token ids (a sequence, or already packed) must fit in uint32."""
     key_bytes = key.encode()
-    ids = pack_ids(static_ids)
-    render_us = min(max(int(render_seconds * 1e6), 0), _MAX_RENDER_US)
+    ids = static_ids if isinstance(static_ids, bytes) else pack_ids(static_ids)
+    render_us = min(max(int(render_seconds * 1e6), 0), _MAX_U32)
+    flags = _EMPTY_TOOLS if empty_tools else 0
     body = (
-        _HEADER.pack(MAGIC, VERSION, len(key_bytes), check, render_us, len(ids) // 4)
+        _HEADER.pack(MAGIC, VERSION, flags, len(key_bytes), check, render_us, len(ids) // 4,
+                     min(max(cap, 0), _MAX_U32))
         + key_bytes
         + ids
     )
@@ -82,7 +80,7 @@ def decode_entry(data: bytes, key: str, check: int) -> Entry:
     """Parse and verify an entry read under ``key``; raise EntryError if it is not ours."""
     if len(data) < _HEADER.size + _DIGEST.size:
         raise EntryError("entry truncated")
-    magic, version, key_len, stored_check, render_us, n_ids = _HEADER.unpack_from(data)
+    magic, version, flags, key_len, stored_check, render_us, n_ids, cap = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise EntryError("not a static-prefix entry")
     if version != VERSION:
@@ -98,4 +96,5 @@ def decode_entry(data: bytes, key: str, check: int) -> Entry:
         raise EntryError("entry belongs to another key")
     if stored_check != check:
         raise EntryError("entry check value mismatch (key collision)")
-    return Entry(key, stored_check, bytes(data[_HEADER.size + key_len : body_len]), render_us / 1e6)
+    return Entry(key, stored_check, bytes(data[_HEADER.size + key_len : body_len]), render_us / 1e6,
+                 cap, bool(flags & _EMPTY_TOOLS))

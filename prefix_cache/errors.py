@@ -8,7 +8,23 @@ class PrefixCacheError(Exception):
 
 
 class InvalidRequestError(PrefixCacheError, ValueError):
-    """The request itself is malformed (roles, types, reserved kwargs): the client's fault, a 400."""
+    """The request itself is malformed (roles, types, reserved kwargs): the client's fault, a 400.
+
+    ``code`` is the machine-readable reason a server puts in its error body.
+    """
+
+    code = "invalid_request"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt and the tokens asked for do not fit in the model's context window."""
+
+    code = "context_length_exceeded"
 
 
 class NoChatTemplateError(PrefixCacheError):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .keys import key_pattern
+from .keys import key_pattern, parse_key
 
 
 def summarize(entries: Iterable[tuple[str, int]]) -> dict[str, Any]:
@@ -13,12 +13,11 @@ def summarize(entries: Iterable[tuple[str, int]]) -> dict[str, Any]:
     total = {"entries": 0, "bytes": 0}
     namespaces: dict[str, dict[str, Any]] = {}
     for key, size in entries:
-        parts = key.split(":")
-        if len(parts) != 4:
+        parts = parse_key(key)
+        if parts is None:
             continue  # not one of ours
-        _, namespace, model, _ = parts
-        ns = namespaces.setdefault(namespace, {"entries": 0, "bytes": 0, "models": {}})
-        m = ns["models"].setdefault(model, {"entries": 0, "bytes": 0})
+        ns = namespaces.setdefault(parts.namespace, {"entries": 0, "bytes": 0, "models": {}})
+        m = ns["models"].setdefault(parts.model, {"entries": 0, "bytes": 0})
         for bucket in (total, ns, m):
             bucket["entries"] += 1
             bucket["bytes"] += size

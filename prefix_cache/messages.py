@@ -54,7 +54,9 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Tools are a list of JSON-schema objects; an empty list means no tools."""
+    """Tools are a list of JSON-schema objects, or None. ``[]`` stays ``[]``: templates that
+    test ``tools is not none``, and transformers' choice of a ``tool_use`` named template, tell
+    it from None."""
     if tools is None:
         return None
     if not isinstance(tools, list):
@@ -62,7 +64,7 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise InvalidRequestError(f"tools[{i}] must be an object")
-    return tools or None
+    return tools
 
 
 def validate_kwargs(kwargs: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from .observer import CacheObserver
+from .store.base import StoreStats
 
 NS = "prefix_cache"
 OTHER = "other"
@@ -85,7 +86,7 @@ class Metrics(CacheObserver):
         self.tenant_label = TenantLabels(max_tenants)
         self.requests = Counter(f"{NS}_requests_total", "Boundary requests by cache result.",
                                 ["result", "model", "tenant"], registry=reg)
-        self.renders = Counter(f"{NS}_renders_total", "Probe renders run (two per computation).",
+        self.renders = Counter(f"{NS}_renders_total", "Probe renders run (four per computation).",
                                ["model"], registry=reg)
         self.render_seconds = Histogram(f"{NS}_render_seconds", "Two-probe computation time.",
                                         ["model"], buckets=LATENCY_BUCKETS, registry=reg)
@@ -102,6 +103,9 @@ class Metrics(CacheObserver):
                                     ["op"], registry=reg)
         for op in ("get", "put"):  # exposed at zero, so dashboards and alerts see the series
             self.store_errors.labels(op)
+        self.cap_renders = Counter(f"{NS}_cap_renders_total",
+                                   "Renders that located a request's first non-static text.",
+                                   registry=reg)
         self.verification_failures = Counter(f"{NS}_verification_failures_total",
                                              "Stored entries rejected on read.", registry=reg)
         self.store_entries = Gauge(f"{NS}_store_entries", "Entries in the in-process store.",
@@ -125,12 +129,15 @@ class Metrics(CacheObserver):
     def failed(self, *, namespace: str, model: str, error: Exception) -> None:
         self.requests.labels("error", model, self.tenant_label(namespace)).inc()
 
-    def computed(self, *, model: str, seconds: float, static_tokens: int) -> None:
-        self.renders.labels(model).inc(2)
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
+        self.renders.labels(model).inc(renders)
         self.render_seconds.labels(model).observe(seconds)
 
     def saved(self, *, model: str, seconds: float) -> None:
         self.saved_seconds.labels(model).inc(seconds)
+
+    def cap_rendered(self) -> None:
+        self.cap_renders.inc()
 
     def store_error(self, *, op: str) -> None:
         self.store_errors.labels(op).inc()
@@ -140,16 +147,14 @@ class Metrics(CacheObserver):
 
     # -- store gauges -----------------------------------------------------------------------
 
-    def refresh_store(self, stats: dict[str, Any]) -> None:
+    def refresh_store(self, stats: StoreStats) -> None:
         """Copy a store's ``stats()`` into the gauges (memory tier figures, breaker state)."""
-        local = stats.get("local", stats)
-        if local.get("backend") == "memory":
-            self.store_entries.labels("memory").set(local.get("entries", 0))
-            self.store_bytes.labels("memory").set(local.get("bytes", 0))
-            self.store_evictions.labels("memory").set(local.get("evictions", 0))
-        remote = stats.get("remote", stats)
-        if "breaker" in remote:
-            self.breaker_open.set(1 if remote["breaker"] == "open" else 0)
+        if stats.memory is not None:
+            self.store_entries.labels("memory").set(stats.memory.entries)
+            self.store_bytes.labels("memory").set(stats.memory.bytes)
+            self.store_evictions.labels("memory").set(stats.memory.evictions)
+        if stats.remote is not None:
+            self.breaker_open.set(1 if stats.remote.breaker == "open" else 0)
 
     # -- exposition -------------------------------------------------------------------------
 

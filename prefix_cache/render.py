@@ -1,24 +1,41 @@
-"""Rendering conversations to token ids exactly as transformers does, plus the render's identity.
+"""Rendering conversations to token ids with the engine's own renderer, and the render's identity.
 
-A ``TemplateRenderer`` is one (tokenizer, chat template) pair. It renders with the transformers
-convention (special tokens as template variables, no extra BOS on tokenizing), knows its identity
-digest for cache keys (same in every process and on every machine, so replicas share entries),
-whether the template reads today's date, and whether it needs ``tools=[]`` instead of ``None``.
-Renderers are memoized per tokenizer object, so the fingerprint is computed once per tokenizer.
+A ``TemplateRenderer`` is one (renderer, chat template) pair. The renderer is the object the
+caller gave: a transformers tokenizer renders the transformers way (special tokens as template
+variables, no extra BOS on tokenizing); an object with its own ``apply_chat_template`` (an mlx-lm
+``TokenizerWrapper``) renders through that method, so whatever it adds (mlx-lm sets
+``enable_thinking`` from the vocabulary and may use a Python renderer instead of Jinja) is in
+the probes exactly as in the engine's prompt.
+
+The identity digest that goes into cache keys covers everything that can change a render besides
+the request: the tokenizer (its whole serialized backend, special tokens and every encode-time
+setting), the template text or Python renderer, what a wrapper injects, and the transformers and
+Jinja versions. It is the same in every process and on every machine, so replicas share entries.
+The tokenizer's fingerprint is computed once and re-checked cheaply on every call (vocabulary
+size, special tokens, ``split_special_tokens``), so a tokenizer changed after first use
+(``add_tokens``) gets a new one.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import inspect
+import sys
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 import orjson
 import xxhash
 
-from .errors import NoChatTemplateError, TemplateRenderError
+from .errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
+
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
 
 
 def unwrap_tokenizer(tokenizer: Any) -> Any:
@@ -30,12 +47,37 @@ def unwrap_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
+def tool_choices(tools: Tools) -> tuple[list[Mapping[str, Any]] | None, ...]:
+    """The ``tools`` arguments to try, in order: the request's own, and for a request without
+    tools, ``[]`` after ``None`` (Hermes and Command-R+ tool_use templates iterate ``tools``
+    unguarded and fail on ``None``). This is the only substitution ever made."""
+    if tools is None:
+        return (None, [])
+    return (list(tools),)
+
+
+# -- the tokenizer's fingerprint ----------------------------------------------------------------
+
+
+def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
+    """What can change how an already fingerprinted tokenizer encodes, read in a microsecond or
+    two: its backend object, vocabulary size with added tokens, special tokens (template
+    variables) and ``split_special_tokens``."""
+    return (
+        id(getattr(tokenizer, "backend_tokenizer", None)),
+        len(tokenizer),
+        bool(getattr(tokenizer, "split_special_tokens", False)),
+        tokenizer.special_tokens_map,
+    )
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> bytes:
-    """Stable digest of what can change how this tokenizer renders and tokenizes.
+    """Stable digest of everything that can change how this tokenizer renders and tokenizes.
 
     Covers the tokenizer class, its full serialized backend (vocab, merges, normalizer,
-    pre-tokenizer, added tokens), the special-token strings templates see as variables, and the
-    transformers and Jinja versions (the render engine).
+    pre-tokenizer, added tokens and their flags), the special-token strings templates see as
+    variables, the encode-time settings transformers reads on each call, and the transformers
+    and Jinja versions (the render engine).
     """
     import jinja2
     import transformers
@@ -50,62 +92,139 @@ def tokenizer_fingerprint(tokenizer: Any) -> bytes:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         h.update(backend.to_str().encode())
-    else:  # slow tokenizer: vocab and added tokens are what it encodes with
+    else:  # a slow tokenizer: its vocabulary, model file and flags are what it encodes with
         h.update(orjson.dumps(sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])))
+        model = getattr(tokenizer, "sp_model", None)
+        if model is not None and hasattr(model, "serialized_model_proto"):
+            h.update(model.serialized_model_proto())
     h.update(b"\x00")
-    h.update(orjson.dumps(tokenizer.special_tokens_map, default=str))
+    settings = {
+        "special_tokens": tokenizer.special_tokens_map,
+        "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False)),
+        **{name: getattr(tokenizer, name) for name in _SLOW_FLAGS if hasattr(tokenizer, name)},
+    }
+    h.update(orjson.dumps(settings, default=repr, option=orjson.OPT_SORT_KEYS))
     return h.digest()
 
 
-class TemplateRenderer:
-    """Renders one chat template with one tokenizer; cheap to call, safe from many threads."""
+# Encode-time flags of slow (Python) tokenizers; a fast tokenizer's live in its backend.
+_SLOW_FLAGS = ("legacy", "add_prefix_space", "do_lower_case", "add_dummy_prefix",
+               "sp_model_kwargs", "spaces_between_special_tokens")
 
-    def __init__(self, tokenizer: Any, template: str, tokenizer_digest: bytes) -> None:
-        self.tokenizer = tokenizer
-        self.template = template
-        self.identity = xxhash.xxh3_128_digest(tokenizer_digest + template.encode())
-        # transformers exposes strftime_now to templates; those that call it render today's date.
-        self.uses_date = "strftime_now" in template
-        self._empty_tools = False  # learned: this template fails on tools=None but not on []
+
+# -- what a wrapper adds --------------------------------------------------------------------------
+
+
+def python_renderer(tokenizer: Any, inner: Any = None) -> Callable[..., Any] | None:
+    """The Python chat-template function an mlx-lm wrapper renders with (``chat_template_type``).
+    ``inner``: the unwrapped tokenizer, when the caller has it already."""
+    if (inner if inner is not None else unwrap_tokenizer(tokenizer)) is tokenizer:
+        return None
+    renderer = getattr(tokenizer, "_chat_template", None)
+    return renderer if callable(renderer) else None
+
+
+def wrapper_descriptor(tokenizer: Any) -> bytes:
+    """What a wrapper with its own ``apply_chat_template`` adds to every render: its class and
+    package version, the thinking variable it sets and to what, and its Python renderer."""
+    kind = type(tokenizer)
+    package = kind.__module__.split(".", 1)[0]
+    parts: list[Any] = [kind.__module__, kind.__qualname__, _package_version(package),
+                        getattr(tokenizer, "_thinking_kwarg", None),
+                        _safe_bool(tokenizer, "has_thinking")]
+    renderer = python_renderer(tokenizer)
+    if renderer is not None:
+        parts.append(_function_identity(renderer)[0])
+    return orjson.dumps(parts, default=repr)
+
+
+def _safe_bool(obj: Any, name: str) -> bool | None:
+    try:
+        return bool(getattr(obj, name))
+    except Exception:  # a property that raises says nothing about the render
+        return None
+
+
+@lru_cache(maxsize=64)
+def _package_version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package.replace("_", "-"))
+    except importlib.metadata.PackageNotFoundError:
+        module = sys.modules.get(package)
+        return str(getattr(module, "__version__", ""))
+
+
+@lru_cache(maxsize=64)
+def _function_identity(function: Callable[..., Any]) -> tuple[str, bool]:
+    """(name and source digest, whether it may read the clock) of a Python renderer."""
+    module = inspect.getmodule(function)
+    try:
+        source = inspect.getsource(module) if module is not None else inspect.getsource(function)
+    except (OSError, TypeError):
+        source = ""
+    name = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', '')}"
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    reads_clock = not source or any(word in source for word in ("datetime", "strftime", "time."))
+    return f"{name}:{digest}", reads_clock
+
+
+# -- the renderer ---------------------------------------------------------------------------------
+
+
+class TemplateRenderer:
+    """Renders one chat template through one renderer; cheap to call, safe from many threads."""
+
+    def __init__(self, target: Any, template: str | None, identity: bytes, uses_date: bool) -> None:
+        self.target = target        # what renders: a tokenizer, or a wrapper with its own method
+        self.tokenizer = unwrap_tokenizer(target)   # what tokenizes
+        self.template = template    # None: the wrapper's Python renderer
+        self.identity = identity
+        self.uses_date = uses_date
+        self._wrapped = self.tokenizer is not target
 
     def date_tag(self) -> str | None:
         """Today's date as strftime_now would see it (local time), for templates that read it."""
         return datetime.now().strftime("%Y-%m-%d") if self.uses_date else None
 
-    def _apply(self, messages: Sequence[Mapping[str, Any]], tools: list | None,
-               kwargs: Mapping[str, Any]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            list(messages),
-            tools=tools,
-            chat_template=self.template,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-            **kwargs,
-        )
-        return list(ids)
-
-    def render_ids(self, messages: Sequence[Mapping[str, Any]],
-                   tools: Sequence[Mapping[str, Any]] | None,
-                   kwargs: Mapping[str, Any]) -> list[int]:
-        """Token ids of the rendered conversation, with the generation prompt.
-
-        Some templates (Hermes tool_use, Command-R+) iterate ``tools`` unguarded and fail on None;
-        with no tools they are retried once with ``[]``, and the template remembers that.
-        """
-        tools_arg: list | None = list(tools) if tools else ([] if self._empty_tools else None)
+    def apply(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> list[int]:
+        """Token ids of the rendered conversation with the generation prompt, ``tools`` exactly
+        as given; TemplateRenderError with the template's own message if it raises."""
         try:
-            return self._apply(messages, tools_arg, kwargs)
+            out = self._call(list(messages), None if tools is None else list(tools), kwargs)
+            ids = out["input_ids"] if isinstance(out, Mapping) else out
+            return list(ids)
         except Exception as exc:
-            if tools_arg is None:
-                try:
-                    ids = self._apply(messages, [], kwargs)
-                except Exception:
-                    pass
-                else:
-                    self._empty_tools = True
-                    return ids
             raise TemplateRenderError(_template_message(exc)) from exc
+
+    def render_ids(self, messages: Messages, tools: Tools,
+                   kwargs: Mapping[str, Any]) -> list[int]:
+        """``apply`` with the documented fallback: no tools that fail as None render as ``[]``."""
+        return self.render_with_choice(messages, tools, kwargs)[0]
+
+    def render_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]
+                           ) -> tuple[list[int], list[Mapping[str, Any]] | None]:
+        """``render_ids`` and the ``tools`` argument it rendered with."""
+        choices = tool_choices(tools)
+        for i, choice in enumerate(choices):
+            try:
+                return self.apply(messages, choice, kwargs), choice
+            except TemplateRenderError:
+                if i == len(choices) - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _call(self, messages: list[Mapping[str, Any]], tools: list | None,
+              kwargs: Mapping[str, Any]) -> Any:
+        if not self._wrapped:
+            return self.target.apply_chat_template(
+                messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
+                tokenize=True, return_dict=False, **kwargs)
+        if self.template is None:  # a Python renderer takes no template text
+            return self.target.apply_chat_template(
+                messages, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs)
+        return self.target.apply_chat_template(
+            messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
+            tokenize=True, **kwargs)
 
 
 def _template_message(exc: Exception) -> str:
@@ -113,47 +232,77 @@ def _template_message(exc: Exception) -> str:
     return f"chat template error: {message}"
 
 
-class _TokenizerRecord:
-    """Per-tokenizer memo: its fingerprint and one renderer per template text."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.digest = tokenizer_fingerprint(tokenizer)
-        self.renderers: dict[str, TemplateRenderer] = {}
-
+# -- memo: fingerprints per tokenizer, renderers per renderer object -----------------------------
 
 MAX_TEMPLATES_PER_TOKENIZER = 256
 
-_records: weakref.WeakKeyDictionary[Any, _TokenizerRecord] = weakref.WeakKeyDictionary()
-_records_lock = threading.Lock()
+_fingerprints: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], bytes]] = (
+    weakref.WeakKeyDictionary())
+_renderers: weakref.WeakKeyDictionary[Any, dict[tuple[bytes, bytes, str], TemplateRenderer]] = (
+    weakref.WeakKeyDictionary())
+_lock = threading.Lock()
+
+
+def current_fingerprint(tokenizer: Any) -> bytes:
+    """The tokenizer's fingerprint, recomputed only when its encode settings changed."""
+    settings = encode_settings(tokenizer)
+    memo = _fingerprints.get(tokenizer)
+    if memo is not None and memo[0] == settings:
+        return memo[1]
+    with _lock:  # fingerprinting a large vocab takes a while: once per tokenizer state
+        memo = _fingerprints.get(tokenizer)
+        if memo is None or memo[0] != settings:
+            memo = _fingerprints[tokenizer] = (settings, tokenizer_fingerprint(tokenizer))
+    return memo[1]
 
 
 def get_renderer(tokenizer: Any, chat_template: str | None = None,
-                 tools: Sequence[Any] | None = None) -> TemplateRenderer:
-    """The renderer for this tokenizer and template (the tokenizer's own when none is given).
+                 tools: Tools = None) -> TemplateRenderer:
+    """The renderer for this tokenizer (or wrapper) and template (the tokenizer's own when none
+    is given).
 
     ``chat_template`` may be template text or the name of one of the tokenizer's templates; with
-    several named templates, requests with tools get ``tool_use`` if present, as in transformers.
+    several named templates, requests with tools (``[]`` included) get ``tool_use`` if present,
+    as in transformers.
     """
-    tokenizer = unwrap_tokenizer(tokenizer)
-    try:
-        template = tokenizer.get_chat_template(chat_template, list(tools) if tools else None)
-    except ValueError as exc:
-        raise NoChatTemplateError(str(exc)) from exc
-    if not template:
-        raise NoChatTemplateError("the tokenizer has no chat template and none was given")
-    record = _records.get(tokenizer)
-    if record is None:
-        with _records_lock:  # fingerprinting a large vocab takes a while: do it once per tokenizer
-            record = _records.get(tokenizer)
-            if record is None:
-                record = _records[tokenizer] = _TokenizerRecord(tokenizer)
-    renderer = record.renderers.get(template)
+    inner = unwrap_tokenizer(tokenizer)
+    function = python_renderer(tokenizer, inner)
+    template: str | None = None
+    if function is not None:
+        if chat_template is not None:
+            raise InvalidRequestError(
+                "this tokenizer renders with mlx-lm's Python chat template "
+                f"({getattr(function, '__module__', '?')}); a chat_template cannot be given")
+        template_id = _function_identity(function)[0]
+    else:
+        try:
+            # transformers only asks whether tools is None: [] picks tool_use too.
+            template = inner.get_chat_template(chat_template, tools)
+        except ValueError as exc:
+            raise NoChatTemplateError(str(exc)) from exc
+        if not template:
+            raise NoChatTemplateError("the tokenizer has no chat template and none was given")
+        template_id = template
+    digest = current_fingerprint(inner)
+    descriptor = wrapper_descriptor(tokenizer) if inner is not tokenizer else b""
+    memo_key = (digest, descriptor, template_id)
+    table = _renderers.get(tokenizer)
+    renderer = table.get(memo_key) if table is not None else None
     if renderer is None:
-        with _records_lock:
-            if len(record.renderers) >= MAX_TEMPLATES_PER_TOKENIZER:
-                # Per-request templates could grow this without end; the oldest is dropped.
-                record.renderers.pop(next(iter(record.renderers)))
-            renderer = record.renderers.setdefault(
-                template, TemplateRenderer(tokenizer, template, record.digest)
-            )
+        renderer = _new_renderer(tokenizer, template, function, memo_key)
     return renderer
+
+
+def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., Any] | None,
+                  memo_key: tuple[bytes, bytes, str]) -> TemplateRenderer:
+    digest, descriptor, template_id = memo_key
+    identity = xxhash.xxh3_128_digest(b"".join(
+        len(part).to_bytes(4, "little") + part for part in (digest, descriptor, template_id.encode())))
+    # transformers exposes strftime_now to templates; those that call it render today's date.
+    uses_date = _function_identity(function)[1] if function else "strftime_now" in (template or "")
+    with _lock:
+        table = _renderers.setdefault(tokenizer, {})
+        if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
+            # Per-request templates could grow this without end; the oldest is dropped.
+            table.pop(next(iter(table)))
+        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, uses_date))

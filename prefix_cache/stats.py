@@ -1,4 +1,8 @@
-"""Counters of one cache: what it served, what it rendered, what it saved."""
+"""Counters of one cache, tallied from its events: what it served, rendered and saved.
+
+``CacheStats`` is an observer like the service's metrics, fed the very same events, so the two
+tallies cannot disagree about what happened in a process (the metrics also sum the workers).
+"""
 
 from __future__ import annotations
 
@@ -6,18 +10,21 @@ import threading
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .observer import CacheObserver
+
 
 @dataclass
-class CacheStats:
-    """Monotonic counters; ``add`` is thread-safe, reads are snapshots via ``snapshot``."""
+class CacheStats(CacheObserver):
+    """Monotonic counters; thread-safe; reads are snapshots via ``snapshot``."""
 
     hits: int = 0
     misses: int = 0
     none: int = 0                       # requests with no static part to protect
     coalesced: int = 0                  # misses that waited on another request's render
     errors: int = 0                     # requests that failed (bad input, template errors)
-    renders: int = 0                    # probe renders (two per computed static prefix)
+    renders: int = 0                    # probe renders (four per computed static prefix)
     prompt_renders: int = 0             # renders of the real prompt (no prompt_ids given)
+    cap_renders: int = 0                # renders locating a request's first non-static text
     render_seconds: float = 0.0         # time spent in probe renders
     render_seconds_saved: float = 0.0   # probe-render time that hits did not spend
     verification_failures: int = 0      # stored entries rejected (corrupt, foreign, collision)
@@ -37,3 +44,33 @@ class CacheStats:
         lookups = data["hits"] + data["misses"]
         data["hit_rate"] = data["hits"] / lookups if lookups else 0.0
         return data
+
+    # -- the events ------------------------------------------------------------------------
+
+    def resolved(self, *, cache: str, namespace: str, model: str, seconds: float,
+                 static_tokens: int, boundary: int) -> None:
+        self.add(**{{"hit": "hits", "miss": "misses"}.get(cache, "none"): 1})
+
+    def failed(self, *, namespace: str, model: str, error: Exception) -> None:
+        self.add(errors=1)
+
+    def computed(self, *, model: str, seconds: float, static_tokens: int, renders: int = 2) -> None:
+        self.add(renders=renders, render_seconds=seconds)
+
+    def saved(self, *, model: str, seconds: float) -> None:
+        self.add(render_seconds_saved=seconds)
+
+    def waited(self) -> None:
+        self.add(coalesced=1)
+
+    def prompt_rendered(self) -> None:
+        self.add(prompt_renders=1)
+
+    def cap_rendered(self) -> None:
+        self.add(cap_renders=1)
+
+    def store_error(self, *, op: str) -> None:
+        self.add(store_errors=1)
+
+    def verification_failure(self) -> None:
+        self.add(verification_failures=1)

@@ -42,13 +42,13 @@ def make_tools(n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="session")
 def qwen3() -> Any:
-    from prefix_cache.offline_tokenizers import load_tokenizer
+    from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer
 
-    return load_tokenizer("qwen3")
+    return load_offline_tokenizer("qwen3")
 
 
 @pytest.fixture(scope="session")
 def llama3() -> Any:
-    from prefix_cache.offline_tokenizers import load_tokenizer
+    from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer
 
-    return load_tokenizer("llama3.1")
+    return load_offline_tokenizer("llama3.1")

@@ -28,7 +28,7 @@ def load_tiny(root: Path, arch: str, *, draft: bool = False) -> Any:
     of the target's transformer compute) of ``arch``, built on first use under ``root``."""
     from mlx_lm.utils import load_model
 
-    from engine_adapter.tiny_model import tiny_model_folder
+    from engine_adapter.testing.tiny_model import tiny_model_folder
 
     if draft:
         folder = tiny_model_folder(root / f"{arch}-32x1h2k1", arch, hidden=32, layers=1,
@@ -95,7 +95,7 @@ def assert_close(a: Any, b: Any) -> None:
 def assert_matches_dense(model: Any, ids: list[int], events: list[Any]) -> None:
     """Every step's distribution equals a dense forward over the prompt plus the tokens so far:
     the KV is right and decode positions continue at the full prompt length."""
-    from engine_adapter.mlx_engine.reference import dense_logprobs
+    from engine_adapter.testing.reference import dense_logprobs
 
     tokens = [e.token for e in events]
     for k, event in enumerate(events):

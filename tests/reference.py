@@ -27,12 +27,16 @@ def cpl(a: list[int], b: list[int]) -> int:
 
 def render(tok: Any, messages: list[dict], tools: list | None, kwargs: dict | None,
            template: str | None, tokenize: bool = True) -> Any:
-    """apply_chat_template the transformers way; tools=[] for templates that need a list."""
+    """apply_chat_template of ``tok`` itself (a tokenizer, or a wrapper with its own method),
+    tools as given; tools=None falls back to [] for templates that need a list."""
     def call(t: list | None) -> Any:
+        extra: dict[str, Any] = {} if template is None else {"chat_template": template}
+        if type(tok).__module__.startswith("transformers"):
+            extra["return_dict"] = False
         return tok.apply_chat_template(
-            messages, tools=t, chat_template=template, add_generation_prompt=True,
-            tokenize=tokenize, return_dict=False, **(kwargs or {}))
-    if tools:
+            messages, tools=t, add_generation_prompt=True, tokenize=tokenize,
+            **extra, **(kwargs or {}))
+    if tools is not None:
         return call(tools)
     try:
         return call(None)
@@ -61,6 +65,33 @@ def two_probe(tok: Any, messages: list[dict], tools: list | None = None,
     return cpl(prompt, a[: cpl(a, b)])
 
 
+def first_text_start(tok: Any, messages: list[dict], tools: list | None = None,
+                     kwargs: dict | None = None, template: str | None = None) -> int:
+    """Token index where the first non-static message's content starts in the rendered prompt:
+    where the prompt leaves a render of the same conversation with that content replaced by a
+    text whose first character differs."""
+    n = len(leading_static(messages))
+    first = messages[n]
+    content = first.get("content")
+    lead = content if isinstance(content, str) else ""
+    if isinstance(content, list) and content and isinstance(content[0].get("text"), str):
+        lead = content[0]["text"]
+    other = "Tell me a joke." if lead.startswith("H") else "Hi"
+    replaced = [*messages[:n], {**first, "content": other}, *messages[n + 1:]]
+    return cpl(render(tok, messages, tools, kwargs, template),
+               render(tok, replaced, tools, kwargs, template))
+
+
+def exact(tok: Any, messages: list[dict], tools: list | None = None,
+          kwargs: dict | None = None, template: str | None = None) -> int:
+    """The contract: the two-probe answer, never past the first non-static message's text."""
+    static = leading_static(messages)
+    if not static or len(static) == len(messages):
+        return 0
+    return min(two_probe(tok, messages, tools, kwargs, template),
+               first_text_start(tok, messages, tools, kwargs, template))
+
+
 def multi_probe(tok: Any, messages: list[dict], tools: list | None = None,
                 kwargs: dict | None = None, template: str | None = None,
                 static: list[dict] | None = None) -> int:
@@ -86,6 +117,6 @@ def first_user_text_index(tok: Any, messages: list[dict], tools: list | None = N
     text = render(tok, messages, tools, kwargs, template, tokenize=False)
     pos = text.find(content.strip())
     assert pos >= 0, "first user text not found in the rendered prompt"
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    head = tok(text[:pos], add_special_tokens=False)["input_ids"]
+    ids = tok.encode(text, add_special_tokens=False)  # a wrapper passes encode through
+    head = tok.encode(text[:pos], add_special_tokens=False)
     return cpl(ids, head)

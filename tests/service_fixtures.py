@@ -60,7 +60,7 @@ def demo_tokenizer(demo_folder: Path) -> Any:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("mlx_lm")
-    from engine_adapter.tiny_model import make_tiny_model
+    from engine_adapter.testing.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3")
 

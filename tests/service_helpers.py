@@ -226,9 +226,9 @@ def served(name: str, tokenizer: Any, upstream: Upstream | None = None) -> Serve
 class ServeProcess:
     """``python -m prefix_cache.cli serve`` on a free port, its log read line by line."""
 
-    def __init__(self, args: list[str], home: Path) -> None:
+    def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None) -> None:
         env = {**os.environ, "PREFIX_CACHE_HOME": str(home), "HF_HUB_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false"}
+               "TOKENIZERS_PARALLELISM": "false", **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefix_cache.cli", "serve", "--port", "0", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

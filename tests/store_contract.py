@@ -65,10 +65,10 @@ class StoreContract:
         store = self.make_store()
 
         async def go() -> tuple[Any, ...]:
-            await store.aput("spc:ns:m:x", b"async")
+            store.put("spc:ns:m:x", b"async")
             got = await store.aget("spc:ns:m:x")
-            deleted = await store.adelete("spc:ns:m:x")
-            await store.aput("spc:ns:m:y", b"1")
+            deleted = store.delete("spc:ns:m:x")
+            store.put("spc:ns:m:y", b"1")
             purged = await store.apurge("spc:ns:*:*")
             return got, deleted, purged
 

@@ -90,6 +90,34 @@ CONTENT_PARTS = """\
 {%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + text(m.content) + '<|im_end|>\\n' }}{%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
+# Llama-3.1 style: `tools is not none` (not `if tools`) turns on a tool block, so tools=[] and
+# tools=None render differently.
+TOOLS_NOT_NONE = """\
+{{- '<|im_start|>system\\n' }}
+{%- if tools is not none %}{{- 'Environment: ipython\\nYou may call these functions:\\n' }}{%- for t in tools %}{{- (t | tojson) + '\\n' }}{%- endfor %}{%- endif %}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}{{- '<|im_end|>\\n' }}
+{%- for m in messages %}{%- if m.role != 'system' %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+# Gemma-4 style: a thinking instruction in the system turn when enable_thinking is set (mlx-lm's
+# TokenizerWrapper sets it from the vocabulary when the request does not).
+THINKING = """\
+{{- '<|im_start|>system\\n' }}
+{%- if enable_thinking is defined and enable_thinking %}{{- 'Think step by step inside <think> tags before you answer.\\n\\n' }}{%- endif %}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}{{- '<|im_end|>\\n' }}
+{%- for m in messages %}{%- if m.role != 'system' %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
+# A template that fails on tools=None only for some requests (a `strict` kwarg), and tells None
+# from []: the tools fallback must be decided per request, never learned per template.
+FAILS_ON_NONE_WHEN_STRICT = """\
+{%- if strict is defined and strict %}{%- for t in tools %}{{- t | tojson }}{%- endfor %}{%- endif %}
+{{- '<|im_start|>system\\n' }}
+{%- if tools is not none %}{{- 'Tools are enabled for this conversation.\\n' }}{%- endif %}
+{%- if messages[0].role == 'system' %}{{- messages[0].content }}{%- endif %}{{- '<|im_end|>\\n' }}
+{%- for m in messages %}{%- if m.role != 'system' %}{{- '<|im_start|>' + m.role + '\\n' + (m.content or '') + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
+
 BEHAVIOURS = {
     "default_system": DEFAULT_SYSTEM,
     "tools_first": TOOLS_FIRST,
@@ -99,4 +127,6 @@ BEHAVIOURS = {
     "todays_date": TODAYS_DATE,
     "needs_tool_list": NEEDS_TOOL_LIST,
     "content_parts": CONTENT_PARTS,
+    "tools_not_none": TOOLS_NOT_NONE,
+    "thinking": THINKING,
 }

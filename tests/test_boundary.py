@@ -20,6 +20,9 @@ CONVERSATIONS = {
     "one_turn": [SYSTEM, USER1],
     "two_turns": [SYSTEM, USER1, ASSISTANT, USER2],
     "two_system": [SYSTEM, {"role": "developer", "content": "Be terse."}, USER1],
+    # The first user text starts like the system text (Mistral-style templates put the system
+    # text where this user text is, on multi-turn prompts).
+    "like_system": [SYSTEM, {"role": "user", "content": "You are right, list them."}, ASSISTANT, USER2],
 }
 
 
@@ -65,11 +68,12 @@ def test_boundary_matches_references(qwen3, behaviour: str, conversation: str, n
     cache = StaticPrefixCache()
     miss = cache.resolve(qwen3, messages, tools, chat_template=template)
     hit = cache.resolve(qwen3, messages, tools, chat_template=template)
-    expected = reference.two_probe(qwen3, messages, tools, template=template)
+    expected = reference.exact(qwen3, messages, tools, template=template)
     assert (miss.cache, hit.cache) == ("miss", "hit")
     assert miss.specprefill_system_end == hit.specprefill_system_end == expected
     assert miss.prompt_ids == hit.prompt_ids == reference.render(qwen3, messages, tools, None, template)
-    assert expected == reference.multi_probe(qwen3, messages, tools, template=template)
+    text_at = reference.first_text_start(qwen3, messages, tools, template=template)
+    assert expected == min(reference.multi_probe(qwen3, messages, tools, template=template), text_at)
     assert expected <= reference.first_user_text_index(qwen3, messages, tools, template=template)
 
 
@@ -96,6 +100,11 @@ def test_mistral_style_stops_at_first_user_on_later_turns(qwen3) -> None:
     assert "tool_0" not in text and "Follow" not in text
     assert r.specprefill_system_end == reference.two_probe(
         qwen3, CONVERSATIONS["two_turns"], tools, template=template)
+    # A first user text that starts like the system text does not pull the cut into it.
+    like = CONVERSATIONS["like_system"]
+    r = StaticPrefixCache().resolve(qwen3, like, chat_template=template)
+    at = reference.first_user_text_index(qwen3, like, template=template)
+    assert r.specprefill_system_end <= at < reference.two_probe(qwen3, like, template=template)
     assert r.specprefill_system_end <= reference.first_user_text_index(
         qwen3, CONVERSATIONS["two_turns"], tools, template=template)
 

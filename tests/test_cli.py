@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from prefix_cache import cli
-from prefix_cache.offline_tokenizers import make_model_dir
+from prefix_cache.testing.offline_tokenizers import make_model_dir
 
 from . import reference
 from .conftest import make_tools

@@ -18,8 +18,8 @@ from engine_adapter.mlx_engine import (  # noqa: E402
     MLXEngine,
     StaticKVStore,
 )
-from engine_adapter.mlx_engine.engine import context_length  # noqa: E402
-from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
+from engine_adapter.mlx_engine.model_info import context_length  # noqa: E402
+from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
     assert_close,
     assert_matches_dense,
@@ -197,7 +197,7 @@ def test_closing_the_stream_cancels_the_request(make_engine, target):
     stream.close()
     run(engine, ids, end, max_tokens=1)                # processed after the cancel
     stats = engine.snapshot_stats()
-    assert stats["cancelled"] == 1 and stats["active"] == 0
+    assert stats.cancelled == 1 and stats.active == 0
 
 
 def test_a_boundary_at_the_end_of_the_prompt_keeps_the_last_token_for_generation(make_engine,
@@ -301,7 +301,7 @@ def test_concurrent_misses_on_one_static_prefix_compute_it_once(make_engine, tar
         assert finished.acquire(timeout=60)
     reused = sorted(results[r.request_id][0].prefill.reused_tokens for r in requests)
     assert reused == [0, end, end, end]
-    assert engine.kv_store.stats.puts == 1 and engine.snapshot_stats()["parked"] == 3
+    assert engine.kv_store.stats.puts == 1 and engine.snapshot_stats().parked == 3
     for r in requests:
         assert_matches_dense(model, list(r.prompt_ids), results[r.request_id])
 
@@ -318,7 +318,7 @@ def test_a_cancelled_leader_hands_the_static_prefix_to_a_parked_request(make_eng
     for _ in followers:
         assert finished.acquire(timeout=60)
     assert results[leader.request_id] == []
-    assert engine.kv_store.stats.puts == 1 and engine.snapshot_stats()["parked"] == 3
+    assert engine.kv_store.stats.puts == 1 and engine.snapshot_stats().parked == 3
     reused = sorted(results[r.request_id][0].prefill.reused_tokens for r in followers)
     assert reused == [0, end]                      # one took over the lead, one restored it
     for r in followers:

@@ -13,7 +13,7 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from engine_adapter.mlx_engine import MLXEngine, StaticKVStore  # noqa: E402
-from engine_adapter.mlx_engine.reference import dense_logprobs  # noqa: E402
+from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
 from prefix_cache.boundary import common_prefix_len  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
     assert_close,
@@ -56,10 +56,10 @@ def test_the_next_turn_restores_the_previous_prompt_and_matches_dense(arch, engi
         assert later[0].prefill.conversation_tokens == len(second) - 1
         assert_matches_dense(model, third, later)
         stats = engine.snapshot_stats()
-        assert stats["conversation_hits"] == 2
+        assert stats.conversation_hits == 2
         # Each turn supersedes the one it extends: one entry for the whole conversation.
-        assert stats["conversation_store"]["entries"] == 1
-        assert stats["conversation_store"]["superseded"] == 2
+        assert stats.conversation_store.entries == 1
+        assert stats.conversation_store.superseded == 2
 
 
 def test_restored_prompt_kv_is_not_changed_by_its_users(make_engine, target):
@@ -167,7 +167,7 @@ def test_off_switch(make_engine, target):
     first, end = turn(tok, 8, "One.")
     run(engine, first, end)
     assert run(engine, first, end)[0].prefill.reused_tokens == end
-    assert "conversation_store" not in engine.snapshot_stats()
+    assert engine.snapshot_stats().conversation_store is None
 
 
 @pytest.mark.parametrize("max_tokens", [1, 5])

@@ -182,6 +182,22 @@ def test_vision_language_boundary_renders_with_tools_and_kwargs(vl_tokenizer):
     assert last(boundary).cache == "miss"
 
 
+def test_engine_that_renders_with_empty_tools_gets_that_renders_boundary(qwen3):
+    """tools=[] reaches the cache as []: the engine rendered with it, and a template that tests
+    ``tools is not none`` renders a tool block for it that None would not."""
+    from . import reference
+    from .templates import TOOLS_NOT_NONE
+
+    tok = with_template(qwen3, TOOLS_NOT_NONE)
+    engine = TextEngine(tok)
+    boundary = SpecPrefillBoundary(StaticPrefixCache())
+    install(engine, boundary)
+    messages = [SYSTEM, {"role": "user", "content": "Which files changed?"}]
+    ids, kwargs = engine.chat(messages, [])
+    assert kwargs["specprefill_system_end"] == reference.two_probe(tok, messages, []) > 0
+    assert "Environment: ipython" in tok.decode(ids[: kwargs["specprefill_system_end"]])
+
+
 def test_vision_language_hits_on_the_next_turn_without_probe_renders(vl_tokenizer):
     engine = VisionLanguageEngine(vl_tokenizer)
     cache = StaticPrefixCache()

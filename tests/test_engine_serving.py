@@ -21,13 +21,17 @@ from prometheus_client.parser import text_string_to_metric_families
 pytest.importorskip("mlx_lm")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
+from engine_adapter.backend import MLXBackend  # noqa: E402
+from engine_adapter.decoding import IncrementalDecoder  # noqa: E402
 from engine_adapter.mlx_engine import TokenEvent  # noqa: E402
-from engine_adapter.openai_engine import ChatEngine, IncrementalDecoder  # noqa: E402
 from engine_adapter.server import _Namespaces, create_engine_app  # noqa: E402
+from prefix_cache.chat.openai_params import parse_chat_params  # noqa: E402
+from prefix_cache.chat.openai_stream import complete  # noqa: E402
+from prefix_cache.errors import ContextLengthError, InvalidRequestError  # noqa: E402
+from prefix_cache.http.errors import BadRequest  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.render import get_renderer  # noqa: E402
 from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.errors import BadRequest  # noqa: E402
 from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
@@ -103,9 +107,10 @@ def tokenizer(tiny_model_dir: Path) -> Any:
     return load_tokenizer(tiny_model_dir)
 
 
-async def run(engine: ChatEngine, body: dict[str, Any]) -> dict[str, Any]:
-    params = engine.parse(body)
-    return await engine.complete(params, engine.request(params, [1, 2, 3], 2, "default"))
+async def run(backend: MLXBackend, body: dict[str, Any]) -> dict[str, Any]:
+    params = parse_chat_params(body, backend.name)
+    request = backend.check(params.request([1, 2, 3], 2, "default"))
+    return await complete(backend, params, request)
 
 
 def test_incremental_decoder_never_splits_a_character(tokenizer: Any) -> None:
@@ -121,14 +126,14 @@ def test_incremental_decoder_never_splits_a_character(tokenizer: Any) -> None:
 async def test_stop_strings_end_the_completion_and_cancel(tokenizer: Any) -> None:
     ids = tokenizer.encode("Hello world. The END is near, friend.", add_special_tokens=False)
     engine = ScriptedEngine(ids, stop_token_ids=(tokenizer.eos_token_id,))
-    chat_engine = ChatEngine(engine, tokenizer)
+    chat_engine = MLXBackend(engine, tokenizer)
     out = await run(chat_engine, {"stop": ["END", "never"], "max_tokens": 50})
     assert out["choices"][0]["message"]["content"] == "Hello world. The "
     assert out["choices"][0]["finish_reason"] == "stop"
     assert engine.closed_early  # the engine's iterator was closed: MLXEngine cancels there
     # Text that only starts like a stop string is held back, then released.
     engine = ScriptedEngine(ids, stop_token_ids=())
-    out = await run(ChatEngine(engine, tokenizer), {"stop": "ENDING"})
+    out = await run(MLXBackend(engine, tokenizer), {"stop": "ENDING"})
     assert out["choices"][0]["message"]["content"] == tokenizer.decode(ids)
     assert out["choices"][0]["finish_reason"] == "length" and not engine.closed_early
 
@@ -136,7 +141,7 @@ async def test_stop_strings_end_the_completion_and_cancel(tokenizer: Any) -> Non
 async def test_end_of_turn_token_is_a_stop_and_not_text(tokenizer: Any) -> None:
     eos = tokenizer.eos_token_id
     ids = tokenizer.encode("Hi there", add_special_tokens=False)
-    chat_engine = ChatEngine(ScriptedEngine([*ids, eos], (eos,), finish="stop"), tokenizer)
+    chat_engine = MLXBackend(ScriptedEngine([*ids, eos], (eos,), finish="stop"), tokenizer)
     out = await run(chat_engine, {"max_completion_tokens": 9})
     assert out["choices"][0] == {"index": 0, "logprobs": None, "finish_reason": "stop",
                                  "message": {"role": "assistant", "content": "Hi there"}}
@@ -150,23 +155,27 @@ async def test_end_of_turn_token_is_a_stop_and_not_text(tokenizer: Any) -> None:
     ({"stream": "yes"}, "stream"), ({"seed": 1.5}, "seed"),
 ])
 def test_bad_parameters_are_400s(tokenizer: Any, body: dict[str, Any], fragment: str) -> None:
-    with pytest.raises(BadRequest, match=fragment):
-        ChatEngine(ScriptedEngine([], ()), tokenizer).parse(body)
+    with pytest.raises(InvalidRequestError, match=fragment):
+        parse_chat_params(body, MLXBackend(ScriptedEngine([], ()), tokenizer).name)
 
 
 def test_max_tokens_must_fit_in_the_context_and_the_default_is_cut_to_it(tokenizer: Any) -> None:
     engine = ScriptedEngine([], ())
     engine.context_length = 10
-    chat_engine = ChatEngine(engine, tokenizer, default_max_tokens=512)
+    chat_engine = MLXBackend(engine, tokenizer, default_max_tokens=512)
     prompt = [1, 2, 3]
-    unnamed = chat_engine.parse({})
-    assert chat_engine.request(unnamed, prompt, 0, "default").max_tokens == 7  # 10 - 3 left
-    assert chat_engine.request(chat_engine.parse({"max_tokens": 7}), prompt, 0, "d").max_tokens == 7
-    with pytest.raises(BadRequest, match="ask for at most 7") as info:
-        chat_engine.request(chat_engine.parse({"max_tokens": 8}), prompt, 0, "default")
+
+    def max_tokens(body: dict[str, Any], ids: list[int], namespace: str) -> int | None:
+        request = parse_chat_params(body, chat_engine.name).request(ids, 0, namespace)
+        return chat_engine.check(request).sampling.max_tokens
+
+    assert max_tokens({}, prompt, "default") == 7  # 10 - 3 left
+    assert max_tokens({"max_tokens": 7}, prompt, "d") == 7
+    with pytest.raises(ContextLengthError, match="ask for at most 7") as info:
+        max_tokens({"max_tokens": 8}, prompt, "default")
     assert info.value.code == "context_length_exceeded"
-    with pytest.raises(BadRequest, match="the prompt has 10 tokens") as info:
-        chat_engine.request(unnamed, list(range(10)), 0, "default")
+    with pytest.raises(ContextLengthError, match="the prompt has 10 tokens") as info:
+        max_tokens({}, list(range(10)), "default")
     assert info.value.code == "context_length_exceeded"
 
 
@@ -190,18 +199,18 @@ def test_prefix_cache_imports_no_mlx_until_an_engine_is_asked_for() -> None:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model_dir: Path) -> Iterator[tuple[str, ChatEngine]]:
+def sidecar(tiny_model_dir: Path) -> Iterator[tuple[str, MLXBackend]]:
     settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", api_keys=KEYS,
                                keys_file=None, models_file=None, upstream=None)
     app = create_app(settings)
     engine = app.state.service.models.get(MODEL).engine
-    assert isinstance(engine, ChatEngine)
+    assert isinstance(engine, MLXBackend)
     with ServerThread(app) as url:
         yield url, engine
     assert engine._closed  # the app's shutdown closed the engine
 
 
-def test_sidecar_streams_from_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -> None:
+def test_sidecar_streams_from_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
     url, _ = sidecar
     sdk = openai_client(url, "sk-acme")
     with sdk.chat.completions.with_streaming_response.create(
@@ -217,7 +226,7 @@ def test_sidecar_streams_from_the_in_process_engine(sidecar: tuple[str, ChatEngi
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
-def test_readyz_reports_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -> None:
+def test_readyz_reports_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
     url, engine = sidecar
     with local_client(base_url=url) as http:
         r = http.get("/readyz")
@@ -227,7 +236,7 @@ def test_readyz_reports_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -
     assert engine.health()["ok"] is True
 
 
-def test_metrics_export_the_engine_counters(sidecar: tuple[str, ChatEngine]) -> None:
+def test_metrics_export_the_engine_counters(sidecar: tuple[str, MLXBackend]) -> None:
     url, engine = sidecar
     sdk = openai_client(url, "sk-acme")
     sdk.chat.completions.create(model=MODEL, messages=chat(unique_system(), "Count me."),
@@ -239,19 +248,19 @@ def test_metrics_export_the_engine_counters(sidecar: tuple[str, ChatEngine]) -> 
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     stats = engine.snapshot_stats()          # no request runs meanwhile: the same counts
     model = (("model", MODEL),)
-    assert samples[("prefix_cache_engine_requests_total", model)] == stats["requests"] >= 1
+    assert samples[("prefix_cache_engine_requests_total", model)] == stats.requests >= 1
     assert samples[("prefix_cache_engine_prompt_tokens_total", (("kind", "computed"), *model))] \
-        == stats["prefilled_tokens"] > 0
+        == stats.prefilled_tokens > 0
     assert samples[("prefix_cache_engine_kv_entries", (*model, ("store", "static")))] \
-        == stats["kv_store"]["entries"]
+        == stats.kv_store.entries
     assert stats_json.status_code == 200
-    assert stats_json.json()["engines"] == [{"model": MODEL, **stats}]   # the dashboard's rows
+    assert stats_json.json()["engines"] == [{"model": MODEL, **stats.as_dict()}]   # the dashboard's rows
     engine_queries = {m for m in queried_metrics() if m.startswith("prefix_cache_engine_")}
     assert engine_queries and engine_queries <= {name for name, _ in samples}
 
 
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
-def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, ChatEngine]) -> None:
+def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
     pytest.importorskip("selenium.webdriver")
     url, engine = sidecar
     openai_client(url, "sk-globex").chat.completions.create(
@@ -270,13 +279,13 @@ def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, Chat
     assert len(cells) == 1
     model, active, requests, generated, reused = cells[0][:5]
     assert (model, active) == (MODEL, "0")
-    assert requests == f"{stats['requests']:,}" and generated == f"{stats['generated_tokens']:,}"
-    prompt = stats["reused_tokens"] + stats["prefilled_tokens"]
-    assert reused == f"{stats['reused_tokens'] / prompt * 100:.1f}%"
+    assert requests == f"{stats.requests:,}" and generated == f"{stats.generated_tokens:,}"
+    prompt = stats.reused_tokens + stats.prefilled_tokens
+    assert reused == f"{stats.reused_tokens / prompt * 100:.1f}%"
 
 
 def test_a_closed_engine_is_not_healthy(tokenizer: Any) -> None:
-    chat_engine = ChatEngine(ScriptedEngine([1], (0,)), tokenizer, name="scripted")
+    chat_engine = MLXBackend(ScriptedEngine([1], (0,)), tokenizer, name="scripted")
     assert chat_engine.health() == {"ok": True}         # an engine without a report of its own
     with ServerThread(create_engine_app(chat_engine)) as url, local_client(base_url=url) as http:
         assert http.get("/health").json() == {"status": "ok"}
@@ -316,7 +325,7 @@ def test_serve_engine_mlx_command_streams_a_chat_completion(tiny_model_dir: Path
     assert code == 0, "".join(server.log)
 
 
-def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, ChatEngine]) -> None:
+def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, MLXBackend]) -> None:
     url, engine = sidecar
     system, tools = unique_system(), make_tools(3)
     acme, globex = openai_client(url, "sk-acme"), openai_client(url, "sk-globex")
@@ -328,7 +337,7 @@ def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, ChatEngine]) ->
         return raw, raw.parse()
 
     complete(acme, "First turn.")
-    before = engine.snapshot_stats()["reused_tokens"]
+    before = engine.snapshot_stats().reused_tokens
     raw, completion = complete(acme, "Second turn, other words.")
     assert raw.headers["x-prefix-cache"] == "hit"
     with local_client(base_url=url, headers={"authorization": "Bearer sk-acme"}) as http:
@@ -341,19 +350,19 @@ def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, ChatEngine]) ->
     assert completion.usage.prompt_tokens_details.cached_tokens == end
     assert completion.usage.completion_tokens <= 3
     stats = engine.snapshot_stats()
-    assert stats["reused_tokens"] - before == end > 0
+    assert stats.reused_tokens - before == end > 0
     # Another tenant, the very same system prompt and tools: no entry of acme's is used.
     raw, completion = complete(globex, "Second turn, other words.")
     assert raw.headers["x-prefix-cache"] == "miss"
     assert completion.usage.prompt_tokens_details.cached_tokens == 0
     after = engine.snapshot_stats()
-    assert after["reused_tokens"] == stats["reused_tokens"]
-    assert {"acme", "globex"} <= set(after["kv_store"]["by_namespace"])
+    assert after.reused_tokens == stats.reused_tokens
+    assert {"acme", "globex"} <= set(after.kv_store.by_namespace)
 
 
-def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, ChatEngine]) -> None:
+def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, MLXBackend]) -> None:
     url, engine = sidecar
-    cancelled = engine.snapshot_stats()["cancelled"]
+    cancelled = engine.snapshot_stats().cancelled
     sdk = openai_client(url, "sk-acme")
     with sdk.chat.completions.with_streaming_response.create(
         model=MODEL, messages=chat(unique_system(), "Go on forever."), max_tokens=30_000,
@@ -363,11 +372,11 @@ def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, ChatEn
         next(iter(stream))
         next(iter(stream))
     # Leaving the block closed the connection: the sidecar cancels the engine request.
-    assert wait_until(lambda: engine.snapshot_stats()["cancelled"] > cancelled)
-    assert wait_until(lambda: engine.snapshot_stats()["active"] == 0)
+    assert wait_until(lambda: engine.snapshot_stats().cancelled > cancelled)
+    assert wait_until(lambda: engine.snapshot_stats().active == 0)
 
 
-def test_sidecar_refuses_bad_parameters_before_resolving(sidecar: tuple[str, ChatEngine]) -> None:
+def test_sidecar_refuses_bad_parameters_before_resolving(sidecar: tuple[str, MLXBackend]) -> None:
     url, _ = sidecar
     with pytest.raises(openai.BadRequestError, match="n > 1") as info:
         openai_client(url, "sk-acme").chat.completions.create(
@@ -379,8 +388,8 @@ def test_sidecar_refuses_bad_parameters_before_resolving(sidecar: tuple[str, Cha
 
 
 @pytest.fixture(scope="module")
-def engine_server(tiny_model_dir: Path) -> Iterator[tuple[str, ChatEngine]]:
-    chat_engine = ChatEngine.load(tiny_model_dir, name="tiny-engine")
+def engine_server(tiny_model_dir: Path) -> Iterator[tuple[str, MLXBackend]]:
+    chat_engine = MLXBackend.load(tiny_model_dir, name="tiny-engine")
     with ServerThread(create_engine_app(chat_engine, trust_namespace=True)) as url:
         yield url, chat_engine
     assert chat_engine._closed
@@ -391,7 +400,7 @@ def rendered(tokenizer: Any, messages: list[dict[str, Any]],
     return get_renderer(tokenizer, None, tools).render_ids(messages, tools, {})
 
 
-def test_serve_engine_streams_given_ids_and_boundary(engine_server: tuple[str, ChatEngine],
+def test_serve_engine_streams_given_ids_and_boundary(engine_server: tuple[str, MLXBackend],
                                                      tokenizer: Any) -> None:
     url, chat_engine = engine_server
     system = unique_system()
@@ -413,10 +422,10 @@ def test_serve_engine_streams_given_ids_and_boundary(engine_server: tuple[str, C
     # The same prompt again: the conversation store restores all of it but the last token
     # (more than the static n_static tokens the boundary alone would give).
     assert [u.prompt_tokens_details.cached_tokens for u in usages] == [0, len(ids) - 1]
-    assert "t1" in chat_engine.snapshot_stats()["kv_store"]["by_namespace"]
+    assert "t1" in chat_engine.snapshot_stats().kv_store.by_namespace
 
 
-def test_serve_engine_renders_without_ids(engine_server: tuple[str, ChatEngine],
+def test_serve_engine_renders_without_ids(engine_server: tuple[str, MLXBackend],
                                           tokenizer: Any) -> None:
     url, _ = engine_server
     messages, tools = chat(unique_system(), "Use a tool."), make_tools(2)
@@ -438,7 +447,7 @@ def test_serve_engine_renders_without_ids(engine_server: tuple[str, ChatEngine],
     ({"prompt_token_ids": "1 2 3"}, "invalid_prompt_token_ids"),
     ({"specprefill_namespace": "no:colons"}, "invalid_specprefill_namespace"),
 ])
-def test_serve_engine_bad_input_is_an_openai_400(engine_server: tuple[str, ChatEngine],
+def test_serve_engine_bad_input_is_an_openai_400(engine_server: tuple[str, MLXBackend],
                                                  extra: dict[str, Any], code: str) -> None:
     url, _ = engine_server
     with pytest.raises(openai.BadRequestError) as info:
@@ -450,7 +459,7 @@ def test_serve_engine_bad_input_is_an_openai_400(engine_server: tuple[str, ChatE
     assert info.value.body["message"]
 
 
-def test_serve_engine_refuses_more_tokens_than_the_context(engine_server: tuple[str, ChatEngine],
+def test_serve_engine_refuses_more_tokens_than_the_context(engine_server: tuple[str, MLXBackend],
                                                           ) -> None:
     url, chat_engine = engine_server
     window = chat_engine.context_length
@@ -463,7 +472,7 @@ def test_serve_engine_refuses_more_tokens_than_the_context(engine_server: tuple[
     assert "ask for at most 32765" in info.value.body["message"]
 
 
-def test_serve_engine_models_and_health(engine_server: tuple[str, ChatEngine]) -> None:
+def test_serve_engine_models_and_health(engine_server: tuple[str, MLXBackend]) -> None:
     url, _ = engine_server
     with local_client(base_url=url) as http:
         assert http.get("/health").json() == {"status": "ok"}
@@ -473,7 +482,7 @@ def test_serve_engine_models_and_health(engine_server: tuple[str, ChatEngine]) -
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "code"}
 
 
-def test_serve_engine_api_key(engine_server: tuple[str, ChatEngine]) -> None:
+def test_serve_engine_api_key(engine_server: tuple[str, MLXBackend]) -> None:
     _, chat_engine = engine_server
     app = create_engine_app(chat_engine, api_key="sk-engine", close_engine=False)
     with ServerThread(app) as url:
@@ -519,7 +528,7 @@ def test_serve_engine_command_exits_2_on_a_missing_folder(
 # -- (c) a sidecar in front of serve-engine (upstream kind specprefill) ------------------------
 
 
-def test_sidecar_passes_the_boundary_to_serve_engine(engine_server: tuple[str, ChatEngine],
+def test_sidecar_passes_the_boundary_to_serve_engine(engine_server: tuple[str, MLXBackend],
                                                      tokenizer: Any) -> None:
     engine_url, chat_engine = engine_server
     models = ModelRegistry([served("tiny", tokenizer, Upstream(engine_url, "specprefill"))])
@@ -534,14 +543,14 @@ def test_sidecar_passes_the_boundary_to_serve_engine(engine_server: tuple[str, C
 
         headers, chunks = stream("sk-acme", "One.")
         assert headers["x-prefix-cache"] == "miss" and chunks[-1].usage is not None
-        before = chat_engine.snapshot_stats()["reused_tokens"]
+        before = chat_engine.snapshot_stats().reused_tokens
         headers, chunks = stream("sk-acme", "Two, longer.")
         end = int(headers["x-specprefill-system-end"])
         assert headers["x-prefix-cache"] == "hit" and end > 0
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == end
-        assert chat_engine.snapshot_stats()["reused_tokens"] - before == end
+        assert chat_engine.snapshot_stats().reused_tokens - before == end
         assert any(c.choices and c.choices[0].delta.content for c in chunks)
         # The tenant travelled as specprefill_namespace: globex restores nothing of acme's.
         headers, chunks = stream("sk-globex", "Two, longer.")
         assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
-        assert {"acme", "globex"} <= set(chat_engine.snapshot_stats()["kv_store"]["by_namespace"])
+        assert {"acme", "globex"} <= set(chat_engine.snapshot_stats().kv_store.by_namespace)

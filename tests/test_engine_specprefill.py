@@ -14,8 +14,7 @@ pytest.importorskip("mlx_lm")
 
 from engine_adapter.mlx_engine import GenerationRequest, MLXEngine, SpecPrefillConfig  # noqa: E402
 from engine_adapter.mlx_engine import cache as kv  # noqa: E402
-from engine_adapter.mlx_engine import engine as engine_module  # noqa: E402
-from engine_adapter.mlx_engine.reference import dense_logprobs, masked_logprobs  # noqa: E402
+from engine_adapter.mlx_engine import sparse as sparse_module  # noqa: E402
 from engine_adapter.mlx_engine.rope import (  # noqa: E402
     PositionPlan,
     captured_queries,
@@ -27,6 +26,7 @@ from engine_adapter.mlx_engine.specprefill import (  # noqa: E402
     score_tokens,
     select_chunks,
 )
+from engine_adapter.testing.reference import dense_logprobs, masked_logprobs  # noqa: E402
 from prefix_cache.boundary import common_prefix_len  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
     ATOL,
@@ -307,7 +307,7 @@ def test_specprefill_after_a_restored_conversation_protects_all_of_it(target, dr
     for k, event in enumerate(events):
         want = masked_logprobs(model, second + tokens[:k], visible + [True] * k)
         assert_close(event.logprobs, want)
-    assert engine.snapshot_stats()["conversation_hits"] == 1
+    assert engine.snapshot_stats().conversation_hits == 1
 
 
 def run_dense(engine: MLXEngine, model: Any, ids: list[int], end: int,
@@ -423,12 +423,12 @@ def test_any_specprefill_error_falls_back_to_dense(target, make_engine, monkeypa
         raise RuntimeError("draft exploded")
         yield  # a step generator, as score_steps is
 
-    monkeypatch.setattr(engine_module, "score_steps", broken)
+    monkeypatch.setattr(sparse_module, "score_steps", broken)
     events = run(engine, ids, end)
     info = events[0].prefill
     assert info.mode == "dense" and "draft exploded" in info.fallback
     assert_close(events[0].logprobs, dense_logprobs(model, ids))
-    assert engine.snapshot_stats()["fallbacks"] == 1
+    assert engine.snapshot_stats().fallbacks == 1
     assert all(type(layer.self_attn.rope).__name__ == "RoPE" for layer in model.layers)
 
 
@@ -437,23 +437,23 @@ def test_a_failure_inside_the_sparse_prefill_falls_back_with_the_model_intact(ta
     model, tok = target
     engine = make_engine()
     ids, end = prompt(tok, 40)
-    real = engine_module.sparse_prefill_steps
+    real = sparse_module.sparse_prefill_steps
 
     def failing(m: Any, token_ids: Any, positions: Any, cache: Any, step: int) -> Any:
         yield from real(m, token_ids, positions[: len(positions) // 2], cache, step)
         raise MemoryError("out of memory half-way")
 
-    monkeypatch.setattr(engine_module, "sparse_prefill_steps", failing)
+    monkeypatch.setattr(sparse_module, "sparse_prefill_steps", failing)
     events = run(engine, ids, end)
     assert events[0].prefill.mode == "dense" and "MemoryError" in events[0].prefill.fallback
     assert_close(events[0].logprobs, dense_logprobs(model, ids))
-    monkeypatch.setattr(engine_module, "sparse_prefill_steps", real)
+    monkeypatch.setattr(sparse_module, "sparse_prefill_steps", real)
     events = run(engine, ids, end)                 # the next request sparsifies normally
     assert events[0].prefill.mode == "specprefill"
 
 
 def test_a_draft_with_another_vocabulary_falls_back(target, engine_models_dir, make_engine):
-    from engine_adapter.tiny_model import make_tiny_model
+    from engine_adapter.testing.tiny_model import make_tiny_model
 
     model, tok = target
     folder = engine_models_dir / "llama3-vocab-draft"

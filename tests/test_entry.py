@@ -18,7 +18,7 @@ def test_round_trip() -> None:
 
 
 def test_compact() -> None:
-    assert len(encode_entry(KEY, CHECK, IDS, 0.01)) == 4 * len(IDS) + len(KEY) + 24 + 8
+    assert len(encode_entry(KEY, CHECK, IDS, 0.01)) == 4 * len(IDS) + len(KEY) + 28 + 8
 
 
 def test_empty_ids_round_trip() -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache
+from prefix_cache.chat.backend import EngineStats
 from prefix_cache.engine_metrics import EngineCollector
 from prefix_cache.metrics import Metrics
 
@@ -31,10 +33,10 @@ def exposed_metrics(text: str) -> set[str]:
 
 
 class _StatsOnly:
-    def __init__(self, stats: dict) -> None:
-        self.stats = {**stats, "conversation_store": stats["kv_store"]}
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = replace(stats, conversation_store=stats.kv_store)
 
-    def snapshot_stats(self) -> dict:
+    def snapshot_stats(self) -> EngineStats:
         return self.stats
 
 

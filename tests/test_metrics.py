@@ -6,13 +6,16 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_cache import StaticPrefixCache
+from prefix_cache import StaticPrefixCache, TemplateRenderError
+from prefix_cache.chat.backend import EngineStats, KVStoreStats
 from prefix_cache.metrics import Metrics, TenantLabels, _quantile
 
-from .templates import BEHAVIOURS
+from .templates import BEHAVIOURS, NO_SYSTEM_ROLE
 
 TEMPLATE = BEHAVIOURS["default_system"]
 
@@ -37,9 +40,10 @@ def test_counts_agree_between_exposition_and_snapshot(qwen3) -> None:
     samples = parsed(metrics)
     key = lambda result: ("prefix_cache_requests_total", (("model", "demo"), ("result", result), ("tenant", "acme")))  # noqa: E731
     assert samples[key("hit")] == 8 and samples[key("miss")] == 2 and samples[key("none")] == 1
-    assert samples[("prefix_cache_renders_total", (("model", "demo"),))] == 4
+    # Four probe renders per miss: the two probes and the two multi-turn probes.
+    assert samples[("prefix_cache_renders_total", (("model", "demo"),))] == 8
     snap = metrics.snapshot()
-    assert (snap["hits"], snap["misses"], snap["renders"]) == (8, 2, 4)
+    assert (snap["hits"], snap["misses"], snap["renders"]) == (8, 2, 8)
     assert snap["hit_rate"] == 0.8 == cache.stats.snapshot()["hit_rate"]
     assert snap["store"]["entries"] == 2 and snap["store"]["bytes"] > 0
     assert snap["render_seconds_saved"] > 0
@@ -48,6 +52,23 @@ def test_counts_agree_between_exposition_and_snapshot(qwen3) -> None:
     for name in ("prefix_cache_lookup_seconds_bucket", "prefix_cache_render_seconds_bucket",
                  "prefix_cache_static_prefix_tokens_bucket", "prefix_cache_render_seconds_saved_total"):
         assert any(n == name for n, _ in samples), name
+
+
+def test_the_cache_stats_and_the_metrics_are_one_tally(qwen3) -> None:
+    """Both count the cache's events: a miss whose render fails is an error in both, never a
+    miss in one and an error in the other."""
+    metrics = Metrics()
+    cache = StaticPrefixCache(observer=metrics)
+    for i in range(4):
+        cache.resolve(qwen3, conv(i), chat_template=TEMPLATE, namespace="acme", model="demo")
+    with pytest.raises(TemplateRenderError):
+        cache.resolve(qwen3, conv(9), chat_template=NO_SYSTEM_ROLE, namespace="acme", model="demo")
+    cache.resolve(qwen3, [{"role": "user", "content": "x"}], chat_template=TEMPLATE,
+                  namespace="acme", model="demo")
+    ours, theirs = cache.stats.snapshot(), metrics.snapshot()
+    assert (ours["hits"], ours["misses"], ours["none"], ours["errors"], ours["renders"]) == (
+        theirs["hits"], theirs["misses"], theirs["requests"]["none"],
+        theirs["requests"]["error"], theirs["renders"]) == (2, 2, 1, 1, 8)  # four probe renders per miss
 
 
 def test_tenant_labels_are_bounded() -> None:
@@ -68,11 +89,13 @@ def test_several_workers_aggregate(tmp_path) -> None:
     worker = textwrap.dedent("""
         import sys
         from prefix_cache.metrics import Metrics
+        from prefix_cache.store.base import MemoryStats, StoreStats
         m = Metrics()
         for _ in range(int(sys.argv[1])):
             m.resolved(cache="hit", namespace="t", model="m", seconds=0.001, static_tokens=10, boundary=10)
         m.resolved(cache="miss", namespace="t", model="m", seconds=0.05, static_tokens=10, boundary=10)
-        m.refresh_store({"backend": "memory", "entries": 3, "bytes": 100, "evictions": 0})
+        m.refresh_store(StoreStats("memory", memory=MemoryStats(entries=3, bytes=100, max_bytes=1000,
+                                                                evictions=0, expirations=0)))
         """)
     for n in (5, 7):
         subprocess.run([sys.executable, "-c", worker, str(n)], env=env, check=True, timeout=60)
@@ -86,21 +109,21 @@ def test_several_workers_aggregate(tmp_path) -> None:
     assert snap["store"]["entries"] == 6  # livesum over the workers (until marked dead)
 
 
-ENGINE_STATS = {
-    "requests": 5, "completed": 4, "cancelled": 1, "failed": 0, "specprefill": 2, "fallbacks": 1,
-    "reused_tokens": 900, "prefilled_tokens": 120, "generated_tokens": 40, "parked": 0,
-    "conversation_hits": 3, "last_fallback": "x", "active": 1,
-    "kv_store": {"hits": 4, "misses": 1, "puts": 1, "evictions": 0, "rejected": 2,
-                 "superseded": 0, "by_namespace": {"t": 1}, "entries": 1, "bytes": 4096,
-                 "max_bytes": 1 << 30},
-}
+ENGINE_STATS = EngineStats(
+    requests=5, completed=4, cancelled=1, failed=0, specprefill=2, fallbacks=1,
+    reused_tokens=900, prefilled_tokens=120, generated_tokens=40, parked=0,
+    conversation_hits=3, last_fallback="x", active=1,
+    kv_store=KVStoreStats(hits=4, misses=1, puts=1, evictions=0, rejected=2,
+                          superseded=0, by_namespace={"t": 1}, entries=1, bytes=4096,
+                          max_bytes=1 << 30),
+)
 
 
 class _Engine:
-    def __init__(self, stats: dict) -> None:
+    def __init__(self, stats: EngineStats | None) -> None:
         self.stats = stats
 
-    def snapshot_stats(self) -> dict:
+    def snapshot_stats(self) -> EngineStats:
         if self.stats is None:
             raise RuntimeError("engine gone")
         return self.stats
@@ -135,10 +158,10 @@ def test_engine_counters_are_exported_at_scrape_time() -> None:
 
     metrics = Metrics()
     assert not _engine_samples(metrics)
-    engines = [("tiny", _Engine(dict(ENGINE_STATS))), ("broken", _Engine(None))]
+    engines = [("tiny", _Engine(ENGINE_STATS)), ("broken", _Engine(None))]
     metrics.add_collector(EngineCollector(lambda: engines))
     _check_engine_samples(_engine_samples(metrics))
-    engines[0][1].stats["requests"] = 6                  # read at scrape time, not copied
+    engines[0][1].stats = replace(ENGINE_STATS, requests=6)  # read at scrape time, not copied
     assert _engine_samples(metrics)[("prefix_cache_engine_requests_total",
                                      (("model", "tiny"),))] == 6
     assert metrics.snapshot()["hits"] == 0               # the JSON stats are unaffected
@@ -152,7 +175,7 @@ def test_engine_counters_in_multiprocess_mode(tmp_path) -> None:
         from prefix_cache.metrics import Metrics
         from tests.test_metrics import ENGINE_STATS, _Engine, _check_engine_samples, _engine_samples
         m = Metrics()
-        m.add_collector(EngineCollector(lambda: [("tiny", _Engine(dict(ENGINE_STATS))),
+        m.add_collector(EngineCollector(lambda: [("tiny", _Engine(ENGINE_STATS)),
                                                  ("broken", _Engine(None))]))
         _check_engine_samples(_engine_samples(m))
         print("ok")

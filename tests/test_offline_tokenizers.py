@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from prefix_cache import offline_tokenizers as ot
+from prefix_cache import tokenizer_folders
+from prefix_cache.testing import offline_tokenizers as ot
 
 MIXED = "Hello, world! 你好 \n\n  def f(x): return x"
 # Texts for comparing against the packages' own encoders: scripts, digits, contractions,
@@ -181,7 +182,7 @@ def _data(module: str) -> Path:
 @pytest.fixture(scope="session")
 def tok_of():
     """Load a tokenizer by name (memoized by the module; the disk cache makes reruns cheap)."""
-    return ot.load_tokenizer
+    return ot.load_offline_tokenizer
 
 
 def test_tables_consistent() -> None:
@@ -495,7 +496,7 @@ def test_tokenizer_dir_layout_and_reuse(tmp_path: Path) -> None:
     mtime = (folder / "tokenizer.json").stat().st_mtime_ns
     assert ot.tokenizer_dir("spm-v3", tmp_path) == folder
     assert (folder / "tokenizer.json").stat().st_mtime_ns == mtime  # not rebuilt
-    assert ot.load_tokenizer("spm-v3", tmp_path) is ot.load_tokenizer("spm-v3", tmp_path)
+    assert ot.load_offline_tokenizer("spm-v3", tmp_path) is ot.load_offline_tokenizer("spm-v3", tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -518,7 +519,7 @@ def test_concurrent_builds_see_complete_folder(
     import contextlib
 
     if not with_lock:  # both threads build; the loser's rename fails and it uses the winner's
-        monkeypatch.setattr(ot, "_build_lock", lambda path: contextlib.nullcontext())
+        monkeypatch.setattr(tokenizer_folders, "_build_lock", lambda path: contextlib.nullcontext())
     results: list[Path] = []
     errors: list[BaseException] = []
 

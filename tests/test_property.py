@@ -1,4 +1,6 @@
-"""Property: over random conversations, tools and kwargs, a hit equals the uncached answer."""
+"""Property: over random conversations, tools and kwargs, rendered by a tokenizer or by an mlx-lm
+TokenizerWrapper, a hit equals the uncached answer, and both equal the reference over the
+renderer's own render."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from . import reference
 from .conftest import make_tools
 from .templates import BEHAVIOURS
 
-TRICKY = ["Hi", "Tell me a joke.", "", " ", "\n\n", "<|im_end|>", "Hi there", "T", "日本語", "{{ x }}"]
+TRICKY = ["Hi", "Tell me a joke.", "", " ", "\n\n", "<|im_end|>", "Hi there", "T", "日本語", "{{ x }}",
+          "You are the agent.", "You are right.", "Please go on."]
 text = st.one_of(st.sampled_from(TRICKY), st.text(max_size=30))
 TOOL_POOL = make_tools(6, seed=3)
 
@@ -52,6 +55,18 @@ kwargs_strategy = st.one_of(
 
 # One cache across examples, so later examples hit entries earlier ones stored.
 CACHE = StaticPrefixCache()
+_WRAPPERS: dict[int, Any] = {}
+
+
+def renderer_for(tokenizer: Any, wrapped: bool) -> Any:
+    """The tokenizer, or (one, reused) mlx-lm TokenizerWrapper around it when mlx-lm is here."""
+    if not wrapped:
+        return tokenizer
+    try:
+        from mlx_lm.tokenizer_utils import TokenizerWrapper
+    except ImportError:
+        return tokenizer
+    return _WRAPPERS.setdefault(id(tokenizer), TokenizerWrapper(tokenizer))
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -61,14 +76,17 @@ CACHE = StaticPrefixCache()
     tools=tools_strategy(),
     kwargs=kwargs_strategy,
     give_prompt_ids=st.booleans(),
+    wrapped=st.booleans(),
 )
-def test_hit_equals_uncached(qwen3, behaviour, messages, tools, kwargs, give_prompt_ids) -> None:
+def test_hit_equals_uncached(qwen3, behaviour, messages, tools, kwargs, give_prompt_ids,
+                             wrapped) -> None:
     template = BEHAVIOURS[behaviour]
-    expected = reference.two_probe(qwen3, messages, tools, kwargs, template=template)
-    prompt = reference.render(qwen3, messages, tools, kwargs, template)
+    tok = renderer_for(qwen3, wrapped)
+    expected = reference.exact(tok, messages, tools, kwargs, template=template)
+    prompt = reference.render(tok, messages, tools, kwargs, template)
     ids = prompt if give_prompt_ids else None
-    first = CACHE.resolve(qwen3, messages, tools, kwargs, prompt_ids=ids, chat_template=template)
-    second = CACHE.resolve(qwen3, messages, tools, kwargs, prompt_ids=ids, chat_template=template)
+    first = CACHE.resolve(tok, messages, tools, kwargs, prompt_ids=ids, chat_template=template)
+    second = CACHE.resolve(tok, messages, tools, kwargs, prompt_ids=ids, chat_template=template)
     assert first.specprefill_system_end == second.specprefill_system_end == expected
     assert first.prompt_ids == second.prompt_ids == prompt
     assert second.cache in ("hit", "none")

@@ -88,7 +88,7 @@ def chat(system: dict[str, str] | None = None, user: Any = "Deploy the service."
 
 
 def entries(app: Any) -> int:
-    return int(app.state.service.store.stats()["entries"])
+    return int(app.state.service.store.stats().memory.entries)
 
 
 # -- POST /v1/prefix/boundary ---------------------------------------------------------------
@@ -200,6 +200,26 @@ def test_specprefill_kind_attaches_boundary_and_prompt_ids(sdk: Any, http: Any,
     assert list(forwarded)[-3:] == ["specprefill_system_end", "prompt_token_ids",
                                     "specprefill_namespace"]
     assert raw.headers["x-specprefill-system-end"] == str(boundary["specprefill_system_end"])
+
+
+def test_integers_beyond_64_bits_stay_exact(http: Any, recorder: Recorder) -> None:
+    """A template renders 2**70 digit for digit: the sidecar keys it exactly (not as a float)
+    and forwards it exactly."""
+    system = unique_system()
+    keys = []
+    for default in ("1180591620717411303424", "1180591620717411303425", "1.1805916207174113e21"):
+        text = json.dumps(chat(system, tools=1, model="rec-spec"))
+        raw = text.replace('"default": 20', f'"default": {default}').encode()
+        r = http.post("/v1/prefix/boundary", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        keys.append(r.json()["key"])
+    assert len(set(keys)) == 3
+    raw = json.dumps(chat(system, tools=1, model="rec-spec")).replace(
+        '"default": 20', '"default": 1180591620717411303424').encode()
+    r = http.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    forwarded = json.loads(recorder.last.raw)
+    assert forwarded["tools"][0]["function"]["parameters"]["properties"]["limit"]["default"] == 2**70
 
 
 def test_upstream_model_renames_only_the_model(sdk: Any, recorder: Recorder) -> None:

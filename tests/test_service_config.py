@@ -15,12 +15,13 @@ import pytest
 
 from prefix_cache import cli
 from prefix_cache.demo import DEMO_TEMPLATE
-from prefix_cache.offline_tokenizers import make_model_dir
+from prefix_cache.service.flags import flag_overrides
 from prefix_cache.service.models import load_model_specs
-from prefix_cache.service.server import flag_overrides, make_settings, startup_warnings
+from prefix_cache.service.server import make_settings, startup_warnings
 from prefix_cache.service.settings import ServiceSettings
 from prefix_cache.service.tenants import KeyRing
 from prefix_cache.service.upstream import Upstream, normalize_base_url
+from prefix_cache.testing.offline_tokenizers import make_model_dir
 
 from .service_helpers import ServeProcess, local_client
 
@@ -52,7 +53,7 @@ def test_flags_win_over_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     settings = make_settings(flag_overrides(vars(args)))
     assert (settings.host, settings.port, settings.workers) == ("127.0.0.2", 9002, 3)
     assert settings.model_dirs == [Path("/m/a"), Path("/m/b")]
-    assert settings.max_body_bytes == 1234 and settings.redis is None
+    assert settings.max_body_bytes == 1234 and settings.redis_url is None
     assert settings.uses_memory_store
     monkeypatch.setenv("PREFIX_CACHE_MODEL_DIRS", json.dumps(["/x"]))
     assert ServiceSettings().model_dirs == [Path("/x")]
@@ -71,7 +72,7 @@ def test_several_workers_on_memory_warn_that_hits_are_per_worker() -> None:
     assert startup_warnings(ServiceSettings()) == []
     [warning] = startup_warnings(ServiceSettings(workers=4))
     assert "per worker" in warning and "--redis" in warning
-    assert startup_warnings(ServiceSettings(workers=4, redis="redis://127.0.0.1:6379/0")) == []
+    assert startup_warnings(ServiceSettings(workers=4, redis_url="redis://127.0.0.1:6379/0")) == []
 
 
 def test_upstream_urls() -> None:

@@ -11,12 +11,13 @@ import pytest
 
 from prefix_cache import MemoryStore
 from prefix_cache.errors import StoreUnavailableError
+from prefix_cache.http.errors import Forbidden, Unauthorized
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.errors import Forbidden, Unauthorized
 from prefix_cache.service.models import ModelRegistry
-from prefix_cache.service.quota import TenantQuotaStore, entry_size
+from prefix_cache.service.quota import TenantQuotaStore
 from prefix_cache.service.tenants import KeyRing
 from prefix_cache.service.upstream import Upstream
+from prefix_cache.store.memory import entry_size
 
 from .conftest import make_tools
 from .service_helpers import (
@@ -221,7 +222,7 @@ def test_one_tenant_flooding_the_cache_evicts_only_its_own_entries(
         assert ask(ACME, flood[0]) == "miss"           # and lost its oldest
         usage = app.state.service.store.tenant_usage()
         assert usage["acme"]["entries"] == 3 and usage["globex"]["entries"] == 1
-        assert app.state.service.store.inner.evictions == 0  # the quotas did all the evicting
+        assert app.state.service.store.stats().memory.evictions == 0  # the quotas did all the evicting
 
 
 # -- units: KeyRing, TenantQuotaStore ---------------------------------------------------------------
@@ -316,8 +317,8 @@ def test_quota_store_purge_delete_and_failed_puts_keep_the_books() -> None:
 
 async def test_quota_store_async_paths() -> None:
     store = TenantQuotaStore(MemoryStore(), max_entries=1, max_bytes=1 << 20)
-    await store.aput(key("a", 0), b"v")
-    await store.aput(key("a", 1), b"w")
+    store.put(key("a", 0), b"v")
+    store.put(key("a", 1), b"w")
     assert await store.aget(key("a", 0)) is None and await store.aget(key("a", 1)) == b"w"
     assert await store.apurge("spc:a:*:*") == 1
-    assert await store.adelete(key("a", 1)) is False
+    assert store.delete(key("a", 1)) is False

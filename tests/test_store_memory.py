@@ -37,7 +37,7 @@ class TestMemoryStore(StoreContract):
         store.put("k3", b"x" * 100)
         assert store.get("k1") is None
         assert [store.get(k) is not None for k in ("k0", "k2", "k3")] == [True] * 3
-        assert store.stats()["evictions"] == 1 and store.stats()["bytes"] <= 3 * size
+        assert store.stats().memory.evictions == 1 and store.stats().memory.bytes <= 3 * size
 
     def test_bounded_in_entries(self) -> None:
         store = self.make_store(max_entries=2)
@@ -57,7 +57,7 @@ class TestMemoryStore(StoreContract):
         self.tick(store, 9.9)
         assert store.get("k") == b"v"
         self.tick(store, 0.2)
-        assert store.get("k") is None and store.stats()["expirations"] == 1
+        assert store.get("k") is None and store.stats().memory.expirations == 1
 
     @pytest.mark.parametrize("options", [{"max_bytes": 0}, {"max_entries": 0}, {"ttl_seconds": -1}])
     def test_bad_settings_name_the_value(self, options: dict[str, Any]) -> None:

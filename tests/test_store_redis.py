@@ -114,7 +114,7 @@ class TestClusterStore(StoreContract):
     (None, "memory"), ("memory://", "memory"),
 ])
 def test_factory_memory(url, backend) -> None:
-    assert open_store(url).stats()["backend"] == backend
+    assert open_store(url).stats().backend == backend
 
 
 def test_factory_redis_urls(redis_server, redis_cluster) -> None:

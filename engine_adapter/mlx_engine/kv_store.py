@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,9 +20,11 @@ from typing import Any, Protocol
 import xxhash
 
 from prefix_cache.boundary import packed_prefix_len
-from prefix_cache.entry import pack_ids
+from prefix_cache.chat.backend import KVStoreStats
+from prefix_cache.lru import ByteLRU
+from prefix_cache.token_ids import pack_ids
 
-DEFAULT_MAX_BYTES = 1 << 30
+from ..options import DEFAULT_KV_BYTES
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -42,12 +43,11 @@ Key = tuple[str, str, bytes]
 class _Entry:
     packed_ids: bytes
     snapshot: Any
-    nbytes: int
 
 
 @dataclass(slots=True)
-class KVStoreStats:
-    """Counters of one store (a snapshot is a plain dict: ``stats.as_dict()``)."""
+class KVStoreCounters:
+    """Counters of one store, as they run (``StaticKVStore.snapshot_stats()`` reads them)."""
 
     hits: int = 0
     misses: int = 0
@@ -56,12 +56,6 @@ class KVStoreStats:
     rejected: int = 0      # bigger than the whole store
     superseded: int = 0    # dropped by a put whose ids they were a prefix of (``supersede``)
     by_namespace: dict[str, int] = field(default_factory=dict)  # entries per namespace
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"hits": self.hits, "misses": self.misses, "puts": self.puts,
-                "evictions": self.evictions, "rejected": self.rejected,
-                "superseded": self.superseded,
-                "by_namespace": dict(self.by_namespace)}
 
 
 def prefix_key(namespace: str, model_id: str, prefix_ids: Sequence[int]) -> tuple[Key, bytes]:
@@ -73,31 +67,40 @@ def prefix_key(namespace: str, model_id: str, prefix_ids: Sequence[int]) -> tupl
 class StaticKVStore:
     """LRU of static-prefix KV snapshots, at most ``max_bytes`` in all; thread-safe."""
 
-    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_bytes: int = DEFAULT_KV_BYTES) -> None:
         if not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self.stats = KVStoreStats()
-        self._entries: OrderedDict[Key, _Entry] = OrderedDict()
-        self._bytes = 0
+        self.stats = KVStoreCounters()
+        self._entries: ByteLRU[Key, _Entry] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._entries.nbytes
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def snapshot_stats(self) -> KVStoreStats:
+        """The store's figures now."""
+        with self._lock:
+            c = self.stats
+            return KVStoreStats(hits=c.hits, misses=c.misses, puts=c.puts,
+                                evictions=c.evictions, rejected=c.rejected,
+                                superseded=c.superseded, entries=len(self._entries),
+                                bytes=self._entries.nbytes, max_bytes=self.max_bytes,
+                                by_namespace=dict(c.by_namespace))
 
     def get(self, namespace: str, model_id: str, prefix_ids: Sequence[int]) -> Any | None:
         """The snapshot for exactly these prefix ids in this namespace, or None."""
         key, packed = prefix_key(namespace, model_id, prefix_ids)
         with self._lock:
-            entry = self._entries.get(key)
+            entry = self._entries.peek(key)
             if entry is None or entry.packed_ids != packed:
                 self.stats.misses += 1
                 return None
-            self._entries.move_to_end(key)
+            self._entries.get(key)  # now the most recently used
             self.stats.hits += 1
             return entry.snapshot
 
@@ -119,17 +122,16 @@ class StaticKVStore:
         with self._lock:
             best: tuple[Key, _Entry] | None = None
             best_n = min_tokens
-            for key in reversed(self._entries):
+            for key, entry in reversed(list(self._entries.items())):
                 if key[0] != namespace or key[1] != model_id:
                     continue
-                entry = self._entries[key]
                 n = packed_prefix_len(packed, entry.packed_ids)
                 if n > best_n:
                     best, best_n = (key, entry), n
             if best is None:
                 self.stats.misses += 1
                 return None
-            self._entries.move_to_end(best[0])
+            self._entries.get(best[0])
             self.stats.hits += 1
             return best_n, best[1].snapshot
 
@@ -151,38 +153,33 @@ class StaticKVStore:
                                 "bytes) and is not kept; raise the store's size (engine option "
                                 "kv_bytes or conversation_bytes)", size, self.max_bytes)
                 return False
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._forget(key, old)
+            if self._entries.pop(key) is not None:
+                self._count(key, -1)
             if supersede:
-                covered = [k for k, e in self._entries.items()
-                           if k[0] == namespace and k[1] == model_id
-                           and packed.startswith(e.packed_ids)]
-                for k in covered:
-                    self._forget(k, self._entries.pop(k))
+                covered = self._entries.pop_where(
+                    lambda k, e: k[0] == namespace and k[1] == model_id
+                    and packed.startswith(e.packed_ids))
+                for k, _ in covered:
+                    self._count(k, -1)
                 self.stats.superseded += len(covered)
-            while self._entries and self._bytes + size > self.max_bytes:
-                victim_key, victim = self._entries.popitem(last=False)
-                self._forget(victim_key, victim)
-                self.stats.evictions += 1
-            self._entries[key] = _Entry(packed, snapshot, size)
-            self._bytes += size
+            evicted = self._entries.put(key, _Entry(packed, snapshot), size) or []
+            for k, _ in evicted:
+                self._count(k, -1)
+            self.stats.evictions += len(evicted)
+            self._count(key, +1)
             self.stats.puts += 1
-            ns = self.stats.by_namespace
-            ns[namespace] = ns.get(namespace, 0) + 1
             return True
 
     def purge(self, namespace: str | None = None) -> int:
         """Drop every entry (of one namespace, when given); the number dropped."""
         with self._lock:
-            doomed = [k for k in self._entries if namespace is None or k[0] == namespace]
-            for key in doomed:
-                self._forget(key, self._entries.pop(key))
+            doomed = self._entries.pop_where(lambda k, _: namespace is None or k[0] == namespace)
+            for k, _ in doomed:
+                self._count(k, -1)
             return len(doomed)
 
-    def _forget(self, key: Key, entry: _Entry) -> None:
-        self._bytes -= entry.nbytes
+    def _count(self, key: Key, delta: int) -> None:
         ns = self.stats.by_namespace
-        ns[key[0]] -= 1
+        ns[key[0]] = ns.get(key[0], 0) + delta
         if not ns[key[0]]:
             del ns[key[0]]

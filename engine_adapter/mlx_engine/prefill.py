@@ -12,9 +12,9 @@ from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
+from ..options import DEFAULT_PREFILL_STEP
 from .rope import PositionPlan, mapped_positions
 
-DEFAULT_STEP = 2048
 T = TypeVar("T")
 
 
@@ -24,7 +24,7 @@ def _evaluate(cache: Sequence[Any]) -> None:
 
 
 def dense_prefill_steps(model: Any, ids: Sequence[int], cache: list[Any],
-                        step: int = DEFAULT_STEP) -> Generator[None, None, None]:
+                        step: int = DEFAULT_PREFILL_STEP) -> Generator[None, None, None]:
     """Run ``ids`` through ``model`` after what ``cache`` holds, ``step`` tokens at a time,
     yielding after each chunk (the engine decodes other sequences in between)."""
     tokens = mx.array(list(ids), dtype=mx.uint32)
@@ -36,7 +36,7 @@ def dense_prefill_steps(model: Any, ids: Sequence[int], cache: list[Any],
 
 def sparse_prefill_steps(model: Any, ids: Sequence[int], positions: Sequence[int],
                          cache: list[Any],
-                         step: int = DEFAULT_STEP) -> Generator[None, None, None]:
+                         step: int = DEFAULT_PREFILL_STEP) -> Generator[None, None, None]:
     """Prefill only ``ids[p] for p in positions`` (increasing), each rotated at its own p,
     yielding after each chunk.
 

@@ -7,6 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prefix_cache.chat.backend import BackendError
+from prefix_cache.errors import ContextLengthError, InvalidRequestError
+from prefix_cache.token_ids import validate_token_ids
+
 
 def _new_id() -> str:
     return uuid.uuid4().hex
@@ -37,36 +41,36 @@ class GenerationRequest:
     request_id: str = field(default_factory=_new_id)
 
     def validate(self, vocab_size: int | None = None, context_length: int | None = None) -> None:
-        """Raise ValueError naming the first bad field; the prompt plus ``max_tokens`` must fit
+        """Raise InvalidRequestError (a ValueError) naming the first bad field; the prompt plus ``max_tokens`` must fit
         in ``context_length`` when it is given."""
-        ids = self.prompt_ids
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise ValueError("prompt_ids must be a non-empty list of token ids")
-        if not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise ValueError("prompt_ids must be non-negative ints")
-        if vocab_size is not None and max(ids) >= vocab_size:
-            raise ValueError(f"prompt_ids has id {max(ids)}, outside the vocabulary ({vocab_size})")
+        ids = validate_token_ids(self.prompt_ids, "prompt_ids")
+        check_vocabulary(ids, vocab_size, "prompt_ids")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+            raise InvalidRequestError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
         if context_length is not None:
             check_context(len(ids), self.max_tokens, context_length)
         end = self.specprefill_system_end
         if not isinstance(end, int) or not 0 <= end <= len(ids):
-            raise ValueError(f"specprefill_system_end must be in [0, {len(ids)}], got {end!r}")
+            raise InvalidRequestError(f"specprefill_system_end must be in [0, {len(ids)}], got {end!r}")
         if not isinstance(self.namespace, str) or not self.namespace:
-            raise ValueError(f"namespace must be a non-empty string, got {self.namespace!r}")
+            raise InvalidRequestError(f"namespace must be a non-empty string, got {self.namespace!r}")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.specprefill_keep_pct is not None and not 0.0 < self.specprefill_keep_pct <= 1.0:
-            raise ValueError(f"specprefill_keep_pct must be in (0, 1], got {self.specprefill_keep_pct}")
+            raise InvalidRequestError(f"specprefill_keep_pct must be in (0, 1], got {self.specprefill_keep_pct}")
         if self.specprefill_threshold is not None and self.specprefill_threshold < 0:
-            raise ValueError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
+            raise InvalidRequestError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
 
 
-class ContextLengthError(ValueError):
-    """The prompt and ``max_tokens`` do not fit in the model's context window."""
+def check_vocabulary(ids: list[int], vocab_size: int | None, what: str) -> None:
+    """InvalidRequestError unless there are ids and every one has an embedding row."""
+    if not ids:
+        raise InvalidRequestError(f"{what} must be a non-empty list of token ids")
+    if vocab_size is not None and max(ids) >= vocab_size:
+        raise InvalidRequestError(f"{what} has id {max(ids)}, outside the model's vocabulary "
+                                  f"({vocab_size})")
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
@@ -110,5 +114,5 @@ class TokenEvent:
     prefill: PrefillInfo | None = None  # on the first event only
 
 
-class EngineError(RuntimeError):
+class EngineError(BackendError):
     """The engine could not run a request (it was closed, or the model step failed)."""

@@ -17,8 +17,17 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from ..options import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_KEEP_PCT,
+    DEFAULT_LOOKAHEAD,
+    DEFAULT_POOL_KERNEL,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_SPECPREFILL_THRESHOLD,
+    DEFAULT_TAIL_TOKENS,
+)
 from .cache import cache_size
-from .prefill import DEFAULT_STEP, dense_prefill_steps, next_logits, run_steps
+from .prefill import dense_prefill_steps, next_logits, run_steps
 from .rope import attention_modules, captured_queries
 
 
@@ -26,12 +35,12 @@ from .rope import attention_modules, captured_queries
 class SpecPrefillConfig:
     """When SpecPrefill engages and how much it keeps."""
 
-    keep_pct: float = 0.2
-    threshold: int = 8192   # engages above this many tokens left to compute after the protected part
-    chunk_size: int = 32
-    tail_tokens: int = 512
-    lookahead: int = 8
-    pool_kernel: int = 13
+    keep_pct: float = DEFAULT_KEEP_PCT
+    threshold: int = DEFAULT_SPECPREFILL_THRESHOLD  # tokens left to compute after the protected part
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    tail_tokens: int = DEFAULT_TAIL_TOKENS
+    lookahead: int = DEFAULT_LOOKAHEAD
+    pool_kernel: int = DEFAULT_POOL_KERNEL
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_pct <= 1.0:
@@ -77,8 +86,8 @@ def attention_importance(queries: Sequence[Sequence[mx.array]], cache: Sequence[
 
 
 def score_steps(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *,
-                lookahead: int = 8, pool_kernel: int = 13,
-                step: int = DEFAULT_STEP) -> Generator[None, None, mx.array]:
+                lookahead: int = DEFAULT_LOOKAHEAD, pool_kernel: int = DEFAULT_POOL_KERNEL,
+                step: int = DEFAULT_PREFILL_STEP) -> Generator[None, None, mx.array]:
     """Importance of ``ids[start:]`` by the draft (the generator's return value), one draft
     prefill chunk per step; ``cache`` may already hold a prefix of ids. The lookahead steps run
     in one go: the query capture on the draft must not span a yield."""
@@ -101,15 +110,16 @@ def score_steps(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *,
 
 
 def score_tokens(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *,
-                 lookahead: int = 8, pool_kernel: int = 13,
-                 step: int = DEFAULT_STEP) -> mx.array:
+                 lookahead: int = DEFAULT_LOOKAHEAD, pool_kernel: int = DEFAULT_POOL_KERNEL,
+                 step: int = DEFAULT_PREFILL_STEP) -> mx.array:
     """``score_steps`` at once: the importance of ``ids[start:]``."""
     return run_steps(score_steps(draft, ids, start, cache, lookahead=lookahead,
                                  pool_kernel=pool_kernel, step=step))
 
 
-def select_chunks(importance: Sequence[float] | mx.array, keep_pct: float, chunk_size: int = 32,
-                  tail_tokens: int = 512) -> list[int]:
+def select_chunks(importance: Sequence[float] | mx.array, keep_pct: float,
+                  chunk_size: int = DEFAULT_CHUNK_SIZE,
+                  tail_tokens: int = DEFAULT_TAIL_TOKENS) -> list[int]:
     """Sorted indices kept: whole chunks by mean importance, the tail chunks always."""
     scores = cast(list[float], importance.tolist() if isinstance(importance, mx.array)
                   else list(importance))

@@ -6,10 +6,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from ..http.errors import BadRequest
 from ..keys import key_pattern, model_label, validate_label
-from .body import read_json_object
-from .deps import State, require_admin
-from .errors import BadRequest
+from .deps import State, read_body, require_admin
 from .schemas import PurgeRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
@@ -17,11 +16,11 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 @router.get("/stats")
 async def stats(state: State) -> dict[str, Any]:
-    """The cache's counters and the store's figures, per tenant included."""
+    """The cache's counters (the metrics' tally: every worker's, in multiprocess mode) and the
+    store's figures, per tenant included."""
     return {
-        "cache": state.cache.stats.snapshot(),
-        "metrics": state.metrics.snapshot(),
-        "store": state.store.stats(),
+        "cache": state.metrics.snapshot(),
+        "store": state.store.stats().as_dict(),
         "tenants": state.keyring.tenants,
         "models": [m.name for m in state.models],
     }
@@ -30,7 +29,7 @@ async def stats(state: State) -> dict[str, Any]:
 @router.post("/purge")
 async def purge(request: Request, state: State) -> dict[str, Any]:
     """Remove every entry of a tenant, of a model, or of a tenant's use of a model."""
-    _, body = await read_json_object(request, state.settings.max_body_bytes)
+    _, body = await read_body(request, state)
     req = PurgeRequest.model_validate(body)
     if req.tenant is None and req.model is None:
         raise BadRequest("give 'tenant', 'model' or both")

@@ -9,11 +9,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..cache import PrefixResult
-from .body import read_json_object
-from .deps import State, Tenant
-from .errors import ClientDisconnected
+from ..chat.backend import ChatBackend
+from ..chat.openai_params import parse_chat_params
+from ..chat.openai_stream import respond_chat
+from ..http.errors import ClientDisconnected
+from ..http.relay import RelayResponse, until_disconnect
+from .deps import State, Tenant, read_body
 from .models import ServedModel
-from .relay import RelayResponse, until_disconnect
 from .schemas import BoundaryRequest, ChatRequest
 from .state import ServiceState
 
@@ -44,7 +46,7 @@ async def list_models(state: State, tenant: Tenant) -> dict[str, Any]:
 
 @router.post("/v1/prefix/boundary")
 async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Response:
-    _, body = await read_json_object(request, state.settings.max_body_bytes)
+    _, body = await read_body(request, state)
     req = BoundaryRequest.model_validate(body)
     result = await resolve(state, state.models.get(req.model), body, tenant)
     out: dict[str, Any] = {
@@ -61,7 +63,7 @@ async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Res
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, state: State, tenant: Tenant) -> Response:
-    raw, body = await read_json_object(request, state.settings.max_body_bytes)
+    raw, body = await read_body(request, state)
     req = ChatRequest.model_validate(body)
     model = state.models.get(req.model)
     if model.engine is not None:
@@ -77,10 +79,10 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> Re
 
 
 async def engine_completion(request: Request, state: ServiceState, model: ServedModel,
-                            engine: Any, body: dict[str, Any], tenant: str) -> Response:
+                            engine: ChatBackend, body: dict[str, Any], tenant: str) -> Response:
     """A completion on the model's in-process engine: the sidecar's prompt ids and boundary,
     the tenant as the namespace of the engine's static-prefix KV (invariant 5)."""
-    params = engine.parse(body)  # before resolving: a refused request caches nothing
+    params = parse_chat_params(body, engine.name)  # before resolving: a refused request caches nothing
     result = await resolve(state, model, body, tenant)
-    generation = engine.request(params, result.prompt_ids, result.specprefill_system_end, tenant)
-    return await engine.respond(request, params, generation, cache_headers(result))
+    generation = params.request(result.prompt_ids, result.specprefill_system_end, tenant)
+    return await respond_chat(request, engine, params, generation, cache_headers(result))

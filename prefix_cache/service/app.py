@@ -11,12 +11,12 @@ from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
 from ..engine_metrics import EngineCollector
+from ..http.errors import install_error_handlers
 from ..metrics import Metrics, mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
 from . import admin, api, dashboard, health
-from .errors import install_error_handlers
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
 from .settings import ServiceSettings
@@ -34,9 +34,10 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
     if settings.uses_memory_store:
         return open_store(None, max_bytes=n_tenants * settings.tenant_max_bytes)
     try:
-        return open_store(settings.redis)
+        return open_store(settings.redis_url)
     except ImportError as exc:
-        raise ValueError(f"--redis {settings.redis}: the Redis store is not available: {exc}") from exc
+        raise ValueError(f"--redis {settings.redis_url}: the Redis store is not available: "
+                         f"{exc}") from exc
 
 
 def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:

@@ -75,28 +75,27 @@ async def dashboard(request: Request, state: State) -> Response:
 def stats_document(state: ServiceState) -> dict[str, Any]:
     """What the page draws: the metrics summary, store health and in-process engines' counters,
     from this worker's view."""
-    refresh_gauges(state)
-    store_stats = state.store.stats()
-    remote = store_stats.get("remote", store_stats)
+    store = state.store.stats()
+    state.metrics.refresh_store(store)
+    breaker = store.remote.breaker if store.remote is not None else None
     return {
         "metrics": state.metrics.snapshot(),
-        "cache": state.cache.stats.snapshot(),
-        "store_backend": store_stats.get("backend", "memory"),
-        "store_health": {"breaker": remote.get("breaker"), "reachable": remote.get("breaker") != "open"},
+        "store_backend": store.backend,
+        "store_health": {"breaker": breaker, "reachable": breaker != "open"},
         "models": [m.name for m in state.models],
         "engines": engine_rows(state),
     }
 
 
 def engine_rows(state: ServiceState) -> list[dict[str, Any]]:
-    """``{"model": name, **snapshot_stats()}`` per in-process engine (none behind an upstream).
+    """``{"model": name, **stats}`` per in-process engine (none behind an upstream).
     An engine that cannot answer is left out: the page must draw whatever else it has."""
     rows = []
     for m in state.models:
         if m.engine is None:
             continue
         try:
-            rows.append({"model": m.name, **m.engine.snapshot_stats()})
+            rows.append({"model": m.name, **m.engine.snapshot_stats().as_dict()})
         except Exception:
             continue
     return rows

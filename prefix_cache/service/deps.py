@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from ..http.body import read_json_object
 from .state import ServiceState
+
+MAX_BODY_SETTING = "PREFIX_CACHE_MAX_BODY_BYTES"
 
 
 async def get_state(request: Request) -> ServiceState:
@@ -23,6 +26,11 @@ async def get_tenant(request: Request, state: State) -> str:
 
 
 Tenant = Annotated[str, Depends(get_tenant)]
+
+
+async def read_body(request: Request, state: ServiceState) -> tuple[bytes, dict[str, Any]]:
+    """The raw JSON body and its object, under the configured size limit."""
+    return await read_json_object(request, state.settings.max_body_bytes, MAX_BODY_SETTING)
 
 
 async def require_admin(request: Request, state: State) -> None:

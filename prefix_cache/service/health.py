@@ -44,7 +44,7 @@ async def readyz(state: State) -> JSONResponse:
 async def check_store(state: ServiceState) -> dict[str, Any]:
     """The store answers a read in time (a probe key no tenant can own: labels never start
     with '_')."""
-    backend = type(state.store.inner).__name__
+    backend = state.store.stats().backend
     probe_key = f"{state.cache.prefix}:_readyz:_probe:0"
     try:
         await asyncio.wait_for(state.store.aget(probe_key), state.settings.ready_timeout_s)

@@ -19,12 +19,14 @@ Fields an entry leaves out fall back to the settings (``--upstream``, ``--engine
 entry's ``engine_options`` are laid over the settings' key by key); an entry that names an
 engine takes no default upstream, and one that names an upstream no default engine. A model
 has an upstream or an engine, not both. With no model at all the demo model folder is served
-(with ``--engine mlx``, the demo chat model: ``engine_adapter.demo_model``).
+(with ``--engine NAME``, that engine's default model: for mlx the demo chat model,
+``engine_adapter.demo_model``).
 
-The engine (``engine: mlx``) is loaded from the model's folder (mlx-lm weights next to the
-tokenizer files) by ``engine_adapter``, imported only then: a sidecar without engines never
-imports mlx. It is fed the sidecar's own prompt ids and boundary, and the tenant as its KV
-namespace; it runs in the worker process, so it needs ``--workers 1``.
+The engine (``engine: mlx``) is a ``ChatBackend`` loaded from the model's folder (mlx-lm
+weights next to the tokenizer files) by the factory registered under its name
+(``prefix_cache.chat.engines``), imported only then: a sidecar without engines never imports
+mlx. It is fed the sidecar's own prompt ids and boundary, and the tenant as its KV namespace;
+it runs in the worker process, so it needs ``--workers 1``.
 """
 
 from __future__ import annotations
@@ -37,21 +39,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..chat.backend import ChatBackend
+from ..chat.engines import EngineUnavailableError, engine_factory
 from ..errors import NoChatTemplateError
+from ..http.errors import BadRequest, NotFound
 from ..keys import model_label
 from .config_files import read_config_file
-from .errors import BadRequest, NotFound
 from .settings import ServiceSettings, UpstreamKind
 from .upstream import DEFAULT_HEALTH_PATH, Upstream, normalize_base_url
 
 log = logging.getLogger("prefix_cache.service")
-
-ENGINES = ("mlx",)
-
-
-class EngineUnavailableError(ValueError):
-    """A model's in-process engine cannot be loaded (mlx-lm missing, no weights, ...)."""
-
 
 class ModelSpec(BaseModel):
     """One configured model, before anything is loaded."""
@@ -91,10 +88,8 @@ def load_model_specs(settings: ServiceSettings,
                            f"--model {folder}"))
     if not specs:
         if demo_dir is None and settings.engine is not None:
-            # The real demo chat model, converted on first use (imports no mlx until then).
-            from engine_adapter.demo_model import demo_chat_model_dir
-
-            demo_dir = demo_chat_model_dir
+            # The engine's own default: the real demo chat model, converted on first use.
+            demo_dir = engine_factory(settings.engine).default_model
         if demo_dir is None:
             from ..demo import demo_model_dir
 
@@ -145,9 +140,6 @@ def _specs_from_file(path: Path, defaults: dict[str, Any]) -> list[ModelSpec]:
 def _check(specs: Sequence[ModelSpec]) -> None:
     labels: dict[str, str] = {}
     for spec in specs:
-        if spec.engine is not None and spec.engine not in ENGINES:
-            raise ValueError(f"model {spec.name!r}: unknown engine {spec.engine!r}; "
-                             f"known: {', '.join(ENGINES)}")
         if spec.draft_model is not None and spec.engine is None:
             raise ValueError(f"model {spec.name!r}: a draft model (--draft-model, draft_model) "
                              "is for the in-process engine: give --engine mlx (engine: mlx) too")
@@ -170,11 +162,10 @@ def _check(specs: Sequence[ModelSpec]) -> None:
 
 
 def _check_engine_options(spec: ModelSpec) -> None:
-    """Refuse bad engine options before anything loads (imports no mlx)."""
-    from engine_adapter.options import EngineOptions
-
+    """Refuse an unknown engine or bad engine options before anything loads (no mlx)."""
+    assert spec.engine is not None
     try:
-        EngineOptions.parse(spec.engine_options)
+        engine_factory(spec.engine).check_options(spec.engine_options)
     except ValueError as exc:
         raise ValueError(f"model {spec.name!r}: {exc}") from None
 
@@ -182,13 +173,13 @@ def _check_engine_options(spec: ModelSpec) -> None:
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """A loaded model: tokenizer, key label, and where completions go: an upstream, or an
-    in-process engine (an ``engine_adapter.openai_engine.ChatEngine``); neither: boundaries only."""
+    in-process engine; neither: boundaries only."""
 
     name: str
     label: str
     tokenizer: Any
     upstream: Upstream | None
-    engine: Any | None = None
+    engine: ChatBackend | None = None
 
     def require_upstream(self) -> Upstream:
         if self.upstream is None:
@@ -215,22 +206,14 @@ def load_model(spec: ModelSpec, loader: Callable[..., Any] | None = None) -> Ser
     return ServedModel(spec.name, model_label(spec.name), tokenizer, upstream, engine)
 
 
-def load_engine(spec: ModelSpec) -> Any:
-    """The model's in-process engine; the one place the sidecar imports ``engine_adapter``."""
+def load_engine(spec: ModelSpec) -> ChatBackend:
+    """The model's in-process engine, from the factory registered under its name."""
+    assert spec.engine is not None
     try:
-        from engine_adapter.openai_engine import ChatEngine  # imports mlx
-    except ImportError as exc:
-        raise EngineUnavailableError(
-            f"model {spec.name!r}: the MLX engine needs mlx and mlx-lm installed: {exc}") from exc
-    try:
-        from engine_adapter.options import EngineOptions
-
-        options = EngineOptions.parse(spec.engine_options).engine_kwargs()
-        return ChatEngine.load(spec.folder, spec.draft_model, name=spec.name, **options)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise EngineUnavailableError(
-            f"model {spec.name!r}: cannot load the MLX engine from {str(spec.folder)!r}"
-            f"{f' (draft {str(spec.draft_model)!r})' if spec.draft_model else ''}: {exc}") from exc
+        return engine_factory(spec.engine).load(spec.folder, spec.draft_model, name=spec.name,
+                                                options=spec.engine_options)
+    except ValueError as exc:
+        raise EngineUnavailableError(f"model {spec.name!r}: {exc}") from exc
 
 
 class ModelRegistry:

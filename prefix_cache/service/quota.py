@@ -17,22 +17,12 @@ from __future__ import annotations
 import fnmatch
 import re
 import threading
-from collections import OrderedDict
-from typing import Any
+from dataclasses import replace
 
-from ..store.base import Store
-from ..store.memory import ENTRY_OVERHEAD_BYTES
-
-
-def namespace_of(key: str) -> str | None:
-    """The namespace field of a cache key, or None for a key of another shape."""
-    parts = key.split(":", 3)
-    return parts[1] if len(parts) == 4 else None
-
-
-def entry_size(key: str, value: bytes) -> int:
-    """What an entry costs, counted exactly as MemoryStore counts it."""
-    return len(key) + len(value) + ENTRY_OVERHEAD_BYTES
+from ..keys import parse_key
+from ..lru import ByteLRU
+from ..store.base import QuotaStats, Store, StoreStats
+from ..store.memory import entry_size
 
 
 class TenantQuotaStore(Store):
@@ -47,60 +37,55 @@ class TenantQuotaStore(Store):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._ledgers: dict[str, OrderedDict[str, int]] = {}
-        self._bytes: dict[str, int] = {}
+        self._ledgers: dict[str, ByteLRU[str, None]] = {}
         self.quota_evictions = 0
 
     # -- accounting (under the lock, no I/O) ---------------------------------------------------
 
+    def _ledger(self, key: str, create: bool = False) -> ByteLRU[str, None] | None:
+        """The LRU of the key's tenant (made by a put); None for a key of another shape."""
+        parts = parse_key(key)
+        if parts is None:
+            return None
+        ledger = self._ledgers.get(parts.namespace)
+        if ledger is None and create:
+            ledger = self._ledgers[parts.namespace] = ByteLRU(self.max_bytes, self.max_entries)
+        return ledger
+
     def _admit(self, key: str, value: bytes) -> list[str] | None:
-        """Account a put; the tenant's keys to delete first, or None if it cannot fit at all."""
-        ns = namespace_of(key)
-        if ns is None:
-            return []
-        size = entry_size(key, value)
-        if size > self.max_bytes:
-            return None  # larger than the whole quota: storing it would only empty the tenant
+        """Account a put; the tenant's keys to delete first, or None if it cannot fit at all
+        (larger than the whole quota: storing it would only empty the tenant)."""
         with self._lock:
-            ledger = self._ledgers.setdefault(ns, OrderedDict())
-            self._bytes[ns] = self._bytes.get(ns, 0) - ledger.pop(key, 0) + size
-            ledger[key] = size
-            victims = []
-            while len(ledger) > self.max_entries or self._bytes[ns] > self.max_bytes:
-                oldest, oldest_size = ledger.popitem(last=False)
-                self._bytes[ns] -= oldest_size
-                victims.append(oldest)
-            self.quota_evictions += len(victims)
-            return victims
+            ledger = self._ledger(key, create=True)
+            if ledger is None:
+                return []
+            evicted = ledger.put(key, None, entry_size(key, value))
+            if evicted is None:
+                return None
+            self.quota_evictions += len(evicted)
+            return [victim for victim, _ in evicted]
 
     def _forget(self, key: str) -> None:
-        ns = namespace_of(key)
-        if ns is None:
-            return
         with self._lock:
-            ledger = self._ledgers.get(ns)
-            if ledger is not None and key in ledger:
-                self._bytes[ns] -= ledger.pop(key)
+            ledger = self._ledger(key)
+            if ledger is not None:
+                ledger.pop(key)
 
     def _seen(self, key: str, value: bytes | None) -> None:
         """A read: refresh the key's place in its tenant's LRU, or forget a key that is gone."""
         if value is None:
             self._forget(key)
             return
-        ns = namespace_of(key)
-        if ns is None:
-            return
         with self._lock:
-            ledger = self._ledgers.get(ns)
-            if ledger is not None and key in ledger:
-                ledger.move_to_end(key)
+            ledger = self._ledger(key)
+            if ledger is not None:
+                ledger.get(key)
 
     def _forget_matching(self, pattern: str) -> None:
         match = re.compile(fnmatch.translate(pattern)).match
         with self._lock:
-            for ns, ledger in self._ledgers.items():
-                for key in [k for k in ledger if match(k)]:
-                    self._bytes[ns] -= ledger.pop(key)
+            for ledger in self._ledgers.values():
+                ledger.pop_where(lambda key, _: bool(match(key)))
 
     # -- the Store interface -------------------------------------------------------------------
 
@@ -126,25 +111,9 @@ class TenantQuotaStore(Store):
             self._forget(key)
             raise
 
-    async def aput(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
-        victims = self._admit(key, value)
-        if victims is None:
-            return
-        for victim in victims:
-            await self.inner.adelete(victim)
-        try:
-            await self.inner.aput(key, value, ttl_seconds)
-        except BaseException:
-            self._forget(key)
-            raise
-
     def delete(self, key: str) -> bool:
         self._forget(key)
         return self.inner.delete(key)
-
-    async def adelete(self, key: str) -> bool:
-        self._forget(key)
-        return await self.inner.adelete(key)
 
     def purge(self, pattern: str) -> int:
         self._forget_matching(pattern)
@@ -157,17 +126,13 @@ class TenantQuotaStore(Store):
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         """Entries and bytes this process accounts to each tenant."""
         with self._lock:
-            return {ns: {"entries": len(ledger), "bytes": self._bytes[ns]}
+            return {ns: {"entries": len(ledger), "bytes": ledger.nbytes}
                     for ns, ledger in sorted(self._ledgers.items())}
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            **self.inner.stats(),
-            "tenant_max_entries": self.max_entries,
-            "tenant_max_bytes": self.max_bytes,
-            "quota_evictions": self.quota_evictions,
-            "tenants": self.tenant_usage(),
-        }
+    def stats(self) -> StoreStats:
+        quota = QuotaStats(max_entries=self.max_entries, max_bytes=self.max_bytes,
+                           evictions=self.quota_evictions, tenants=self.tenant_usage())
+        return replace(self.inner.stats(), quota=quota)
 
     def close(self) -> None:
         self.inner.close()

@@ -7,7 +7,6 @@ environment) and the same environment, so all of them serve the same configurati
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
@@ -17,9 +16,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..http.logs import uvicorn_log_config
 from .app import create_app, open_backing_store
 from .models import ModelRegistry, load_model_specs
-from .settings import ServiceSettings
+from .settings import ServiceSettings, check_renamed_env
 from .tenants import KeyRing
 
 log = logging.getLogger("prefix_cache.service")
@@ -27,21 +27,10 @@ log = logging.getLogger("prefix_cache.service")
 EXIT_OK, EXIT_CONFIG = 0, 2
 FLAGS_ENV = "PREFIX_CACHE_SERVE_FLAGS"  # not a settings field: read by worker processes only
 
-# argparse destination -> settings field
-FLAG_FIELDS = {
-    "host": "host", "port": "port", "workers": "workers", "model": "model_dirs",
-    "models": "models_file", "upstream": "upstream", "engine": "engine",
-    "draft_model": "draft_model", "redis": "redis", "engine_option": "engine_options",
-}
-
-
-def flag_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings the flags set explicitly (an absent flag leaves the environment's value)."""
-    return {field: args[flag] for flag, field in FLAG_FIELDS.items() if args.get(flag) is not None}
-
 
 def make_settings(overrides: Mapping[str, Any]) -> ServiceSettings:
     """Settings from the flags and the environment; ValueError naming what is wrong."""
+    check_renamed_env()
     try:
         return ServiceSettings(**overrides)
     except ValidationError as exc:
@@ -58,16 +47,6 @@ def startup_warnings(settings: ServiceSettings) -> list[str]:
             "its own cache, so hits (and tenant quotas) are per worker; pass --redis URL to "
             "share entries across workers")
     return warnings
-
-
-def log_config(level: str) -> dict[str, Any]:
-    """uvicorn's logging setup plus our own loggers, applied in every worker process."""
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["prefix_cache"] = {"handlers": ["default"], "level": level.upper(),
-                                         "propagate": False}
-    return config
 
 
 def serve(overrides: Mapping[str, Any]) -> int:
@@ -93,7 +72,7 @@ def serve(overrides: Mapping[str, Any]) -> int:
              "memory" if settings.uses_memory_store else "redis")
     common: dict[str, Any] = {
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
-        "log_config": log_config(settings.log_level), "server_header": False,
+        "log_config": uvicorn_log_config(settings.log_level), "server_header": False,
         "timeout_graceful_shutdown": 10,
     }
     # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: after a clean stop, exit 0.

@@ -1,44 +1,12 @@
-"""The sidecar's settings: one model, fed by ``prefix-cache serve`` flags and the environment.
+"""The sidecar's settings: one model, the single source of ``prefix-cache serve``'s flags and
+environment variables.
 
 Flags win over environment variables, which win over the defaults. Every field is read from
-``PREFIX_CACHE_<FIELD>`` (upper case); lists and mappings are JSON, and lists also accept a
-plain comma-separated value (model folders: separated by ``os.pathsep``).
-
-=========================  ===================  ================================================
-field (env PREFIX_CACHE_)  flag                 meaning
-=========================  ===================  ================================================
-HOST                       --host               bind address (127.0.0.1)
-PORT                       --port               TCP port (8000; 0 picks a free one)
-WORKERS                    --workers            uvicorn worker processes (1)
-MODEL_DIRS                 --model DIR...       model folders; a model's name is its folder's
-MODELS_FILE                --models FILE        YAML/JSON: name -> {folder, template, upstream,
-                                                upstream_kind, upstream_model, engine, ...}
-UPSTREAM                   --upstream URL       OpenAI base URL for models that name none
-UPSTREAM_KIND                                   openai (body unchanged) | specprefill (adds
-                                                specprefill_system_end, prompt_token_ids,
-                                                specprefill_namespace)
-UPSTREAM_MODEL                                  model name sent upstream (default: unchanged)
-UPSTREAM_API_KEY                                bearer key the sidecar sends upstream
-ENGINE                     --engine mlx         completions on the in-process MLX engine
-DRAFT_MODEL                --draft-model DIR    SpecPrefill draft model of that engine
-ENGINE_OPTIONS             --engine-option K=V  JSON {kv_bytes, conversation_bytes, max_context,
-                                                ...} for in-process engines (the flag
-                                                repeats; engine_adapter.options lists them)
-REDIS                      --redis URL          shared store; default: in-process memory
-KEYS_FILE                                       YAML/JSON {tenants: {KEY: tenant}, admin_keys: [..]}
-API_KEYS                                        JSON {KEY: tenant}; none anywhere: open service,
-                                                everything in namespace "default"
-ADMIN_KEYS                                      JSON list (or comma-separated) of admin keys
-MAX_BODY_BYTES                                  request body limit, larger gets 413 (8 MiB)
-TENANT_MAX_ENTRIES                              cache entries one tenant may hold (4096)
-TENANT_MAX_BYTES                                bytes one tenant's entries may take (64 MiB)
-UPSTREAM_TIMEOUT_S                              longest wait for the next upstream byte (600)
-UPSTREAM_CONNECT_TIMEOUT_S                      upstream connect timeout (10)
-READY_TIMEOUT_S                                 per-check timeout of GET /readyz (2)
-METRICS_MAX_TENANTS                             tenants with their own metrics label (20); the
-                                                rest are folded into "other"
-LOG_LEVEL                                       uvicorn log level (info)
-=========================  ===================  ================================================
+exactly one variable, ``PREFIX_CACHE_<FIELD>`` (upper case): ``redis_url`` from
+``PREFIX_CACHE_REDIS_URL``, ``models_file`` from ``PREFIX_CACHE_MODELS_FILE`` ... Lists and
+mappings are JSON; lists also take a plain comma-separated value (model folders: separated by
+``os.pathsep``). A field with a ``flag`` is also a command-line flag (``flags`` generates them
+from here, help included); ``prefix-cache serve --help`` lists every field, flag and variable.
 """
 
 from __future__ import annotations
@@ -53,6 +21,17 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "PREFIX_CACHE_"
 UpstreamKind = Literal["openai", "specprefill"]
+# Names an earlier release read; set, they stop the service with the name to use instead.
+RENAMED_ENV = {"PREFIX_CACHE_REDIS": "PREFIX_CACHE_REDIS_URL"}
+
+
+def env_name(field: str) -> str:
+    """The one environment variable a settings field is read from."""
+    return f"{ENV_PREFIX}{field.upper()}"
+
+
+def _flag(flag: str, metavar: str | None = None, repeat: bool = False) -> dict[str, Any]:
+    return {"flag": flag, "metavar": metavar, "repeat": repeat}
 
 
 def _split_list(value: Any, sep: str) -> Any:
@@ -80,34 +59,72 @@ def parse_key_values(items: Any, flag: str = "--engine-option") -> Any:
 
 
 class ServiceSettings(BaseSettings):
-    """Everything ``prefix-cache serve`` can be told; see the module docstring for the table."""
+    """Everything ``prefix-cache serve`` can be told (see the module docstring)."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=0, le=65535)
-    workers: int = Field(default=1, ge=1, le=256)
-    model_dirs: Annotated[list[Path], NoDecode] = Field(default_factory=list)
-    models_file: Path | None = None
-    upstream: str | None = None
-    upstream_kind: UpstreamKind = "openai"
-    upstream_model: str | None = None
-    upstream_api_key: str | None = None
-    engine: str | None = None
-    draft_model: Path | None = None
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    redis: str | None = None
-    keys_file: Path | None = None
-    api_keys: dict[str, str] = Field(default_factory=dict)
-    admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    max_body_bytes: int = Field(default=8 << 20, gt=0)
-    tenant_max_entries: int = Field(default=4096, gt=0)
-    tenant_max_bytes: int = Field(default=64 << 20, gt=0)
-    upstream_timeout_s: float = Field(default=600.0, gt=0)
-    upstream_connect_timeout_s: float = Field(default=10.0, gt=0)
-    ready_timeout_s: float = Field(default=2.0, gt=0)
-    metrics_max_tenants: int = Field(default=20, gt=0)
-    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = "info"
+    host: str = Field(default="127.0.0.1", description="bind address",
+                      json_schema_extra=_flag("--host"))
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port (0 picks a free one)",
+                      json_schema_extra=_flag("--port"))
+    workers: int = Field(default=1, ge=1, le=256, description="worker processes",
+                         json_schema_extra=_flag("--workers"))
+    model_dirs: Annotated[list[Path], NoDecode] = Field(
+        default_factory=list, description="model folder, named after the folder (repeatable; "
+        "the variable separates folders with os.pathsep)",
+        json_schema_extra=_flag("--model", "DIR", repeat=True))
+    models_file: Path | None = Field(
+        default=None, description="YAML/JSON: name -> {folder, template, upstream, "
+        "upstream_kind, upstream_model, engine, draft_model, engine_options, ...}",
+        json_schema_extra=_flag("--models", "FILE"))
+    upstream: str | None = Field(
+        default=None, description="OpenAI-compatible base URL for models that name no upstream",
+        json_schema_extra=_flag("--upstream", "URL"))
+    upstream_kind: UpstreamKind = Field(
+        default="openai", description="openai (body unchanged) | specprefill (adds "
+        "specprefill_system_end, prompt_token_ids, specprefill_namespace)")
+    upstream_model: str | None = Field(default=None, description="model name sent upstream "
+                                       "(default: the client's)")
+    upstream_api_key: str | None = Field(default=None,
+                                         description="bearer key the sidecar sends upstream")
+    engine: str | None = Field(
+        default=None, description="run completions in-process on this engine instead of "
+        "--upstream (mlx: the batched MLX engine; it needs --workers 1)",
+        json_schema_extra=_flag("--engine", "mlx"))
+    draft_model: Path | None = Field(
+        default=None, description="SpecPrefill draft model of the engine (needs --engine mlx)",
+        json_schema_extra=_flag("--draft-model", "DIR"))
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict, description="an in-process engine's option, e.g. kv_bytes=8GiB, "
+        "conversation_bytes=16GiB, max_context=32768 (repeatable; the variable is a JSON "
+        "object; engine_adapter.options lists them)",
+        json_schema_extra=_flag("--engine-option", "KEY=VALUE", repeat=True))
+    redis_url: str | None = Field(
+        default=None, description="shared store: redis://, rediss://, unix://, "
+        "redis+cluster:// (default: in-process memory)",
+        json_schema_extra=_flag("--redis", "URL"))
+    keys_file: Path | None = Field(default=None, description="YAML/JSON {tenants: {KEY: "
+                                   "tenant}, admin_keys: [...]}")
+    api_keys: dict[str, str] = Field(default_factory=dict, description="JSON {KEY: tenant}; "
+                                     "no keys anywhere: open service, namespace 'default'")
+    admin_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="JSON list (or comma-separated) of admin keys")
+    max_body_bytes: int = Field(default=8 << 20, gt=0,
+                                description="request body limit; larger gets a 413")
+    tenant_max_entries: int = Field(default=4096, gt=0,
+                                    description="cache entries one tenant may hold")
+    tenant_max_bytes: int = Field(default=64 << 20, gt=0,
+                                  description="bytes one tenant's entries may take")
+    upstream_timeout_s: float = Field(default=600.0, gt=0,
+                                      description="longest wait for the next upstream byte")
+    upstream_connect_timeout_s: float = Field(default=10.0, gt=0,
+                                              description="upstream connect timeout")
+    ready_timeout_s: float = Field(default=2.0, gt=0,
+                                   description="per-check timeout of GET /readyz")
+    metrics_max_tenants: int = Field(default=20, gt=0, description="tenants with their own "
+                                     "metrics label; the rest are folded into 'other'")
+    log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
+        default="info", description="log level")
 
     @field_validator("model_dirs", mode="before")
     @classmethod
@@ -124,13 +141,22 @@ class ServiceSettings(BaseSettings):
     def _admin_keys(cls, value: Any) -> Any:
         return _split_list(value, ",")
 
-    @field_validator("upstream", "redis", "upstream_model", "upstream_api_key", "engine")
+    @field_validator("upstream", "redis_url", "upstream_model", "upstream_api_key", "engine")
     @classmethod
     def _empty_is_none(cls, value: str | None) -> str | None:
-        # An exported-but-empty variable (PREFIX_CACHE_REDIS=) means "not set", not "".
+        # An exported-but-empty variable (PREFIX_CACHE_REDIS_URL=) means "not set", not "".
         return value or None
 
     @property
     def uses_memory_store(self) -> bool:
         """True when hits live in each worker's own memory (no shared store)."""
-        return not self.redis or self.redis.startswith("memory")
+        return not self.redis_url or self.redis_url.startswith("memory")
+
+
+def check_renamed_env(environ: dict[str, str] | None = None) -> None:
+    """ValueError naming the variable to use when a renamed one is set (a silent fallback to
+    the default would serve, say, without the shared store)."""
+    env = os.environ if environ is None else environ
+    for old, new in RENAMED_ENV.items():
+        if env.get(old):
+            raise ValueError(f"{old} is not read: set {new} instead")

@@ -7,17 +7,16 @@ side channel nor a memory dump gives the keys themselves away.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ..http.auth import basic_password, bearer_key
+from ..http.errors import Forbidden, Unauthorized
 from ..keys import validate_label
 from .config_files import read_config_file
-from .errors import Forbidden, Unauthorized
 from .settings import ServiceSettings
 
 OPEN_NAMESPACE = "default"
@@ -25,16 +24,6 @@ OPEN_NAMESPACE = "default"
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
-
-
-def _bearer(authorization: str | None) -> str | None:
-    """The key of an ``Authorization: Bearer KEY`` header, or None."""
-    if not authorization:
-        return None
-    scheme, _, key = authorization.strip().partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return None
-    return key.strip()
 
 
 class KeyRing:
@@ -75,7 +64,7 @@ class KeyRing:
         """The namespace of a /v1 request; Unauthorized or Forbidden if it has none."""
         if self.is_open:
             return OPEN_NAMESPACE  # OpenAI clients always send some key: it is not ours to check
-        key = _bearer(authorization)
+        key = bearer_key(authorization)
         if key is None:
             raise Unauthorized("missing API key: send it as 'Authorization: Bearer KEY'")
         digest = _digest(key)
@@ -93,7 +82,7 @@ class KeyRing:
             raise Forbidden("admin endpoints are disabled: no admin keys are configured "
                             "(PREFIX_CACHE_ADMIN_KEYS or admin_keys in the keys file)",
                             code="admin_disabled")
-        key = _bearer(authorization)
+        key = bearer_key(authorization)
         if key is None:
             raise Unauthorized("missing admin key: send it as 'Authorization: Bearer KEY'")
         digest = _digest(key)
@@ -125,23 +114,8 @@ class KeyRing:
                 good = hmac.new(digest, b"prefix-cache-dashboard", hashlib.sha256).hexdigest()
                 if hmac.compare_digest(good, cookie):
                     return True
-        key = _bearer(authorization) or _basic_password(authorization)
+        key = bearer_key(authorization) or basic_password(authorization)
         return key is not None and _digest(key) in self._admins
-
-
-def _basic_password(authorization: str | None) -> str | None:
-    """The password of an ``Authorization: Basic ...`` header, or None."""
-    if not authorization:
-        return None
-    scheme, _, token = authorization.strip().partition(" ")
-    if scheme.lower() != "basic":
-        return None
-    try:
-        decoded = base64.b64decode(token.strip(), validate=True).decode()
-    except (binascii.Error, UnicodeDecodeError):
-        return None
-    _, sep, password = decoded.partition(":")
-    return password if sep and password else None
 
 
 def _read_keys_file(path: Path) -> tuple[dict[str, str], list[str]]:

@@ -21,10 +21,10 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
-import orjson
 
+from .. import json_io
 from ..cache import PrefixResult
-from .errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from ..http.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
 from .settings import UpstreamKind
 
 log = logging.getLogger("prefix_cache.service")
@@ -80,7 +80,7 @@ class Upstream:
             out["specprefill_system_end"] = result.specprefill_system_end
             out["prompt_token_ids"] = result.prompt_ids
             out["specprefill_namespace"] = namespace
-        return orjson.dumps(out)
+        return json_io.dumps(out)
 
     def headers(self) -> dict[str, str]:
         headers = {

@@ -8,7 +8,8 @@ calls while the server is known to be down, so a dead Redis costs one timeout pe
 not one per request. It reconnects by itself: the half-open probe is an ordinary call.
 
 The sync client serves ``get``/``put`` (used from render threads and sync callers), the asyncio
-client serves ``aget``/``aput``; both share one breaker, since both talk to the same server.
+client serves ``aget`` (a request's lookup on the event loop); both share one breaker, since both
+talk to the same server.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from ..errors import StoreUnavailableError
-from .base import Store
+from .base import RemoteStats, Store, StoreStats
 from .breaker import CircuitBreaker, ExponentialBackoff
 
 T = TypeVar("T")
@@ -199,13 +200,6 @@ class RedisStore(Store):
     async def aget(self, key: str) -> bytes | None:
         return await self._acall(lambda r: r.get(key))
 
-    async def aput(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
-        px = self._px(ttl_seconds)
-        await self._acall(lambda r: r.set(key, value, px=px))
-
-    async def adelete(self, key: str) -> bool:
-        return bool(await self._acall(lambda r: r.delete(key)))
-
     async def apurge(self, pattern: str) -> int:
         return await asyncio.to_thread(self.purge, pattern)
 
@@ -220,16 +214,11 @@ class RedisStore(Store):
         except Exception:
             return False
 
-    def stats(self) -> dict[str, Any]:
-        return {
-            "backend": "redis-cluster" if self.cluster else "redis",
-            "url": _redact(self.url),
-            "breaker": self.breaker.state,
-            "breaker_opened": self.breaker.times_opened,
-            "calls": self.calls,
-            "errors": self.errors,
-            "skipped": self.skipped,
-        }
+    def stats(self) -> StoreStats:
+        remote = RemoteStats(url=_redact(self.url), breaker=self.breaker.state,
+                             breaker_opened=self.breaker.times_opened, calls=self.calls,
+                             errors=self.errors, skipped=self.skipped)
+        return StoreStats("redis-cluster" if self.cluster else "redis", remote=remote)
 
     def close(self) -> None:
         if self._sync is not None:

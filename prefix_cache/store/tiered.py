@@ -12,9 +12,8 @@ Purges and deletes through this store clear memory at once.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-from .base import Store
+from .base import Store, StoreStats
 from .memory import MemoryStore
 
 DEFAULT_LOCAL_TTL_SECONDS = 10.0
@@ -55,10 +54,6 @@ class TieredStore(Store):
         self.local.put(key, value, self._local_ttl(ttl_seconds))
         self.remote.put(key, value, ttl_seconds)
 
-    async def aput(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
-        self.local.put(key, value, self._local_ttl(ttl_seconds))
-        await self.remote.aput(key, value, ttl_seconds)
-
     def delete(self, key: str) -> bool:
         in_local = self.local.delete(key)
         return self.remote.delete(key) or in_local
@@ -70,8 +65,9 @@ class TieredStore(Store):
     def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
         return self.remote.scan(pattern)  # the shared tier is the inventory
 
-    def stats(self) -> dict[str, Any]:
-        return {"backend": "tiered", "local": self.local.stats(), "remote": self.remote.stats()}
+    def stats(self) -> StoreStats:
+        return StoreStats("tiered", memory=self.local.stats().memory,
+                          remote=self.remote.stats().remote)
 
     def close(self) -> None:
         self.local.close()

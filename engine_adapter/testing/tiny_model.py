@@ -1,6 +1,6 @@
 """Write a tiny random-weights mlx-lm model folder with a real tokenizer and chat template.
 
-    python -m engine_adapter.tiny_model DEST [--arch qwen3|qwen2|llama] [--hidden 64] [--layers 2]
+    python -m engine_adapter.testing.tiny_model DEST [--arch qwen3|qwen2|llama] [--hidden 64] [--layers 2]
                                             [--heads 4] [--kv-heads 2] [--intermediate N]
 
 The folder (config.json, model.safetensors in float32, tokenizer.json, tokenizer_config.json,
@@ -81,7 +81,7 @@ def make_tiny_model(dest: Path, arch: str = "qwen3", *, tokenizer: str = "qwen3"
     """Lay out the tiny model folder at ``dest`` and return it."""
     from prefix_cache.demo import DEMO_TEMPLATE
     from prefix_cache.model_dir import load_tokenizer
-    from prefix_cache.offline_tokenizers import make_model_dir
+    from prefix_cache.testing.offline_tokenizers import make_model_dir
 
     dest = Path(dest)
     template = chat_template if chat_template is not None else DEMO_TEMPLATE
@@ -110,12 +110,12 @@ def tiny_model_folder(dest: Path, arch: str = "qwen3", **options: Any) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_adapter.tiny_model",
+    parser = argparse.ArgumentParser(prog="python -m engine_adapter.testing.tiny_model",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("dest", type=Path, help="folder to write (created or overwritten)")
     parser.add_argument("--arch", choices=ARCHES, default="qwen3")
     parser.add_argument("--tokenizer", default="qwen3",
-                        help="offline tokenizer name (prefix_cache.offline_tokenizers.NAMES)")
+                        help="offline tokenizer name (prefix_cache.testing.offline_tokenizers.NAMES)")
     parser.add_argument("--chat-template", type=Path, metavar="FILE",
                         help="chat template (default: the demo template, which renders tools)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size")

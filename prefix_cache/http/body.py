@@ -8,11 +8,14 @@ import orjson
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
+from .. import json_io
 from .errors import BadRequest, ClientDisconnected, PayloadTooLarge
 
 
-async def read_json_object(request: Request, limit: int) -> tuple[bytes, dict[str, Any]]:
-    """The raw body and its parsed JSON object; 413 past ``limit`` bytes, 400 if not an object.
+async def read_json_object(request: Request, limit: int,
+                           setting: str | None = None) -> tuple[bytes, dict[str, Any]]:
+    """The raw body and its parsed JSON object; 413 past ``limit`` bytes (``setting``: what
+    raises the limit, named in the message), 400 if not an object.
 
     A declared Content-Length over the limit is refused before a byte is read; a body sent
     without one (chunked) is counted as it arrives, so it is never held beyond the limit.
@@ -22,20 +25,20 @@ async def read_json_object(request: Request, limit: int) -> tuple[bytes, dict[st
         if not declared.isdigit():
             raise BadRequest("invalid Content-Length header", code="invalid_content_length")
         if int(declared) > limit:
-            raise _too_large(limit)
+            raise _too_large(limit, setting)
     chunks: list[bytes] = []
     size = 0
     try:
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
-                raise _too_large(limit)
+                raise _too_large(limit, setting)
             chunks.append(chunk)
     except ClientDisconnect as exc:
         raise ClientDisconnected("the client disconnected while sending the body") from exc
     raw = b"".join(chunks)
     try:
-        body = orjson.loads(raw)
+        body = json_io.loads(raw)  # integers of any size stay exact
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
     if not isinstance(body, dict):
@@ -44,6 +47,6 @@ async def read_json_object(request: Request, limit: int) -> tuple[bytes, dict[st
     return raw, body
 
 
-def _too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(f"the request body is larger than the limit of {limit} bytes "
-                           "(PREFIX_CACHE_MAX_BODY_BYTES)")
+def _too_large(limit: int, setting: str | None) -> PayloadTooLarge:
+    where = f" ({setting})" if setting else ""
+    return PayloadTooLarge(f"the request body is larger than the limit of {limit} bytes{where}")

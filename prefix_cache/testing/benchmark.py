@@ -19,9 +19,9 @@ from typing import Any
 
 import orjson
 
-from . import boundary
-from .cache import StaticPrefixCache
-from .render import get_renderer
+from .. import boundary
+from ..cache import StaticPrefixCache
+from ..render import get_renderer
 
 SYSTEM_PROMPT = (
     "You are a senior software engineering agent working inside a monorepo. Follow the "
@@ -110,9 +110,9 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int,
     methods: dict[str, Callable[..., int]] = {"uncached": uncached, "hit": hit, "naive": naive}
     extra: dict[str, Any] = {}
     if redis_url:
-        from .store.memory import MemoryStore
-        from .store.redis import RedisStore
-        from .store.tiered import TieredStore
+        from ..store.memory import MemoryStore
+        from ..store.redis import RedisStore
+        from ..store.tiered import TieredStore
 
         redis_store = RedisStore(redis_url, timeout_seconds=1.0)
         redis_store.purge("spc:*")
@@ -205,10 +205,10 @@ def format_redis_table(rows: list[dict[str, Any]], header: str) -> str:
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    from .demo import DEMO_TEMPLATE
-    from .offline_tokenizers import load_tokenizer
+    from ..demo import DEMO_TEMPLATE
+    from .offline_tokenizers import load_offline_tokenizer
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_offline_tokenizer(args.tokenizer)
     if args.chat_template:
         template = Path(args.chat_template).read_text(encoding="utf-8")
         template_name = Path(args.chat_template).name

@@ -1,4 +1,4 @@
-"""HTTP errors of the sidecar, and the one place where every exception becomes a response.
+"""HTTP errors of both servers, and the one place where every exception becomes a response.
 
 Every error response has OpenAI's shape, ``{"error": {"message", "type", "code"}}``, so OpenAI
 clients raise their usual exceptions with our message in them.
@@ -141,7 +141,7 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, TemplateRenderError):
             return error_response(400, str(exc), "invalid_request_error", "template_error")
         if isinstance(exc, InvalidRequestError):
-            return error_response(400, str(exc), "invalid_request_error", "invalid_request")
+            return error_response(400, str(exc), "invalid_request_error", exc.code)
         if isinstance(exc, NoChatTemplateError):
             # The model's configuration lacks a template: the operator's to fix, not the client's.
             return error_response(500, str(exc), "server_error", "no_chat_template")

@@ -1,0 +1,136 @@
+"""The MLX engine as a ``ChatBackend``: a neutral request in, text deltas out.
+
+    BackendRequest ──> check: max_tokens filled in (the default, cut to the context left), the
+                       engine's own validation (400s: ids, boundary, lengths)
+                   ──> generate: MLXEngine.agenerate token events ──> IncrementalDecoder ──>
+                       stop strings ──> BackendOutput deltas, usage on the last one
+
+The model's end-of-turn tokens end a generation with ``"stop"`` and are not returned as text;
+closing the output iterator closes the engine's, which cancels the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from prefix_cache.chat.backend import (
+    BackendOutput,
+    BackendRequest,
+    EngineHealth,
+    EngineStats,
+    Usage,
+)
+
+from .decoding import IncrementalDecoder, StopStrings
+from .mlx_engine.request import GenerationRequest
+from .options import DEFAULT_MAX_TOKENS
+
+
+class MLXBackend:
+    """Generation on one engine (an ``MLXEngine``, or anything with its ``agenerate``,
+    ``vocab_size``, ``context_length``, ``stop_token_ids``, ``snapshot_stats`` and ``close``)."""
+
+    def __init__(self, engine: Any, tokenizer: Any | None = None, *, name: str = "model",
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer if tokenizer is not None else engine.tokenizer
+        if self.tokenizer is None:
+            raise ValueError("the backend needs the model's tokenizer to decode text")
+        self.name = name
+        self.default_max_tokens = default_max_tokens
+        self._closed = False
+
+    @classmethod
+    def load(cls, model_dir: str | Path, draft_dir: str | Path | None = None, *,
+             name: str | None = None, **options: Any) -> MLXBackend:
+        """A backend for an mlx-lm model folder (and optionally a SpecPrefill draft); local
+        folders only (mlx-lm would take a missing one for a Hub id and download it)."""
+        for folder in (model_dir, draft_dir):
+            if folder is not None and not Path(folder).is_dir():
+                raise ValueError(f"model folder {str(folder)!r} does not exist")
+        from .mlx_engine import MLXEngine
+
+        engine = MLXEngine.load(model_dir, draft_dir, **options)
+        return cls(engine, name=name or Path(model_dir).resolve().name)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.engine, "vocab_size", None)
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.engine, "context_length", None)
+
+    # -- the ChatBackend protocol ------------------------------------------------------------
+
+    def check(self, request: BackendRequest) -> BackendRequest:
+        """The request with its max_tokens; InvalidRequestError (ContextLengthError when the
+        lengths do not fit) otherwise. A request that names no max_tokens gets the default, cut
+        to the context left; one that names too many is refused, as OpenAI's API does."""
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is None:
+            max_tokens = self.default_max_tokens
+            window = self.context_length
+            if window is not None and len(request.prompt_ids) < window:
+                max_tokens = min(max_tokens, window - len(request.prompt_ids))
+        checked = replace(request, sampling=replace(request.sampling, max_tokens=max_tokens))
+        self._engine_request(checked).validate(self.vocab_size, self.context_length)
+        return checked
+
+    async def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
+        engine_request = self._engine_request(self.check(request))
+        decoder = IncrementalDecoder(self.tokenizer)
+        stops = StopStrings(request.sampling.stop)
+        stop_ids = set(getattr(self.engine, "stop_token_ids", ()))
+        generated = cached = 0
+        async with aclosing(self.engine.agenerate(engine_request)) as events:
+            async for event in events:
+                generated += 1
+                if event.prefill is not None:
+                    cached = event.prefill.reused_tokens
+                text = ""
+                if not (event.finish_reason == "stop" and event.token in stop_ids):
+                    text = decoder.add(event.token)
+                final = event.finish_reason is not None
+                if final:
+                    text += decoder.flush()
+                text, stopped = stops.feed(text, final)
+                if stopped or final:  # leaving the loop closes the engine's iterator
+                    usage = Usage(len(engine_request.prompt_ids), generated, cached)
+                    yield BackendOutput(text, "stop" if stopped else event.finish_reason, usage)
+                    return
+                if text:
+                    yield BackendOutput(text)
+
+    def _engine_request(self, request: BackendRequest) -> GenerationRequest:
+        s, sp = request.sampling, request.specprefill
+        return GenerationRequest(
+            prompt_ids=list(request.prompt_ids), max_tokens=s.max_tokens or 0,
+            specprefill_system_end=request.specprefill_system_end,
+            namespace=request.namespace, temperature=s.temperature, top_p=s.top_p,
+            seed=s.seed, specprefill=sp.enabled, specprefill_keep_pct=sp.keep_pct,
+            specprefill_threshold=sp.threshold, request_id=request.request_id,
+        )
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def snapshot_stats(self) -> EngineStats:
+        stats: EngineStats = self.engine.snapshot_stats()
+        return stats
+
+    def health(self) -> EngineHealth:
+        """The engine's own report where it has one; closed is not ok."""
+        probe = getattr(self.engine, "health", None)
+        report = EngineHealth(**probe()) if callable(probe) else EngineHealth(ok=True)
+        report["ok"] = bool(report.get("ok")) and not self._closed
+        return report
+
+    def close(self) -> None:
+        """Stop the engine (once; later calls do nothing)."""
+        if not self._closed:
+            self._closed = True
+            self.engine.close()

@@ -1,0 +1,261 @@
+"""KV reuse across requests: the static-prefix store, the conversation store, and requests
+parked on a static prefix another request is computing.
+
+One object with three calls, as vLLM's KV cache manager: ``plan_dense`` (what a request
+restores, what it must compute and what it stores: its ``ReusePlan``), ``on_segment`` (a prompt
+segment was prefilled: snapshot the static prefix, release the requests parked on it) and
+``on_first_token`` (the prompt's KV goes to the conversation store once the first token is
+out, so copying it never delays that token).
+
+    static store        namespace + exact prefix ids -> KV of [0, boundary); target and draft
+    conversation store  namespace -> each prompt minus its last token; a new prompt restores
+                        the longest prefix it shares with one (an earlier turn it extends, or a
+                        sibling), when that is longer than its static prefix
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import cache as kv
+from .cache import KVSnapshot
+from .kv_store import Key, StaticKVStore, prefix_key
+from .prefill import dense_prefill_steps
+from .request import GenerationRequest
+
+if TYPE_CHECKING:
+    from .sequence import EngineSequence
+
+log = logging.getLogger("engine_adapter.mlx_engine")
+
+TARGET_ID, DRAFT_ID = "target", "draft"
+Extract = Callable[[], Any]   # the sequence's per-sequence cache as BatchGenerator holds it now
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationHit:
+    """An earlier prompt of the namespace sharing ``tokens`` leading tokens with this one."""
+
+    tokens: int
+    snapshot: KVSnapshot
+
+
+@dataclass(slots=True)
+class ReusePlan:
+    """One request's KV reuse: decided at admission, carried out as its prefill runs."""
+
+    restored: int = 0           # prompt tokens restored before insertion (the batch counts after)
+    # Prompt positions of the tokens stored for [0, restored) when some were dropped (a
+    # SpecPrefill's KV, or a restore of one); None: dense, all of them.
+    restored_positions: tuple[int, ...] | None = None
+    static_at: int = 0          # >0: snapshot [0, static_at) into the static store then
+    conversation_at: int = 0    # >0: store [0, conversation_at) in the conversation store ...
+    conversation_ready: bool = False  # ... that segment is prefilled: after the first token
+    leads: Key | None = None    # the static prefix requests parked on this one wait for
+
+
+@dataclass(frozen=True, slots=True)
+class DensePrefill:
+    """What a dense admission inserts into the batch, and what it reused."""
+
+    segments: list[list[int]]
+    cache: list[Any]
+    plan: ReusePlan
+    reused: int
+    conversation: int           # of ``reused``: from the conversation store
+
+
+class KVReuse:
+    """The engine's KV stores and the requests parked on a static prefix being computed."""
+
+    def __init__(self, model: Any, kv_store: StaticKVStore | None,
+                 conversation_store: StaticKVStore | None, *, positioned: bool) -> None:
+        self.model = model
+        self.kv_store = kv_store
+        self.conversation_store = conversation_store
+        # Plain full-attention models only: the KV of others is neither reused nor sparsified.
+        self.positioned = positioned
+        # Single flight per static prefix: while one request prefills it, later ones with the
+        # same (namespace, prefix ids) wait here and then restore it instead of recomputing.
+        self._computing: dict[Key, list[EngineSequence]] = {}
+        self._parked_on: dict[str, Key] = {}   # request id -> the prefix it waits for
+
+    # -- admission ---------------------------------------------------------------------------
+
+    def conversation_hit(self, req: GenerationRequest, ids: list[int],
+                         static: int) -> ConversationHit | None:
+        """The stored prompt of this namespace that shares the longest prefix with ``ids``
+        (an earlier turn it extends, or a sibling), when that shared part is longer than the
+        static prefix; else None (the static path)."""
+        if self.conversation_store is None or not self.positioned:
+            return None
+        hit = self.conversation_store.longest_common_prefix(req.namespace, TARGET_ID, ids,
+                                                            len(ids) - 1, min_tokens=static)
+        if hit is None:
+            return None
+        n, snap = hit
+        if req.specprefill is False:
+            # A request that turned SpecPrefill off gets exact attention over its whole prompt:
+            # of a sparse entry only the part stored whole (its protected prefix) is restored.
+            n = min(n, snap.dense_tokens)
+            if n <= static:
+                return None
+        if snap.stored_before(n) == 0:
+            return None  # a sparse entry that kept nothing of the shared part: nothing to restore
+        return ConversationHit(n, snap)
+
+    def park(self, seq: EngineSequence, ids: list[int], static: int) -> bool:
+        """Park ``seq`` when another request is computing its static prefix right now."""
+        if not (static and self.kv_store is not None and self.positioned):
+            return False
+        key = prefix_key(seq.request.namespace, TARGET_ID, ids[:static])[0]
+        waiting = self._computing.get(key)
+        if waiting is None:
+            return False
+        waiting.append(seq)
+        self._parked_on[seq.request.request_id] = key
+        return True
+
+    def plan_dense(self, req: GenerationRequest, ids: list[int], static: int,
+                   conv: ConversationHit | None) -> DensePrefill:
+        """Restore the conversation prefix, or the static prefix, or nothing; the rest is
+        computed, and the prompt minus its last token is stored once prefilled."""
+        plan = ReusePlan()
+        last = len(ids) - 1 if self.conversation_store is not None and self.positioned else 0
+        if conv is not None:
+            reused = plan.restored = conv.tokens
+            plan.restored_positions = conv.snapshot.positions_before(reused)
+            plan.conversation_at = last if last > reused else 0
+            cache = kv.restore(conv.snapshot, reused, copy=False)
+            return DensePrefill([ids[reused:]], cache, plan, reused, reused)
+        if self.kv_store is not None and self.positioned and static > 0:
+            snap = self.kv_store.get(req.namespace, TARGET_ID, ids[:static])
+            if snap is not None:
+                plan.restored = static
+                plan.conversation_at = last if last > static else 0
+                return DensePrefill([ids[static:]], kv.restore(snap, copy=False), plan, static, 0)
+            cache = kv.make_cache(self.model)
+            plan.static_at, plan.conversation_at = static, last
+            # From here on requests with this static prefix park until this one stores it
+            # (or leaves: ``forget`` releases them).
+            plan.leads = prefix_key(req.namespace, TARGET_ID, ids[:static])[0]
+            self._computing.setdefault(plan.leads, [])
+            return DensePrefill([ids[:static], ids[static:]], cache, plan, 0, 0)
+        plan.conversation_at = last
+        return DensePrefill([ids], kv.make_cache(self.model), plan, 0, 0)
+
+    def static_cache_steps(self, model: Any, model_id: str, namespace: str, ids: list[int],
+                           static: int, step: int) -> Generator[None, None, tuple[list[Any], int]]:
+        """A per-sequence cache holding [0, static) and the tokens reused: restored, or
+        computed chunk by chunk (and stored)."""
+        if static and self.kv_store is not None:
+            snap = self.kv_store.get(namespace, model_id, ids[:static])
+            if snap is not None:
+                return kv.restore(snap), static
+        cache = kv.make_cache(model)
+        if static:
+            yield from dense_prefill_steps(model, ids[:static], cache, step)
+            if self.kv_store is not None:
+                self.kv_store.put(namespace, model_id, ids[:static], kv.snapshot(cache, static))
+        return cache, 0
+
+    # -- as the prefill runs -----------------------------------------------------------------
+
+    def on_segment(self, seq: EngineSequence, done: int, extract: Extract) -> list[tuple[EngineSequence, bool]]:
+        """Prompt tokens up to ``done`` are prefilled; the parked requests to start again,
+        each with whether it may park again."""
+        plan = seq.plan
+        if done <= 0:
+            return []
+        if done == plan.static_at:
+            return self._store_segment(seq, done, extract)
+        if done == plan.conversation_at:
+            # Copying the prompt's KV now would delay the first token; the sequence keeps that
+            # KV, so it is stored right after the first token is delivered.
+            plan.conversation_ready = True
+        return []
+
+    def _store_segment(self, seq: EngineSequence, n: int, extract: Extract) -> list[tuple[EngineSequence, bool]]:
+        plan = seq.plan
+        conversation = n == plan.conversation_at
+        plan.static_at = 0
+        if conversation:
+            plan.conversation_at = 0
+        extracted = extract()
+        stored = False
+        ids = seq.request.prompt_ids
+        if extracted is None or kv.cache_size(extracted[0]) != n:
+            log.warning("segment of %s not where expected; not stored", seq.request.request_id)
+        else:
+            snap = kv.snapshot(extracted[0], n)
+            if self.kv_store is not None:
+                stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
+            if conversation and self.conversation_store is not None:
+                # One snapshot object for both is fine: snapshots are never written to.
+                self.conversation_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap,
+                                            supersede=True)
+        return self.release(seq, stored, leader_running=True)
+
+    def on_first_token(self, seq: EngineSequence, prompt_cache: Any, extract: Extract) -> None:
+        """Store the prompt minus its last token in the conversation store, copied from the KV
+        the sequence holds once its first token is out (the finished response's cache, or the
+        running batch's); a failure here costs a later reuse, never this request."""
+        plan = seq.plan
+        if not plan.conversation_ready:
+            return
+        n, plan.conversation_at, plan.conversation_ready = plan.conversation_at, 0, False
+        store = self.conversation_store
+        if store is None or n <= 0:
+            return
+        try:
+            positions = plan.restored_positions
+            if positions is not None:     # sparse: what was restored or kept, then all the rest
+                positions = positions + tuple(range(plan.restored, n))
+            stored = n if positions is None else len(positions)
+            cache = prompt_cache
+            if cache is None:
+                extracted = extract()
+                cache = extracted[0] if extracted is not None else None
+            if cache is None or kv.cache_size(cache) < stored:
+                log.warning("prompt KV of %s not there; not stored", seq.request.request_id)
+                return
+            snap = (kv.snapshot(cache, n) if positions is None
+                    else kv.snapshot(cache, stored, positions=positions, span=n))
+            store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n], snap,
+                      supersede=True)
+        except Exception:
+            log.warning("could not store the prompt KV of %s", seq.request.request_id,
+                        exc_info=True)
+
+    # -- leaving ------------------------------------------------------------------------------
+
+    def release(self, leader: EngineSequence, stored: bool,
+                leader_running: bool) -> list[tuple[EngineSequence, bool]]:
+        """The requests parked on ``leader``'s static prefix, to start again: they restore it
+        if it was stored; if it could not be (too big for the store) they compute it side by
+        side; if the leader left before storing it, the first of them leads now."""
+        key, leader.plan.leads = leader.plan.leads, None
+        followers = self._computing.pop(key, []) if key is not None else []
+        for seq in followers:
+            self._parked_on.pop(seq.request.request_id, None)
+        may_park = stored or not leader_running
+        return [(seq, may_park) for seq in followers]
+
+    def forget(self, seq: EngineSequence) -> list[tuple[EngineSequence, bool]]:
+        """``seq`` leaves (done, cancelled, failed); the parked requests to start again."""
+        key = self._parked_on.pop(seq.request.request_id, None)
+        if key is not None:
+            waiting = self._computing.get(key, [])
+            if seq in waiting:
+                waiting.remove(seq)
+        if seq.plan.leads is not None:  # gone before its static prefix was stored
+            return self.release(seq, stored=False, leader_running=False)
+        return []
+
+    def clear(self) -> None:
+        """Forget every parked request (the engine fails them all)."""
+        self._computing.clear()
+        self._parked_on.clear()

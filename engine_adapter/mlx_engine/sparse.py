@@ -1,0 +1,87 @@
+"""SpecPrefill jobs: a request's sparse prefill, one model chunk per engine step, between the
+decode steps of the running batch.
+
+    protected part   the static prefix (restored or computed, and stored), or the longer
+                     prefix an earlier prompt of the conversation restores
+    draft            reads the prompt from its static prefix on, scores what follows the
+                     protected part (``score_steps``)
+    target           prefills the kept chunks at their own positions; the job's result is the
+                     cache the engine inserts with the last prompt token
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import cache as kv
+from .model_info import vocab_size
+from .prefill import sparse_prefill_steps
+from .reuse import DRAFT_ID, TARGET_ID, ConversationHit, KVReuse
+from .specprefill import SpecPrefillConfig, score_steps, select_chunks
+
+if TYPE_CHECKING:
+    from .sequence import EngineSequence
+
+
+@dataclass(frozen=True, slots=True)
+class SparsePrefill:
+    """A finished SpecPrefill: the target's cache, rotated so the last prompt token lands at
+    its own position, and what it holds."""
+
+    cache: list[Any]
+    protected: int                                   # prompt tokens kept whole
+    protected_positions: tuple[int, ...] | None      # their stored positions (None: all)
+    kept: tuple[int, ...]                            # positions prefilled after them
+    reused: int                                      # of ``protected``: restored, not computed
+    from_conversation: bool                          # restored from an earlier prompt
+
+
+@dataclass(slots=True)
+class SparseJob:
+    """A SpecPrefill in progress for one sequence."""
+
+    seq: EngineSequence
+    ids: list[int]
+    static: int
+    steps: Generator[None, None, SparsePrefill]
+
+
+def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefillConfig, *,
+                      namespace: str, ids: list[int], static: int,
+                      conv: ConversationHit | None, keep_pct: float | None,
+                      step: int) -> Generator[None, None, SparsePrefill]:
+    """SpecPrefill of one prompt, a model chunk per step (see the module docstring)."""
+    draft_vocab = vocab_size(draft)
+    if draft_vocab is not None and max(ids) >= draft_vocab:
+        raise ValueError(f"token id {max(ids)} is outside the draft's vocabulary "
+                         f"({draft_vocab})")
+    n = len(ids)
+    protected_positions: tuple[int, ...] | None = None
+    if conv is not None:       # a copy: the sparse prefill writes after it
+        protected = reused = conv.tokens
+        cache = kv.restore(conv.snapshot, protected)
+        protected_positions = conv.snapshot.positions_before(protected)
+    else:
+        protected = static
+        cache, reused = yield from reuse.static_cache_steps(target, TARGET_ID, namespace, ids,
+                                                            static, step)
+    # The draft has no conversation KV: it reads the prompt from its static prefix on (a
+    # twentieth of the target's cost) and scores only what follows the protected part.
+    draft_cache, _ = yield from reuse.static_cache_steps(draft, DRAFT_ID, namespace, ids,
+                                                         static, step)
+    importance = yield from score_steps(draft, ids, protected, draft_cache,
+                                        lookahead=config.lookahead,
+                                        pool_kernel=config.pool_kernel, step=step)
+    del draft_cache
+    kept = select_chunks(importance, keep_pct or config.keep_pct, config.chunk_size,
+                         config.tail_tokens)
+    # The final prompt token is generation's first input: BatchGenerator feeds it.
+    positions = tuple(protected + i for i in kept if protected + i != n - 1)
+    yield from sparse_prefill_steps(target, ids, positions, cache, step)
+    shift = (n - 1) - kv.cache_size(cache)
+    for layer in cache:
+        layer.position_shift = shift
+    return SparsePrefill(cache, protected, protected_positions, positions, reused,
+                         conv is not None)

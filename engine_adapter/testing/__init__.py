@@ -1,0 +1,2 @@
+"""Test and benchmark tooling of the engine: tiny random-weights model folders
+(``python -m engine_adapter.testing.tiny_model DEST``) and uncached reference computations."""

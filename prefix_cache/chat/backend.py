@@ -1,0 +1,180 @@
+"""The seam between an API layer and an engine: a neutral generation request in, neutral outputs
+out, and the typed figures an engine reports.
+
+    API layer (OpenAI chat today; Anthropic Messages, OpenAI Responses) ── parses its body into
+        BackendRequest(prompt ids, boundary, tenant, SamplingParams, SpecPrefillParams)
+    backend.check(request)            the request as it will run (max_tokens filled in), or an
+                                      InvalidRequestError (a 400) before anything runs
+    backend.generate(request)         BackendOutput text deltas; the last one has the finish
+                                      reason and the usage; closing the iterator cancels
+    API layer ── formats the outputs in its own shape (JSON or SSE)
+
+An engine is anything with these calls (``ChatBackend``); the sidecar finds one by name through
+``prefix_cache.chat.engines`` and never sees its internals. Nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, TypedDict
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How tokens are chosen and when generation ends."""
+
+    max_tokens: int | None = None   # None: the backend's default, cut to the context left
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()      # generation ends where one first appears (not returned)
+
+
+@dataclass(frozen=True, slots=True)
+class SpecPrefillParams:
+    """Per-request SpecPrefill knobs; None keeps the engine's own setting."""
+
+    enabled: bool | None = None     # None: on when the engine has a draft and the rest is long
+    keep_pct: float | None = None
+    threshold: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BackendRequest:
+    """One generation: the prompt's token ids, its static-prefix boundary, the tenant whose KV
+    it may reuse, and how to sample."""
+
+    prompt_ids: Sequence[int]
+    specprefill_system_end: int = 0
+    namespace: str = "default"
+    sampling: SamplingParams = SamplingParams()
+    specprefill: SpecPrefillParams = SpecPrefillParams()
+    request_id: str = field(default_factory=new_request_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one generation; ``cached_tokens``: prompt tokens whose KV was restored."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class BackendOutput:
+    """A text delta; the last output of a generation carries its finish reason and usage."""
+
+    text: str = ""
+    finish_reason: str | None = None   # "stop" or "length" on the last output
+    usage: Usage | None = None
+
+
+class BackendError(RuntimeError):
+    """The engine could not finish a generation it had accepted (closed, a model step failed)."""
+
+
+class EngineHealth(TypedDict, total=False):
+    """What a readiness probe reports for an engine; ``ok`` is always there."""
+
+    ok: bool
+    active: int
+    queued: int
+    sparse_prefills: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVStoreStats:
+    """An engine KV store's figures."""
+
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    rejected: int = 0       # snapshots larger than the whole store, not kept
+    superseded: int = 0     # entries dropped by a longer prompt of the same conversation
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+    by_namespace: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """An engine's counters since it started; a store that is off is None."""
+
+    requests: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    specprefill: int = 0
+    fallbacks: int = 0
+    reused_tokens: int = 0
+    prefilled_tokens: int = 0
+    generated_tokens: int = 0
+    parked: int = 0
+    conversation_hits: int = 0
+    last_fallback: str | None = None
+    active: int = 0
+    kv_store: KVStoreStats | None = None
+    conversation_store: KVStoreStats | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON for the dashboard; a store that is off is left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None or k == "last_fallback"}
+
+
+class ChatBackend(Protocol):
+    """An engine the API layers generate with (see the module docstring)."""
+
+    name: str
+    tokenizer: Any  # the model's tokenizer: renders prompts that come without ids
+
+    def check(self, request: BackendRequest) -> BackendRequest:
+        """The request as it will run; InvalidRequestError (a 400) when it cannot."""
+        ...
+
+    def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
+        """The outputs of a checked request; BackendError if the engine fails meanwhile."""
+        ...
+
+    def health(self) -> EngineHealth: ...
+
+    def snapshot_stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
+
+
+class BackendFactory(Protocol):
+    """What an engine package registers under a name (``--engine NAME``)."""
+
+    def check_options(self, options: Mapping[str, Any]) -> None:
+        """ValueError naming each bad engine option; loads nothing."""
+        ...
+
+    def load(self, folder: Path, draft: Path | None, *, name: str,
+             options: Mapping[str, Any]) -> ChatBackend:
+        """The engine for a model folder (and a draft); ValueError saying why if it cannot."""
+        ...
+
+    def serve(self, folder: Path, draft: Path | None, *, host: str, port: int,
+              trust_namespace: bool, api_key: str | None,
+              options: Mapping[str, Any]) -> int:
+        """Run the engine as its own OpenAI-compatible server until stopped; the exit code."""
+        ...
+
+    def default_model(self) -> Path:
+        """The model folder served when none is given (made on first use); ValueError saying
+        what to install if it cannot be made."""
+        ...

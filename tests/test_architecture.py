@@ -1,0 +1,139 @@
+"""The architecture's rules, read from the source: which package imports which, module sizes,
+and the README's layout table against the tree."""
+
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("prefix_cache", "engine_adapter")
+MAX_RUNTIME_LINES = 450
+# The one place prefix_cache reaches engine_adapter: the engine lookup by name.
+ENGINE_LOOKUP = "prefix_cache.chat.engines"
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str        # the importing module
+    target: str        # the imported module, absolute
+    top_level: bool    # at module load (not inside a function)
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> list[Path]:
+    return sorted(p for package in PACKAGES for p in (REPO / package).rglob("*.py"))
+
+
+def imports_of(path: Path) -> list[Import]:
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function.update(id(child) for child in ast.walk(node) if child is not node)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            # ``from pkg import mod`` imports pkg.mod when mod is a module
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        found += [Import(name, t, id(node) not in in_function) for t in targets]
+    return found
+
+
+def _all_imports() -> list[Import]:
+    return [i for path in modules() for i in imports_of(path)]
+
+
+def _under(target: str, package: str) -> bool:
+    return target == package or target.startswith(package + ".")
+
+
+def test_engine_adapter_never_imports_the_sidecar() -> None:
+    bad = {(i.module, i.target) for i in _all_imports()
+           if _under(i.module, "engine_adapter") and _under(i.target, "prefix_cache.service")}
+    assert bad == set()
+
+
+def test_prefix_cache_reaches_engine_adapter_only_in_the_engine_lookup() -> None:
+    reaching = [i for i in _all_imports()
+                if _under(i.module, "prefix_cache") and _under(i.target, "engine_adapter")]
+    assert {i.module for i in reaching} == {ENGINE_LOOKUP}
+    assert not [i for i in reaching if i.top_level]  # imported when asked for, not at load
+
+
+def test_prefix_cache_never_imports_mlx() -> None:
+    bad = {(i.module, i.target) for i in _all_imports() if _under(i.module, "prefix_cache")
+           and (_under(i.target, "mlx") or _under(i.target, "mlx_lm"))}
+    assert bad == set()
+
+
+def test_the_lower_layers_never_import_the_higher_ones() -> None:
+    """The HTTP layer sits below both servers, the chat layer below the sidecar; the core below
+    all of them."""
+    below = {"prefix_cache.http": ("prefix_cache.service", "prefix_cache.chat"),
+             "prefix_cache.chat": ("prefix_cache.service",),
+             "prefix_cache.store": ("prefix_cache.service", "prefix_cache.http",
+                                    "prefix_cache.chat")}
+    bad = {(i.module, i.target) for i in _all_imports() for lower, higher in below.items()
+           if _under(i.module, lower) and any(_under(i.target, h) for h in higher)}
+    assert bad == set()
+
+
+def test_runtime_modules_load_no_test_tooling() -> None:
+    bad = {(i.module, i.target) for i in _all_imports()
+           if i.top_level and ".testing" not in i.module
+           and (_under(i.target, "prefix_cache.testing") or _under(i.target, "engine_adapter.testing"))}
+    assert bad == set()
+
+
+def test_no_runtime_module_is_over_the_size_limit() -> None:
+    sizes = {module_name(p): len(p.read_text(encoding="utf-8").splitlines()) for p in modules()
+             if "testing" not in p.relative_to(REPO).parts}
+    assert {m: n for m, n in sizes.items() if n > MAX_RUNTIME_LINES} == {}
+
+
+def layout_rows() -> dict[str, str]:
+    """README's layout table: first backticked path of each row -> the whole row."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        match = re.match(r"\| `([^`]+)` \|", line)
+        if match:
+            rows[match.group(1)] = line
+    return rows
+
+
+def test_the_readme_layout_table_matches_the_tree() -> None:
+    rows = layout_rows()
+    assert [p for p in rows if not (REPO / p).exists()] == []
+    missing = []
+    for package in PACKAGES:
+        for path in sorted((REPO / package).rglob("*.py")):
+            rel = path.relative_to(REPO)
+            if path.name == "__init__.py" and rel.parent.as_posix() in PACKAGES:
+                continue
+            own = rel.as_posix()
+            folder = rel.parent.as_posix() + "/"
+            if own in rows:
+                continue
+            if folder in rows and (path.name == "__init__.py" or f"`{path.name}`" in rows[folder]):
+                continue
+            missing.append(own)
+    assert missing == []
