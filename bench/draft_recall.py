@@ -1,0 +1,117 @@
+"""Does the SpecPrefill draft find the answer? For layer-truncated copies of the demo chat model
+(and the whole model), how often the chunk holding the answer is among those SpecPrefill keeps.
+
+    bash bench/draft_recall.sh [--prompts 10] [--layers 4,6,10,16,24,30] [--update-docs]
+
+The agent turns of ``bench/engine_quality.py`` (a postmortem, a question on one fact of it). Per
+turn and draft, exactly what the engine does for the cached boundary (d): the draft's static
+prefix is in its cache, ``score_tokens`` scores what follows it (8 lookahead steps), and
+``select_chunks`` keeps 20% of the chunks (the last 64 tokens always). Reported: on how many turns
+the answer's first token is kept, the median rank of its chunk among the scored chunks (1 = the
+draft's top choice), and the median scoring time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(BENCH))
+
+from agent_workload import agent_prompt  # noqa: E402
+from engine import machine  # noqa: E402
+
+DOCS = ROOT / "docs" / "engine.md"
+MARK_START, MARK_END = "<!-- bench:recall:start -->", "<!-- bench:recall:end -->"
+CHUNK, TAIL, KEEP = 32, 64, 0.2
+
+
+def answer_position(tok: Any, ids: list[int], answer: str) -> int:
+    """Index of the first token of the answer's mention in the pasted document."""
+    text = tok.decode(ids)
+    start = text.find(answer, text.find("Answer from this postmortem"))
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    return next(i for i, (a, b) in enumerate(offsets) if a <= start < b)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=10)
+    parser.add_argument("--layers", default="4,6,10,16,24,30",
+                        help="draft depths (30: the whole model)")
+    parser.add_argument("--update-docs", action="store_true")
+    args = parser.parse_args(argv)
+
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    from engine_adapter.demo_model import demo_chat_model_dir
+    from engine_adapter.mlx_engine.specprefill import score_tokens, select_chunks
+    from prefix_cache import StaticPrefixCache
+    from prefix_cache.render import unwrap_tokenizer
+
+    started = time.perf_counter()
+    target, wrapper = load(str(demo_chat_model_dir()))[:2]
+    layers = [int(x) for x in args.layers.split(",")]
+    full = int(target.args.num_hidden_layers)
+    drafts = {n: target if n == full else load_model(demo_chat_model_dir(layers=n))[0]
+              for n in layers}
+    tok = unwrap_tokenizer(wrapper)
+    cache = StaticPrefixCache()
+    kept: dict[int, int] = dict.fromkeys(layers, 0)
+    ranks: dict[int, list[int]] = {n: [] for n in layers}
+    seconds: dict[int, list[float]] = {n: [] for n in layers}
+    for turn in range(args.prompts):
+        prompt = agent_prompt(turn)
+        result = cache.resolve(tok, prompt.messages, prompt.tools)
+        ids, end = result.prompt_ids, result.specprefill_system_end
+        needle = answer_position(tok, ids, prompt.answer) - end
+        for n, draft in drafts.items():
+            draft_cache = make_prompt_cache(draft)
+            draft(mx.array(ids[:end])[None], cache=draft_cache)
+            mx.eval([c.state for c in draft_cache])
+            t0 = time.perf_counter()
+            importance = score_tokens(draft, ids, end, draft_cache)
+            seconds[n].append(time.perf_counter() - t0)
+            keep = select_chunks(importance, KEEP, CHUNK, TAIL)
+            kept[n] += needle in keep
+            scores = importance.tolist()
+            means = [statistics.mean(scores[c:c + CHUNK]) for c in range(0, len(scores), CHUNK)]
+            ranks[n].append(1 + sum(m > means[needle // CHUNK] for m in means))
+        mx.clear_cache()
+    command = "bash bench/draft_recall.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    lines = [f"Machine: {machine()}; shared with other engineers' jobs while it ran.",
+             f"Command: `{command}`. {args.prompts} turns, ~{len(means)} chunks of {CHUNK} "
+             f"scored per turn, {KEEP:.0%} kept (the last {TAIL} tokens always).", "",
+             "| draft | answer kept | answer chunk's rank (median; each turn) | scoring time "
+             "(median) |", "|---|---:|---|---:|"]
+    for n in layers:
+        name = f"the whole model ({n} layers)" if n == full else f"first {n} layers"
+        lines.append(f"| {name} | {kept[n]}/{args.prompts} | {statistics.median(ranks[n]):.0f} "
+                     f"({', '.join(map(str, ranks[n]))}) | "
+                     f"{statistics.median(seconds[n]) * 1000:.0f} ms |")
+    lines += ["", f"Whole run: {time.perf_counter() - started:.0f} s.", ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.update_docs:
+        doc = DOCS.read_text(encoding="utf-8")
+        pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
+        if not pattern.search(doc):
+            raise SystemExit(f"{DOCS} has no {MARK_START} ... {MARK_END} block")
+        DOCS.write_text(pattern.sub(lambda _m: f"{MARK_START}\n{text}\n{MARK_END}", doc),
+                        encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
