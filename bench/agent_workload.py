@@ -1,12 +1,12 @@
-"""A realistic agent's prompts for the quality benchmark: a support agent's system prompt and
-tools (the static prefix, the same on every turn), then a user turn that pastes a document and
-asks a question whose answer is in it.
+"""A realistic agent's prompts for the quality benchmark: an operations assistant's system
+prompt and 8 tools (the static prefix, the same on every turn), then a user turn that pastes a
+document and asks a question whose answer is in it.
 
-Each document is an operations handbook of ``sections`` services, each section a paragraph of
-facts (region, port, owner team, on-call engineer, deploy day, retry policy); the question asks
-one fact of one service, so the answer is one short span in the middle of distractors of the
-same shape: the tokens that matter are few, which is what SpecPrefill's selection must find.
-Seeded: the same seed gives the same prompt on every machine.
+Each document is an incident postmortem (~950 tokens): 24 paragraphs of what such reports say, in
+a fresh order, with six facts (incident commander, region, component, customers affected, ticket,
+duration) each stated once at the end of a random paragraph; the question asks one of them, so the
+answer is one short span in the middle of the document: the tokens that matter are few, which is
+what SpecPrefill's selection must find. Seeded: the same seed gives the same prompt everywhere.
 """
 
 from __future__ import annotations
