@@ -101,6 +101,16 @@ def test_sidecar_settings_with_engine_mlx_and_no_model_take_the_demo_chat_model(
     assert plain.engine is None    # without --engine, the tokenizer-only demo stays the default
 
 
+def test_demo_model_command_prints_the_chat_folder(
+        demo_chat_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from prefix_cache.cli import main
+
+    monkeypatch.setenv("PREFIX_CACHE_HOME", str(demo_chat_dir.parent))
+    assert main(["demo-model", "--chat"]) == 0
+    assert capsys.readouterr().out.strip() == str(demo_chat_dir)
+
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},

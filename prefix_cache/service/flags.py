@@ -50,8 +50,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     rows = [f"  {env_name(name):<42} {info.description}"
             + (f" ({_default(info)})" if _default(info) not in (None, "") else "")
             for name, info in ServiceSettings.model_fields.items() if _flag_of(info) is None]
-    rows += [f"  {HOME_ENV:<42} folder the demo model is made in, with no model given "
-             "(~/.cache/prefix-cache)",
+    rows += [f"  {HOME_ENV:<42} folder the demo models are made in, with no model given "
+             "(with --engine mlx, the demo chat model converted there) (~/.cache/prefix-cache)",
              f"  {CACHE_ENV:<42} disk cache of the tokenizers built offline "
              "(~/.cache/prefix-cache/tokenizers)"]
     parser.epilog = ("settings without a flag (the flags' variables are in their help), and "
