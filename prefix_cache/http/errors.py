@@ -17,7 +17,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import InvalidRequestError, NoChatTemplateError, PrefixCacheError, TemplateRenderError
+from ..errors import (
+    InvalidRequestError,
+    NoChatTemplateError,
+    PrefixCacheError,
+    StoreUnavailableError,
+    TemplateRenderError,
+)
 
 log = logging.getLogger("prefix_cache.service")
 
@@ -62,6 +68,12 @@ class NotFound(ServiceError):
 
 class PayloadTooLarge(ServiceError):
     status, type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class ServiceUnavailable(ServiceError):
+    """Something this service needs is down (the shared store) or it is shutting down: retry."""
+
+    status, type, code = 503, "server_error", "service_unavailable"
 
 
 class UpstreamUnavailable(ServiceError):
@@ -145,6 +157,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, NoChatTemplateError):
             # The model's configuration lacks a template: the operator's to fix, not the client's.
             return error_response(500, str(exc), "server_error", "no_chat_template")
+        if isinstance(exc, StoreUnavailableError):
+            # Lookups turn store failures into recomputes; what reaches here is an operation
+            # that needs the store itself (an admin purge). Its details stay in the log.
+            log.warning("store unavailable: %s", exc)
+            return error_response(503, "the cache store is unavailable; try again",
+                                  "server_error", "store_unavailable", {"Retry-After": "5"})
         log.error("unexpected library error: %s", exc)
         return error_response(500, str(exc), "server_error", "internal_error")
 

@@ -6,12 +6,14 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from ..http.errors import BadRequest
+from ..errors import StoreUnavailableError
+from ..http.errors import BadRequest, ServiceUnavailable
 from ..keys import key_pattern, model_label, validate_label
 from .deps import State, read_body, require_admin
 from .schemas import PurgeRequest
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+PURGE_RETRY_AFTER_S = 5
 
 
 @router.get("/stats")
@@ -40,4 +42,12 @@ async def purge(request: Request, state: State) -> dict[str, Any]:
         raise BadRequest(str(exc)) from None
     model = model_label(req.model) if req.model is not None else None
     pattern = key_pattern(state.cache.prefix, tenant, model)
-    return {"purged": await state.store.apurge(pattern), "pattern": pattern}
+    try:
+        # The shared tier first, this worker's memory tier only once it succeeded.
+        purged = await state.store.apurge(pattern)
+    except StoreUnavailableError as exc:
+        raise ServiceUnavailable(
+            "the shared store is unavailable, so the purge did not complete (this worker's "
+            "memory tier was left as it was); retry once the store is back",
+            code="store_unavailable", headers={"Retry-After": str(PURGE_RETRY_AFTER_S)}) from exc
+    return {"purged": purged, "pattern": pattern}
