@@ -72,16 +72,20 @@ async def dashboard(request: Request, state: State) -> Response:
     return page
 
 
-def stats_document(state: ServiceState) -> dict[str, Any]:
+async def stats_document(state: ServiceState) -> dict[str, Any]:
     """What the page draws: the metrics summary, store health and in-process engines' counters,
-    from this worker's view."""
+    from this worker's view. "reachable" is a ping of the store now, not the breaker's memory."""
     store = state.store.stats()
     state.metrics.refresh_store(store)
     breaker = store.remote.breaker if store.remote is not None else None
+    try:
+        reachable = await asyncio.wait_for(state.store.aping(), state.settings.ready_timeout_s)
+    except TimeoutError:
+        reachable = False
     return {
         "metrics": state.metrics.snapshot(),
         "store_backend": store.backend,
-        "store_health": {"breaker": breaker, "reachable": breaker != "open"},
+        "store_health": {"breaker": breaker, "reachable": reachable},
         "models": [m.name for m in state.models],
         "engines": engine_rows(state),
     }
@@ -107,5 +111,5 @@ async def dashboard_stats(request: Request, state: State) -> Response:
         return _challenge()
     import orjson
 
-    return Response(orjson.dumps(stats_document(state)), media_type="application/json",
+    return Response(orjson.dumps(await stats_document(state)), media_type="application/json",
                     headers={"Cache-Control": "no-store"})
