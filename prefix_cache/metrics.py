@@ -13,7 +13,6 @@ folded into ``other``.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +28,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from .multiprocess import forget_dead_processes, multiprocess_dir
 from .observer import CacheObserver
 from .store.base import StoreStats
 
@@ -58,18 +58,6 @@ class TenantLabels:
                 self._known.add(tenant)
                 return tenant
         return OTHER
-
-
-def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
-
-
-def mark_process_dead() -> None:
-    """At a worker's exit: drop its live gauges from the multiprocess aggregate."""
-    if multiprocess_dir():
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(os.getpid())
 
 
 class Metrics(CacheObserver):
@@ -114,9 +102,10 @@ class Metrics(CacheObserver):
                                  ["store"], registry=reg, multiprocess_mode="livesum")
         self.store_evictions = Gauge(f"{NS}_store_evictions", "Evictions so far (per process).",
                                      ["store"], registry=reg, multiprocess_mode="livesum")
+        # livemax: a worker that died with its breaker open must not hold the gauge at 1.
         self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
                                   "1 while the shared store's circuit breaker is open.",
-                                  registry=reg, multiprocess_mode="max")
+                                  registry=reg, multiprocess_mode="livemax")
 
     # -- observer ---------------------------------------------------------------------------
 
@@ -174,6 +163,7 @@ class Metrics(CacheObserver):
             return self.registry
         from prometheus_client import multiprocess
 
+        forget_dead_processes()  # a killed worker's gauges leave the sums
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         for collector in self._collectors:

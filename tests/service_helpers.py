@@ -265,6 +265,20 @@ class ServeProcess:
                 return match
         raise AssertionError(f"no line matching {pattern!r}; log:\n{''.join(self.log)}")
 
+    def output(self, timeout: float = STARTUP_TIMEOUT_S) -> str:
+        """Everything the process wrote, once it has exited (bounded)."""
+        self.proc.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line == "":
+                break
+            self.log.append(line)
+        return "".join(self.log)
+
     def base_url(self) -> str:
         url = self.wait_for(r"Uvicorn running on (http://127\.0\.0\.1:\d+)").group(1)
         with local_client(timeout=2.0) as client:  # workers start after the parent binds

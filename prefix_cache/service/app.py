@@ -12,7 +12,10 @@ from fastapi import FastAPI
 from ..cache import StaticPrefixCache
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
-from ..metrics import Metrics, mark_process_dead
+from ..http.request_id import RequestIdMiddleware
+from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
+from ..metrics import Metrics
+from ..multiprocess import mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
@@ -56,7 +59,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     if engines:  # in-process engines' own counters, read at scrape time
         metrics.add_collector(EngineCollector(lambda: engines))
     cache = StaticPrefixCache(store, observer=metrics)
-    return ServiceState(settings, registry, keyring, store, cache, metrics)
+    return ServiceState(settings, registry, keyring, store, cache, metrics,
+                        Drain(settings.shutdown_grace_s))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -77,12 +81,15 @@ def create_app(settings: ServiceSettings | None = None, *,
             trust_env=False,  # upstreams are configured here, never picked from proxy variables
         )
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
+        restore_sigterm = drain_on_sigterm(state.drain)
         try:
             yield
         finally:
+            restore_sigterm()
             gauges.cancel()
             await state.client.aclose()
             await asyncio.to_thread(state.models.close)  # in-process engines, if any
+            await state.store.aclose()  # the loop's Redis connections, closed on their loop
             state.cache.close()
             mark_process_dead()
 
@@ -90,6 +97,9 @@ def create_app(settings: ServiceSettings | None = None, *,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = state
     install_error_handlers(app)
+    # Outermost last: every response, the drain's 503 included, carries the request id.
+    app.add_middleware(DrainMiddleware, drain=state.drain)
+    app.add_middleware(RequestIdMiddleware)
     for module in (api, admin, health, dashboard):
         app.include_router(module.router)
     return app

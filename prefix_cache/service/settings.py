@@ -125,6 +125,12 @@ class ServiceSettings(BaseSettings):
                                      "metrics label; the rest are folded into 'other'")
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         default="info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text | json (one JSON object per line, with the request id)",
+        json_schema_extra=_flag("--log-format", "FORMAT"))
+    shutdown_grace_s: float = Field(
+        default=10.0, gt=0, description="on SIGTERM, how long requests in flight (streams "
+        "included) may run on while new ones get 503")
 
     @field_validator("model_dirs", mode="before")
     @classmethod

@@ -25,6 +25,8 @@ import httpx
 from .. import json_io
 from ..cache import PrefixResult
 from ..http.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from ..http.request_id import HEADER as REQUEST_ID_HEADER
+from ..http.request_id import current_request_id
 from .settings import UpstreamKind
 
 log = logging.getLogger("prefix_cache.service")
@@ -90,6 +92,9 @@ class Upstream:
         }
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
+        request_id = current_request_id.get()
+        if request_id is not None:  # the upstream's logs line up with ours
+            headers[REQUEST_ID_HEADER] = request_id
         return headers
 
     async def open(self, client: httpx.AsyncClient, content: bytes) -> httpx.Response:
