@@ -34,7 +34,7 @@ from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name 
 UPSTREAM_APP = '''
 import orjson
 from starlette.applications import Starlette
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 BODY = orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "created": 0,
@@ -42,8 +42,18 @@ BODY = orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "creat
     "message": {"role": "assistant", "content": "ok"}}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
+CHUNKS = [b"data: " + orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion.chunk",
+    "created": 0, "model": "bench", "choices": [{"index": 0, "delta": {"content": text},
+    "finish_reason": None}]}) + b"\\n\\n" for text in ("o", "k", "!")] + [b"data: [DONE]\\n\\n"]
+
+async def chunks():
+    for chunk in CHUNKS:
+        yield chunk
+
 async def chat(request):
-    await request.body()
+    raw = await request.body()
+    if b'"stream": true' in raw or b'"stream":true' in raw:
+        return StreamingResponse(chunks(), media_type="text/event-stream")
     return Response(BODY, media_type="application/json")
 
 async def health(request):
