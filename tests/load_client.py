@@ -8,6 +8,7 @@ Every wait is bounded; nothing here asserts how fast anything is.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import threading
 import time
@@ -215,3 +216,11 @@ def tcp_connections(pid: int, remote_port: int) -> int:
             if port == remote_port and fields[3] == "01" and fields[9] in inodes:
                 count += 1
     return count
+
+
+def report(test: str, tally: Tally, **figures: Any) -> None:
+    """One line of figures (shown with ``pytest -s``), for docs/reliability.md."""
+    out = {"requests": tally.total, "statuses": dict(tally.statuses), "caches": dict(tally.caches),
+           "wrong_boundaries": len(tally.wrong), "transport_errors": dict(tally.transport_errors),
+           **figures}
+    print(f"FAULT-FIGURES {test} {json.dumps(out, default=str)}", flush=True)

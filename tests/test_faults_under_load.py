@@ -28,6 +28,7 @@ from .load_client import (
     Truth,
     loop_of,
     make_agents,
+    report,
     tasks_on,
     tcp_connections,
     wait_for_tasks,
@@ -99,14 +100,18 @@ def test_redis_killed_hung_and_restarted_under_load(redis: RedisServer, recorder
             hits_before = load.tally.caches["hit"]
             load.wait_for(PHASE_REQUESTS)
             tally = load.stop()
+        tasks = wait_for_tasks(loop_of(server), idle + SLACK_TASKS)
+        connections = tcp_connections(os.getpid(), port_of(redis.url))
+        report("redis_killed_hung_restarted", tally, breaker_opened=remote.breaker.times_opened,
+               store_errors=remote.errors, idle_tasks=idle, tasks_after=tasks,
+               redis_connections=connections)
         assert tally.wrong == [] and tally.transport_errors == {}
         assert set(tally.statuses) == {200}, tally
         assert tally.caches["hit"] > hits_before        # hits resumed after the faults
         assert remote.breaker.times_opened >= 2         # both outages were seen as outages
-        assert wait_for_tasks(loop_of(server), idle + SLACK_TASKS) <= idle + SLACK_TASKS
-        redis_port = int(redis.url.rsplit(":", 1)[1].split("/")[0])
+        assert tasks <= idle + SLACK_TASKS
         # The sync pool and this loop's async pool, each within its bound.
-        assert tcp_connections(os.getpid(), redis_port) <= 2 * remote._options["max_connections"]
+        assert connections <= 2 * remote._options["max_connections"]
     assert recorder.streams_open == 0
 
 
@@ -139,12 +144,16 @@ def test_upstream_slow_failing_and_dead_under_load(redis: RedisServer, recorder_
                         make_body=upstream_mix) as load:
             load.wait_for(5 * PHASE_REQUESTS)
             tally = load.stop()
+        tasks = wait_for_tasks(loop_of(server), idle + SLACK_TASKS)
+        connections = tcp_connections(os.getpid(), port_of(recorder_server[1]))
+        report("upstream_slow_failing_dead", tally, error_codes=tally.bodies, idle_tasks=idle,
+               tasks_after=tasks, upstream_connections=connections)
         assert tally.wrong == [] and tally.transport_errors == {}
         # Exactly what the upstream said (its 500 and its message), or that it was not there.
         assert set(tally.statuses) == {200, 500, 502}, tally
         assert tally.bodies == {500: {"overloaded"}, 502: {"upstream_unavailable"}}
-        assert wait_for_tasks(loop_of(server), idle + SLACK_TASKS) <= idle + SLACK_TASKS
-        assert tcp_connections(os.getpid(), port_of(recorder_server[1])) <= 64  # the keep-alive bound
+        assert tasks <= idle + SLACK_TASKS
+        assert connections <= 64  # the upstream client's keep-alive bound
     assert recorder.streams_open == 0
 
 
@@ -185,9 +194,13 @@ def test_clients_leaving_mid_stream_cancel_everything(redis: RedisServer, record
                         make_body=lambda a, t: a.body(t, stream=True)) as load:
             assert asyncio.run(clients()) == [200] * 40
             tally = load.stop()
-        assert tally.wrong == [] and set(tally.statuses) == {200}
         deadline = time.monotonic() + 5.0   # well before the upstream's own 15 s
         while recorder.streams_open and time.monotonic() < deadline:
             time.sleep(0.05)
+        tasks = wait_for_tasks(loop_of(server), idle + SLACK_TASKS)
+        report("clients_leaving_mid_stream", tally, left_mid_stream=40,
+               upstream_streams_open_after=recorder.streams_open, idle_tasks=idle,
+               tasks_after=tasks)
+        assert tally.wrong == [] and set(tally.statuses) == {200}
         assert recorder.streams_open == 0
-        assert wait_for_tasks(loop_of(server), idle + SLACK_TASKS) <= idle + SLACK_TASKS
+        assert tasks <= idle + SLACK_TASKS

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from .load_client import LoadThread, Truth, make_agents
+from .load_client import LoadThread, Truth, make_agents, report
 from .redis_server import RedisServer, needs_redis
 from .service_helpers import REPO, ServeProcess, local_client
 
@@ -122,9 +122,11 @@ def test_two_workers_one_killed_under_load(tmp_path: Path, redis: RedisServer, d
                 wait_until(lambda: all(process_entries(folder, p, tmp_path / "one") > 0
                                        for p in workers), "entries in both workers")
                 victim = max(workers, key=lambda p: process_entries(folder, p, tmp_path / "one"))
+                killed_entries = process_entries(folder, victim, tmp_path / "one")
                 os.kill(victim, signal.SIGKILL)
                 load.wait_for(48)  # served on: by the other worker, then by uvicorn's new one
                 tally = load.stop()
+            report("worker_killed", tally, workers=2, killed_worker_entries=killed_entries)
             assert tally.wrong == [] and set(tally.statuses) == {200}, tally
             # Only requests in flight on the killed worker can have failed, and only there.
             assert sum(tally.transport_errors.values()) <= LOAD_CLIENTS, tally
