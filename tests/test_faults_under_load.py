@@ -34,7 +34,7 @@ from .load_client import (
     wait_for_tasks,
 )
 from .redis_server import RedisServer, needs_redis
-from .service_helpers import Recorder, ServerThread, free_port, local_client, served
+from .service_helpers import Recorder, ServerThread, free_port, served
 
 pytestmark = needs_redis
 pytest_plugins = ["tests.service_fixtures"]

@@ -21,7 +21,14 @@ from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
-from .service_helpers import Recorder, ServeProcess, ServerThread, local_client, served, unique_system
+from .service_helpers import (
+    Recorder,
+    ServeProcess,
+    ServerThread,
+    local_client,
+    served,
+    unique_system,
+)
 
 pytest_plugins = ["tests.service_fixtures"]
 
