@@ -49,6 +49,7 @@ from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name 
 
 RSS_SAMPLE_S = 5.0
 STREAM_SHARE = 0.25
+ADMIN_KEY = "sk-soak-admin"
 HARD_STOP_EXTRA_S = 120.0  # the whole run ends by then, whatever happens
 
 
@@ -192,6 +193,11 @@ async def drive(args: argparse.Namespace, side_url: str, up_url: str, tenants: l
                                                          rngs[i], True)
                                              for i in range(args.clients)))
         rss["end"] = rss_bytes(serve_pid)
+        scrape = await sidecar.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        rss["store_errors"] = (  # every worker's, summed; None if the scrape is refused
+            int(sum(float(line.rsplit(" ", 1)[1]) for line in scrape.text.splitlines()
+                    if line.startswith("prefix_cache_store_errors_total{")))
+            if scrape.status_code == 200 else None)
         rss["max"] = max(rss["max"], rss["end"])
         rss["wall_s"] = time.monotonic() - started
         rss["agents"] = len(agents.known)
@@ -217,6 +223,7 @@ def summarize(args: argparse.Namespace, stats: Stats, rss: dict[str, Any], redis
         "requests": len(stats.sidecar), "requests_per_s": round(len(stats.sidecar) / rss["wall_s"], 1),
         "errors": sum(stats.errors.values()), "error_kinds": stats.errors,
         "boundary_mismatches": stats.mismatches,
+        "store_errors": rss["store_errors"],  # lookups and writes that had to do without Redis
         "hit_rate": round(stats.hits / looked, 3) if looked else 0.0,
         "rss_start_mb": round(rss["start"] / 2**20, 1), "rss_end_mb": round(rss["end"] / 2**20, 1),
         "rss_max_mb": round(rss["max"] / 2**20, 1),
@@ -241,12 +248,12 @@ def table(args: argparse.Namespace, s: dict[str, Any]) -> str:
         f" at the start, {s['load_average_start_end'][1]} at the end); client, upstream, Redis and "
         f"sidecar on the same cores. Command: `{command}`",
         "",
-        "| duration | requests | req/s | errors | boundary mismatches | hit rate | agents | "
+        "| duration | requests | req/s | errors | boundary mismatches | hit rate | store errors | agents | "
         "direct p50 | sidecar p50 | added p50 | direct p99 | sidecar p99 | added p99 | "
         "RSS start | RSS end | RSS max |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         f"| {s['duration_s']} s | {s['requests']} | {s['requests_per_s']} | {s['errors']} | "
-        f"{s['boundary_mismatches']} | {s['hit_rate']:.1%} | {s['agents_seen']} | "
+        f"{s['boundary_mismatches']} | {s['hit_rate']:.1%} | {s['store_errors']} | {s['agents_seen']} | "
         f"{s['direct_p50_ms']} ms | {s['sidecar_p50_ms']} ms | {s.get('added_p50_ms')} ms | "
         f"{s['direct_p99_ms']} ms | {s['sidecar_p99_ms']} ms | {s.get('added_p99_ms')} ms | "
         f"{s['rss_start_mb']} MB | {s['rss_end_mb']} MB | {s['rss_max_mb']} MB |",
@@ -265,6 +272,8 @@ def main() -> int:
                         help="share of requests from known agents")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--redis", default="auto", help="auto (start one if installed), none, or a URL")
+    parser.add_argument("--redis-timeout", type=float, default=None,
+                        help="the sidecar's Redis timeout in seconds (default: its own)")
     parser.add_argument("--output", help="write the markdown table here")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
     args = parser.parse_args()
@@ -286,7 +295,7 @@ def main() -> int:
         tenants = [f"sk-soak-{i}" for i in range(args.tenants)]
         keys = workdir / "keys.json"
         keys.write_text(json.dumps({"tenants": {k: f"tenant{i}" for i, k in enumerate(tenants)},
-                                    "admin_keys": ["sk-soak-admin"]}))
+                                    "admin_keys": [ADMIN_KEY]}))
         (workdir / "upstream_app.py").write_text(UPSTREAM_APP)
         up_port, side_port = free_port(), free_port()
         procs.append(subprocess.Popen(
@@ -298,7 +307,8 @@ def main() -> int:
             serve += ["--redis", redis_url]
         sidecar = subprocess.Popen(serve, cwd=ROOT, env={
             **env, "PREFIX_CACHE_LOG_LEVEL": "warning", "PREFIX_CACHE_KEYS_FILE": str(keys),
-            "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics")})
+            "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
+            **({"PREFIX_CACHE_REDIS_TIMEOUT_S": str(args.redis_timeout)} if args.redis_timeout else {})})
         procs.append(sidecar)
         up_url, side_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{side_port}"
         wait_ready(f"{up_url}/health")

@@ -37,7 +37,7 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
     if settings.uses_memory_store:
         return open_store(None, max_bytes=n_tenants * settings.tenant_max_bytes)
     try:
-        return open_store(settings.redis_url)
+        return open_store(settings.redis_url, timeout_seconds=settings.redis_timeout_s)
     except ImportError as exc:
         raise ValueError(f"--redis {settings.redis_url}: the Redis store is not available: "
                          f"{exc}") from exc

@@ -103,6 +103,9 @@ class ServiceSettings(BaseSettings):
         default=None, description="shared store: redis://, rediss://, unix://, "
         "redis+cluster:// (default: in-process memory)",
         json_schema_extra=_flag("--redis", "URL"))
+    redis_timeout_s: float = Field(
+        default=0.05, gt=0, description="longest wait for Redis (a connection, then an answer) "
+        "before a lookup is computed instead; a timeout opens the circuit breaker")
     keys_file: Path | None = Field(default=None, description="YAML/JSON {tenants: {KEY: "
                                    "tenant}, admin_keys: [...]}")
     api_keys: dict[str, str] = Field(default_factory=dict, description="JSON {KEY: tenant}; "
