@@ -101,7 +101,8 @@ class MLXBackend:
                 text, stopped = stops.feed(text, final)
                 if stopped or final:  # leaving the loop closes the engine's iterator
                     usage = Usage(len(engine_request.prompt_ids), generated, cached)
-                    yield BackendOutput(text, "stop" if stopped else event.finish_reason, usage)
+                    yield BackendOutput(text, "stop" if stopped else event.finish_reason, usage,
+                                        stop_sequence=stops.matched)
                     return
                 if text:
                     yield BackendOutput(text)

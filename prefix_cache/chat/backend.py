@@ -79,6 +79,7 @@ class BackendOutput:
     text: str = ""
     finish_reason: str | None = None   # "stop" or "length" on the last output
     usage: Usage | None = None
+    stop_sequence: str | None = None   # the stop string that ended the generation, if one did
 
 
 class BackendError(RuntimeError):

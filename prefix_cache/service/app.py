@@ -10,13 +10,14 @@ import httpx
 from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
+from ..chat.responses_store import ResponseStore
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
 from ..metrics import Metrics, mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
-from . import admin, api, dashboard, health
+from . import admin, agent_api, api, dashboard, health
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
 from .settings import ServiceSettings
@@ -56,7 +57,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     if engines:  # in-process engines' own counters, read at scrape time
         metrics.add_collector(EngineCollector(lambda: engines))
     cache = StaticPrefixCache(store, observer=metrics)
-    return ServiceState(settings, registry, keyring, store, cache, metrics)
+    return ServiceState(settings, registry, keyring, store, cache, metrics,
+                        responses=ResponseStore(settings.responses_store_bytes))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -90,6 +92,6 @@ def create_app(settings: ServiceSettings | None = None, *,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = state
     install_error_handlers(app)
-    for module in (api, admin, health, dashboard):
+    for module in (api, agent_api, admin, health, dashboard):
         app.include_router(module.router)
     return app

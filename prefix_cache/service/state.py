@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..cache import StaticPrefixCache
+from ..chat.responses_store import ResponseStore
 from ..metrics import Metrics
 from .models import ModelRegistry
 from .quota import TenantQuotaStore
@@ -25,6 +26,7 @@ class ServiceState:
     store: TenantQuotaStore
     cache: StaticPrefixCache
     metrics: Metrics
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     client: httpx.AsyncClient | None = None  # opened by the app's lifespan, on its event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 

@@ -1,0 +1,130 @@
+"""The agent APIs: ``POST /v1/messages`` (Anthropic Messages) and ``POST /v1/responses``
+(OpenAI Responses), with the tenants, boundary, ``x-prefix-cache`` /
+``x-specprefill-system-end`` headers and metrics of ``/v1/chat/completions``.
+
+Each body is converted to the chat-template conversation (``prefix_cache.chat``) and its
+boundary resolved in the caller's namespace, then the request goes to the model's:
+
+- in-process engine: the conversation's prompt ids and boundary, answered in the API's shape;
+- upstream that serves the API itself (``upstream_apis``; our ``serve-engine`` does): the body
+  unchanged (plus the boundary fields for ``specprefill`` upstreams), relayed as it comes;
+- upstream that speaks only chat completions: the conversation as a chat completion, its answer
+  (JSON or SSE) converted back to the API's shape.
+
+Every refusal (a bad body, an unknown ``previous_response_id``, a parameter the engine does not
+honour) happens before the boundary is resolved, so a refused request caches nothing. Errors
+have the API's own shape (``prefix_cache.http.errors``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from .. import json_io
+from ..chat.agent_call import AgentCall
+from ..chat.anthropic_params import parse_messages_body
+from ..chat.anthropic_stream import MessageMeta, message_json, message_stream
+from ..chat.events import OutputEvent, backend_events
+from ..chat.openai_chunks import completion_events
+from ..chat.respond import json_response, stream_response
+from ..chat.responses_params import parse_responses_body
+from ..chat.responses_stream import (
+    RelayedResponseRecorder,
+    ResponseMeta,
+    new_id,
+    response_json,
+    response_stream,
+)
+from ..http.errors import ClientDisconnected
+from ..http.relay import RelayResponse, RelayTap, until_disconnect
+from .api import cache_headers
+from .deps import State, Tenant, read_body
+from .models import ServedModel
+from .state import ServiceState
+
+router = APIRouter()
+
+Events = AsyncGenerator[OutputEvent, None]
+# Answers a turn's events in the API's shape: (events, prompt tokens, headers) -> response.
+Answer = Callable[[Events, int, dict[str, str]], Any]
+
+
+@router.post("/v1/messages")
+async def messages(request: Request, state: State, tenant: Tenant) -> Response:
+    raw, body = await read_body(request, state)
+    call = parse_messages_body(body)
+    model = state.models.get(call.model)
+
+    async def answer(events: Events, prompt_tokens: int, headers: dict[str, str]) -> Response:
+        meta = MessageMeta(new_id("msg"), call.model or model.name, prompt_tokens)
+        if call.stream:
+            return stream_response(message_stream(meta, events), headers)
+        return await json_response(request, message_json(meta, events), headers)
+
+    return await _generate(request, state, tenant, model, "messages", raw, body, call, answer)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request, state: State, tenant: Tenant) -> Response:
+    raw, body = await read_body(request, state)
+    parsed = parse_responses_body(body, lambda rid: state.responses.get(tenant, rid))
+    call = parsed.call
+    model = state.models.get(call.model)
+    meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo())
+
+    def keep(response: dict[str, Any]) -> None:
+        if parsed.store:
+            state.responses.put(tenant, response["id"], parsed.conversation_items(response))
+
+    async def answer(events: Events, _: int, headers: dict[str, str]) -> Response:
+        if call.stream:
+            return stream_response(response_stream(meta, events, keep), headers)
+        return await json_response(request, response_json(meta, events, keep), headers)
+
+    return await _generate(request, state, tenant, model, "responses", raw, body, call, answer,
+                           tap=RelayedResponseRecorder(call.stream, keep))
+
+
+async def _generate(request: Request, state: ServiceState, tenant: str, model: ServedModel,
+                    api: str, raw: bytes, body: dict[str, Any], call: AgentCall, answer: Answer,
+                    tap: RelayTap | None = None) -> Response:
+    """Resolve the conversation's boundary, then generate where the model runs."""
+    conversation = call.conversation
+    if model.engine is not None:
+        call.check_engine_support()  # before resolving: a refused request caches nothing
+    else:
+        model.require_upstream()
+    result = await state.cache.aresolve(
+        model.tokenizer, conversation.messages, conversation.tools,
+        conversation.chat_template_kwargs, namespace=tenant, model=model.label)
+    headers = cache_headers(result)
+    if model.engine is not None:
+        # The sidecar's prompt ids and boundary; the tenant is the namespace of the engine's KV.
+        checked = model.engine.check(call.backend_request(
+            result.prompt_ids, result.specprefill_system_end, tenant))
+        return await answer(backend_events(model.engine, checked), len(result.prompt_ids),
+                            headers)
+    upstream = model.require_upstream()
+    if upstream.speaks(api):
+        content = upstream.forward_content(raw, body, result, namespace=tenant)
+        response = await _open(request, state, model, api, content)
+        return RelayResponse(response, headers, tap)
+    chat = call.chat_body(call.model or model.name)
+    content = upstream.forward_content(json_io.dumps(chat), chat, result, namespace=tenant)
+    response = await _open(request, state, model, "chat", content)
+    events = completion_events(response, stream=call.stream, prompt_tokens=len(result.prompt_ids))
+    return await answer(events, len(result.prompt_ids), headers)
+
+
+async def _open(request: Request, state: ServiceState, model: ServedModel, api: str,
+                content: bytes) -> Any:
+    upstream = model.require_upstream()
+    response, disconnected = await until_disconnect(request.receive,
+                                                    upstream.open(state.http, content, api))
+    if disconnected or response is None:
+        raise ClientDisconnected("the client disconnected before the upstream answered")
+    return response
