@@ -49,17 +49,23 @@ MAX_STOP_SEQUENCES = 16
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
-class MessagesRequest(BaseModel):
-    """``POST /v1/messages``: the fields read, typed (content blocks are checked below, with
-    messages that name the block)."""
+class MessagesConversation(BaseModel):
+    """The fields of a Messages body that make its conversation, typed (content blocks are
+    checked below, with messages that name the block)."""
 
     model_config = ConfigDict(extra="allow")
 
-    model: StrictStr
-    max_tokens: StrictInt = Field(ge=1)
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: StrictStr | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class MessagesRequest(MessagesConversation):
+    """``POST /v1/messages``: the fields read, typed."""
+
+    model: StrictStr
+    max_tokens: StrictInt = Field(ge=1)
     tool_choice: dict[str, Any] | None = None
     temperature: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
@@ -67,13 +73,14 @@ class MessagesRequest(BaseModel):
     stop_sequences: list[StrictStr] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: StrictBool | None = None
     metadata: dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
 
 
-def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
-    """The call an Anthropic Messages body asks for; InvalidRequestError (or pydantic's
-    ValidationError) naming the first bad field."""
-    req = MessagesRequest.model_validate(body)
+def messages_conversation(body: Mapping[str, Any]) -> Conversation:
+    """The conversation of a Messages body (its generation fields are not read)."""
+    return _conversation(MessagesConversation.model_validate(body))
+
+
+def _conversation(req: MessagesConversation) -> Conversation:
     messages: list[MessageDict] = []
     system = _system(req.system)
     if system:
@@ -85,6 +92,14 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
                                   "is not supported (end with a user message)")
     tools = None if req.tools is None else [_tool(t, f"tools[{i}]") for i, t in
                                             enumerate(req.tools)]
+    return Conversation(messages, tools, req.chat_template_kwargs)
+
+
+def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
+    """The call an Anthropic Messages body asks for; InvalidRequestError (or pydantic's
+    ValidationError) naming the first bad field."""
+    req = MessagesRequest.model_validate(body)
+    conversation = _conversation(req)
     sampling = SamplingParams(
         max_tokens=req.max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -95,7 +110,7 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
     if req.top_k is not None:
         options["top_k"] = req.top_k
     return AgentCall(
-        model=req.model, conversation=Conversation(messages, tools, req.chat_template_kwargs),
+        model=req.model, conversation=conversation,
         sampling=sampling, specprefill=specprefill_params(body), stream=bool(req.stream),
         chat_options=options,
         engine_refusal=None if req.top_k is None else "top_k is not supported by this engine",
