@@ -19,8 +19,8 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.server import create_engine_app  # noqa: E402
 from prefix_cache.chat.anthropic_stream import MessageMeta, message_json  # noqa: E402
-from prefix_cache.chat.events import backend_events  # noqa: E402
 from prefix_cache.chat.backend import BackendRequest, SamplingParams  # noqa: E402
+from prefix_cache.chat.events import backend_events  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
 from prefix_cache.service.models import ModelRegistry  # noqa: E402

@@ -322,6 +322,23 @@ def test_responses_become_chat_completions_with_function_calls(base: str,
         {"role": "tool", "tool_call_id": "call_3", "content": "hello"}]
 
 
+def test_a_streamed_function_call_comes_back_as_responses_events(base: str,
+                                                                 rec: AgentRecorder) -> None:
+    rec.tool_call = ("call_5", "read_file", {"path": "d.txt"})
+    with openai_client(base, "sk-acme").responses.stream(
+            model="chat-only", input="Read d.txt.", tools=[READ_RESPONSES]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    assert kinds.index("response.output_text.done") < kinds.index(
+        "response.function_call_arguments.done") < kinds.index("response.completed")
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    call = final.output[1]
+    assert (call.call_id, call.name, json.loads(call.arguments)) == ("call_5", "read_file",
+                                                                    {"path": "d.txt"})
+    assert final.usage.output_tokens == 3 and final.status == "completed"
+
+
 def test_response_ids_belong_to_their_tenant(base: str, rec: AgentRecorder) -> None:
     acme, globex = openai_client(base, "sk-acme"), openai_client(base, "sk-globex")
     first = acme.responses.create(model="chat-only", input="Remember 42.")

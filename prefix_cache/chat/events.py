@@ -15,7 +15,7 @@ with the API's error event.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
@@ -50,7 +50,7 @@ def new_call_id(prefix: str = "call_") -> str:
 
 
 async def backend_events(backend: ChatBackend,
-                         request: BackendRequest) -> AsyncIterator[OutputEvent]:
+                         request: BackendRequest) -> AsyncGenerator[OutputEvent, None]:
     """A checked request's generation as events (the engine returns text: no tool calls)."""
     finish, usage, stop = None, None, None
     async with aclosing(backend.generate(request)) as outputs:
@@ -78,12 +78,12 @@ class Collected:
     finish: Finish = Finish("length")
 
 
-async def collect(events: AsyncIterator[OutputEvent]) -> Collected:
+async def collect(events: AsyncGenerator[OutputEvent, None]) -> Collected:
     """Every event of a turn, gathered (for an answer that is not streamed)."""
     turn = Collected()
     parts: list[str] = []
     by_index: dict[int, CollectedCall] = {}
-    async with aclosing(events):  # type: ignore[type-var]
+    async with aclosing(events):
         async for event in events:
             if isinstance(event, TextDelta):
                 parts.append(event.text)

@@ -66,7 +66,8 @@ def _calls(value: Any) -> list[ToolCallDelta]:
     for position, call in enumerate(value if isinstance(value, list) else []):
         if not isinstance(call, dict):
             continue
-        function = call.get("function") if isinstance(call.get("function"), dict) else {}
+        function = call.get("function")
+        function = function if isinstance(function, dict) else {}
         index = call.get("index", position)
         arguments = function.get("arguments")
         calls.append(ToolCallDelta(

@@ -142,37 +142,42 @@ class _Items:
         return sse_event(data, kind)
 
     def add(self, event: TextDelta | ToolCallDelta) -> list[bytes]:
+        """The events of one delta; the open item's index is the count of finished ones."""
         out: list[bytes] = []
-        at = len(self.items)
         if isinstance(event, TextDelta):
-            if self.key != ("text", 0):
+            if self.key != ("text", 0) or self.open is None:
                 out += self.close("completed")  # an item followed by another is complete
                 self.key, self.open = ("text", 0), message_item(new_id("msg"), "", "in_progress")
-                out.append(self.event("response.output_item.added", output_index=at,
+                out.append(self.event("response.output_item.added", output_index=self.at,
                                       item={**self.open, "content": []}))
                 out.append(self.event("response.content_part.added", item_id=self.open["id"],
-                                      output_index=at, content_index=0, part=_text_part("")))
+                                      output_index=self.at, content_index=0,
+                                      part=_text_part("")))
             self.open["content"][0]["text"] += event.text
             out.append(self.event("response.output_text.delta", item_id=self.open["id"],
-                                  output_index=at, content_index=0, delta=event.text,
+                                  output_index=self.at, content_index=0, delta=event.text,
                                   logprobs=[]))
             return out
-        if self.key != ("tool", event.index):
+        if self.key != ("tool", event.index) or self.open is None:
             out += self.close("completed")
             self.key = ("tool", event.index)
             self.open = call_item(new_id("fc"), event.id or new_call_id(), event.name or "", "",
                                   "in_progress")
-            out.append(self.event("response.output_item.added", output_index=at, item=self.open))
-        assert self.open is not None
+            out.append(self.event("response.output_item.added", output_index=self.at,
+                                  item=self.open))
         if event.arguments:
             self.open["arguments"] += event.arguments
             out.append(self.event("response.function_call_arguments.delta",
-                                  item_id=self.open["id"], output_index=at,
+                                  item_id=self.open["id"], output_index=self.at,
                                   delta=event.arguments))
         return out
 
+    @property
+    def at(self) -> int:
+        return len(self.items)
+
     def close(self, status: str) -> list[bytes]:
-        item, at = self.open, len(self.items)
+        item, at = self.open, self.at
         if item is None:
             return []
         self.open, self.key = None, None
