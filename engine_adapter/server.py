@@ -201,7 +201,7 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         params = parse_chat_params(body, chat.name)
         namespace = namespaces.of(body)
         ids, end = await prompt_of(chat, body)
-        generation = params.request(ids, end, namespace)
+        generation = params.request(ids, end, namespace, body.get("tools"))
         return await respond_chat(request, chat, params, generation)
 
     @app.post("/v1/messages")

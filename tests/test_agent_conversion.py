@@ -393,3 +393,29 @@ def test_the_cli_detects_each_line_and_gives_the_chat_boundary(
                      "--api", "messages"]) == 0
     line = json.loads(capsysbinary.readouterr().out)
     assert line["prompt_tokens"] == lines[0]["prompt_tokens"]
+
+
+# -- tool calls cut out of text, delta by delta ---------------------------------------------
+
+
+@pytest.mark.parametrize("end", ["</tool_call>", ""])
+def test_tool_call_markers_split_across_deltas_are_found(end: str) -> None:
+    from engine_adapter.tool_calls import ToolCallSplitter
+
+    def parse(text: str, _: Any) -> Any:
+        return json.loads(text.strip())  # mlx-lm's json_tools parser
+
+    call = '{"name": "f", "arguments": {"x": 1}}'
+    text = f"a <tool_c and <tool_call>{call}{end}"
+    if end:
+        text += f" then<tool_call>{call}{end}!"
+    splitter = ToolCallSplitter("<tool_call>", end, parse, [TOOL_CHAT])
+    pieces = [p for i, ch in enumerate(text)
+              for p in splitter.feed(ch, final=i == len(text) - 1)]
+    texts = "".join(p for p in pieces if isinstance(p, str))
+    calls = [p for p in pieces if not isinstance(p, str)]
+    assert texts == ("a <tool_c and  then!" if end else "a <tool_c and ")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})] * (
+        2 if end else 1)
+    assert len({c.id for c in calls}) == len(calls) and splitter.calls == len(calls)
+    assert ToolCallSplitter.for_tokenizer(object(), [TOOL_CHAT]) is None  # no parser known

@@ -263,3 +263,75 @@ def test_a_sidecar_in_front_of_serve_engine_passes_agent_requests_natively(
         # The same static prefix through the other API: acme's static KV, on the engine.
         assert final.usage.cache_read_input_tokens >= end
         assert "acme" in chat_engine.snapshot_stats().kv_store.by_namespace
+
+
+# -- tool calls cut out of the engine's text ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool_tokenizer(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny model's tokenizer as mlx-lm loads it for a model whose configuration names
+    its tool-call format (Qwen's ``<tool_call>`` JSON, mlx-lm's ``json_tools``)."""
+    import json
+    import shutil
+
+    from mlx_lm.tokenizer_utils import load
+
+    folder = tmp_path_factory.mktemp("tool-tokenizer")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_model_dir / name, folder / name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "tool_parser_type": "json_tools"}))
+    wrapper = load(folder)
+    assert wrapper.tool_call_start == "<tool_call>"
+    return wrapper
+
+
+def scripted(tokenizer: Any, text: str) -> MLXBackend:
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode(text, add_special_tokens=False) + [eos]
+    return MLXBackend(ScriptedEngine(ids, stop_token_ids=(eos,), finish="stop"), tokenizer)
+
+
+CALL_TEXT = ('Sure.<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n'
+             '</tool_call>')
+
+
+async def test_tool_calls_are_cut_out_of_the_engine_text(tool_tokenizer: Any) -> None:
+    from prefix_cache.chat.openai_params import parse_chat_params
+    from prefix_cache.chat.openai_stream import complete
+    from prefix_cache.chat.responses_stream import ResponseMeta, response_json
+
+    backend = scripted(tool_tokenizer, CALL_TEXT)
+    request = backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT]))
+    message = await message_json(MessageMeta("msg_1", "m", 3), backend_events(backend, request))
+    assert message["content"][0] == {"type": "text", "text": "Sure."}
+    call = message["content"][1]
+    assert (call["type"], call["name"], call["input"]) == ("tool_use", "read_file",
+                                                           {"path": "a.txt"})
+    assert message["stop_reason"] == "tool_use"
+    chat = await complete(backend, parse_chat_params({}, "m"),
+                          backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT])))
+    choice = chat["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
+    assert choice["message"]["tool_calls"][0]["function"] == {
+        "name": "read_file", "arguments": '{"path": "a.txt"}'}
+    response = await response_json(ResponseMeta("resp_1", "m"), backend_events(
+        backend, backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT]))), lambda _: None)
+    assert [item["type"] for item in response["output"]] == ["message", "function_call"]
+    assert response["output"][1]["name"] == "read_file"
+
+
+@pytest.mark.parametrize("text, tools", [
+    (CALL_TEXT, None),                                            # no tools offered: text
+    ('Sure.<tool_call>\n{"name": broken}\n</tool_call>', [READ_CHAT]),   # unreadable call
+    ('Sure.<tool_call>\n{"name": "read_file"', [READ_CHAT]),            # cut off
+])
+async def test_what_is_not_a_tool_call_stays_text(tool_tokenizer: Any, text: str,
+                                                  tools: Any) -> None:
+    backend = scripted(tool_tokenizer, text)
+    request = backend.check(BackendRequest([1, 2, 3], 2, tools=tools))
+    message = await message_json(MessageMeta("msg_1", "m", 3), backend_events(backend, request))
+    assert message["content"] == [{"type": "text", "text": text}]
+    assert message["stop_reason"] == "end_turn"

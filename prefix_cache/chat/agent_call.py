@@ -42,7 +42,7 @@ class AgentCall:
         return BackendRequest(prompt_ids=prompt_ids,
                               specprefill_system_end=specprefill_system_end,
                               namespace=namespace, sampling=self.sampling,
-                              specprefill=self.specprefill)
+                              specprefill=self.specprefill, tools=self.conversation.tools)
 
     def chat_body(self, model: str) -> dict[str, Any]:
         """This request as an OpenAI chat completion body (usage asked for when streamed)."""

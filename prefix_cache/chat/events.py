@@ -51,12 +51,17 @@ def new_call_id(prefix: str = "call_") -> str:
 
 async def backend_events(backend: ChatBackend,
                          request: BackendRequest) -> AsyncGenerator[OutputEvent, None]:
-    """A checked request's generation as events (the engine returns text: no tool calls)."""
+    """A checked request's generation as events: its text, and the tool calls the engine cut
+    out of it (one whole call per event)."""
     finish, usage, stop = None, None, None
+    calls = 0
     async with aclosing(backend.generate(request)) as outputs:
         async for out in outputs:
             if out.text:
                 yield TextDelta(out.text)
+            for call in out.tool_calls:
+                yield ToolCallDelta(calls, call.id, call.name, call.arguments)
+                calls += 1
             finish, usage = out.finish_reason or finish, out.usage or usage
             stop = out.stop_sequence or stop
     yield Finish(finish or "length", usage or Usage(len(request.prompt_ids), 0), stop)

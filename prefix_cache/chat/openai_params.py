@@ -1,7 +1,8 @@
 """An OpenAI chat completion body's parameters, checked, as the neutral request a backend runs.
 
 Every bad parameter is an ``InvalidRequestError`` naming it (a 400), raised before anything is
-resolved or run. Not supported: ``n`` > 1 and ``logprobs``; tool calls come back as text.
+resolved or run. Not supported: ``n`` > 1 and ``logprobs``. Tool calls come back as
+``tool_calls`` where the engine cuts them out of its text (see ``engine_adapter.tool_calls``).
 Extension fields: ``specprefill``, ``specprefill_keep_pct``, ``specprefill_threshold``.
 """
 
@@ -37,12 +38,14 @@ class ChatParams:
     include_usage: bool = False
 
     def request(self, prompt_ids: Sequence[int], specprefill_system_end: int,
-                namespace: str) -> BackendRequest:
-        """The backend request for these parameters over a prompt and its boundary."""
+                namespace: str, tools: Any = None) -> BackendRequest:
+        """The backend request for these parameters over a prompt and its boundary (and the
+        tools the prompt offers, whose calls an engine may cut out of its text)."""
         return BackendRequest(prompt_ids=prompt_ids,
                               specprefill_system_end=specprefill_system_end,
                               namespace=namespace, sampling=self.sampling,
-                              specprefill=self.specprefill)
+                              specprefill=self.specprefill,
+                              tools=tools if isinstance(tools, list) else None)
 
 
 def parse_chat_params(body: Mapping[str, Any], default_model: str) -> ChatParams:
