@@ -7,7 +7,8 @@
         specprefill_namespace   the namespace of the engine's static-prefix KV; read only with
                                 --trust-namespace (see below)
         specprefill, specprefill_keep_pct, specprefill_threshold: per-request SpecPrefill knobs
-    POST /v1/messages           an Anthropic Messages body, streaming or not; POST /v1/responses
+    POST /v1/messages           an Anthropic Messages body, streaming or not (and
+                                /v1/messages/count_tokens); POST /v1/responses
                                 an OpenAI Responses body (``previous_response_id``: this
                                 server's recent responses, per namespace). Both take the same
                                 extension fields; without ``prompt_token_ids`` the conversation
@@ -48,8 +49,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from prefix_cache.chat.agent_call import AgentCall
-from prefix_cache.chat.anthropic_params import parse_messages_body
+from prefix_cache.chat.anthropic_params import messages_conversation, parse_messages_body
 from prefix_cache.chat.anthropic_stream import MessageMeta, message_json, message_stream
+from prefix_cache.chat.conversation import Conversation
 from prefix_cache.chat.events import backend_events
 from prefix_cache.chat.openai_params import parse_chat_params
 from prefix_cache.chat.openai_stream import respond_chat
@@ -117,14 +119,15 @@ async def prompt_of(chat: MLXBackend, body: dict[str, Any],
     while) and its boundary; ``call``: the agent API request whose conversation is rendered."""
     ids = prompt_ids_of(body, chat.vocab_size)
     if ids is None:
-        if call is None:
-            ids = await asyncio.to_thread(render_prompt, chat.tokenizer, body)
-        else:
-            c = call.conversation
-            ids = await asyncio.to_thread(render_prompt, chat.tokenizer, {
-                "messages": c.messages, "tools": c.tools,
-                "chat_template_kwargs": c.chat_template_kwargs})
+        chat_body = body if call is None else conversation_body(call.conversation)
+        ids = await asyncio.to_thread(render_prompt, chat.tokenizer, chat_body)
     return ids, boundary_of(body, len(ids))
+
+
+def conversation_body(c: Conversation) -> dict[str, Any]:
+    """A conversation as the chat body ``render_prompt`` reads."""
+    return {"messages": c.messages, "tools": c.tools, "chat_template_kwargs":
+            c.chat_template_kwargs}
 
 
 class _Namespaces:
@@ -217,6 +220,14 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         if call.stream:
             return stream_response(message_stream(meta, events))
         return await json_response(request, message_json(meta, events))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        check_key(request)
+        _, body = await read_json_object(request, max_body_bytes)
+        chat_body = conversation_body(messages_conversation(body))
+        ids = await asyncio.to_thread(render_prompt, chat.tokenizer, chat_body)
+        return JSONResponse({"input_tokens": len(ids)})
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:

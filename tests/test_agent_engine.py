@@ -225,6 +225,10 @@ def test_serve_engine_serves_both_agent_apis(engine_server: tuple[str, MLXBacken
     with pytest.raises(anthropic.AuthenticationError):
         claude(url, "sk-wrong").messages.create(model="m", max_tokens=3,
                                                 messages=[{"role": "user", "content": "Hi"}])
+    count = claude(url, "sk-engine").messages.count_tokens(
+        model="anything", system="Be brief.", tools=[READ],
+        messages=[{"role": "user", "content": "Hi"}])
+    assert count.input_tokens == message.usage.input_tokens  # nothing cached yet: all of it
     sdk = openai_client(url, "sk-engine")
     first = sdk.responses.create(model="tiny-engine", input="Hi", max_output_tokens=3)
     second = sdk.responses.create(model="tiny-engine", input="Again", max_output_tokens=3,

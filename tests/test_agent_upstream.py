@@ -193,6 +193,16 @@ def test_a_streamed_chat_completion_comes_back_as_anthropic_events(base: str,
     assert sent["specprefill_system_end"] > 0 and sent["specprefill_namespace"] == "acme"
 
 
+def test_count_tokens_counts_the_prompt_the_conversation_renders_to(base: str) -> None:
+    system = unique_system()["content"]
+    turns, chat_messages = agent_turns(system)
+    count = claude(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
+                                               messages=turns)
+    expected = chat_boundary(base, {"model": "chat-only", "messages": chat_messages,
+                                    "tools": [READ_CHAT]})
+    assert count.input_tokens == expected["prompt_tokens"] and expected["cache"] == "hit"
+
+
 def test_bad_messages_are_anthropic_400s_before_anything_is_resolved(base: str,
                                                                      rec: AgentRecorder) -> None:
     sdk = claude(base)

@@ -164,10 +164,15 @@ def upstream_error_payload(exc: UpstreamStatusError, path: str = "") -> dict[str
     return error_body(message, "upstream_error", code)
 
 
+# pydantic names the member of a union that failed ("str", "list[dict[str,any]]"): not a field.
+_UNION_MEMBERS = frozenset(("str", "int", "float", "bool", "dict", "list", "none"))
+
+
 def _validation_message(errors: list[Any]) -> str:
     parts = []
     for err in errors[:5]:
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not (
+            isinstance(p, str) and (p in _UNION_MEMBERS or "[" in p))) or "body"
         parts.append(f"{loc}: {err.get('msg', 'invalid')}")
     more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
     return "invalid request: " + "; ".join(parts) + more

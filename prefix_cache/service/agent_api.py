@@ -1,6 +1,7 @@
-"""The agent APIs: ``POST /v1/messages`` (Anthropic Messages) and ``POST /v1/responses``
-(OpenAI Responses), with the tenants, boundary, ``x-prefix-cache`` /
-``x-specprefill-system-end`` headers and metrics of ``/v1/chat/completions``.
+"""The agent APIs: ``POST /v1/messages`` (Anthropic Messages, and its
+``/v1/messages/count_tokens``) and ``POST /v1/responses`` (OpenAI Responses), with the tenants,
+boundary, ``x-prefix-cache`` / ``x-specprefill-system-end`` headers and metrics of
+``/v1/chat/completions``.
 
 Each body is converted to the chat-template conversation (``prefix_cache.chat``) and its
 boundary resolved in the caller's namespace, then the request goes to the model's:
@@ -26,7 +27,7 @@ from fastapi.responses import Response
 
 from .. import json_io
 from ..chat.agent_call import AgentCall
-from ..chat.anthropic_params import parse_messages_body
+from ..chat.anthropic_params import messages_conversation, parse_messages_body
 from ..chat.anthropic_stream import MessageMeta, message_json, message_stream
 from ..chat.events import OutputEvent, backend_events
 from ..chat.openai_chunks import completion_events
@@ -66,6 +67,21 @@ async def messages(request: Request, state: State, tenant: Tenant) -> Response:
         return await json_response(request, message_json(meta, events), headers)
 
     return await _generate(request, state, tenant, model, "messages", raw, body, call, answer)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(request: Request, state: State, tenant: Tenant) -> Response:
+    """Anthropic's token count: the length of the prompt the conversation renders to, here
+    (the boundary is resolved on the way, so the agent's first turn is then a hit)."""
+    _, body = await read_body(request, state)
+    model_name = body.get("model")
+    conversation = messages_conversation(body)
+    model = state.models.get(model_name if isinstance(model_name, str) else None)
+    result = await state.cache.aresolve(
+        model.tokenizer, conversation.messages, conversation.tools,
+        conversation.chat_template_kwargs, namespace=tenant, model=model.label)
+    return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
+                    media_type="application/json", headers=cache_headers(result))
 
 
 @router.post("/v1/responses")
