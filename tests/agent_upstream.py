@@ -29,10 +29,12 @@ class AgentRecorder:
     tool_call: tuple[str, str, dict[str, Any]] | None = None   # (id, name, arguments)
     usage: tuple[int, int, int] = (11, 3, 4)                   # prompt, completion, cached
     error: tuple[int, Any] | None = None                       # (status, JSON body) to answer
+    break_stream: bool = False                                 # die after the first event
 
     def reset(self) -> None:
         self.requests.clear()
         self.text, self.tool_call, self.usage, self.error = "recorded", None, (11, 3, 4), None
+        self.break_stream = False
 
     def last(self, path: str) -> Recorded:
         return [r for p, r in self.requests if p == path][-1]
@@ -55,14 +57,10 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
         rec.requests.append((path, Recorded(dict(request.headers), raw, body)))
         return body
 
-    @app.middleware("http")
-    async def fail_as_asked(request: Request, call_next: Any) -> Response:
-        if rec.error is not None and request.method == "POST":
-            raw = await request.body()
-            rec.requests.append((request.url.path.rsplit("/", 1)[-1],
-                                 Recorded(dict(request.headers), raw, json.loads(raw))))
-            return JSONResponse(rec.error[1], status_code=rec.error[0])
-        return await call_next(request)
+    def failure() -> Response | None:
+        """The error the test asked for, if any."""
+        return None if rec.error is None else JSONResponse(rec.error[1],
+                                                           status_code=rec.error[0])
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -71,6 +69,8 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await record(request, "chat")
+        if (failed := failure()) is not None:
+            return failed
         if body.get("stream"):
             return StreamingResponse(_chat_stream(rec, body), media_type="text/event-stream")
         message: dict[str, Any] = {"role": "assistant", "content": rec.text}
@@ -92,6 +92,8 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:
         body = await record(request, "messages")
+        if (failed := failure()) is not None:
+            return failed
         message = {"id": "msg_rec", "type": "message", "role": "assistant",
                    "model": body.get("model"), "content": [{"type": "text", "text": rec.text}],
                    "stop_reason": "end_turn", "stop_sequence": None,
@@ -102,6 +104,8 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
         async def events() -> AsyncIterator[bytes]:
             yield _sse({"type": "message_start", "message": {**message, "content": []}},
                        "message_start")
+            if rec.break_stream:
+                raise RuntimeError("the recorder breaks mid-stream, as asked")
             yield _sse({"type": "content_block_start", "index": 0,
                         "content_block": {"type": "text", "text": ""}}, "content_block_start")
             yield _sse({"type": "content_block_delta", "index": 0,
@@ -118,6 +122,8 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         body = await record(request, "responses")
+        if (failed := failure()) is not None:
+            return failed
         rid = f"resp_rec_{uuid.uuid4().hex[:8]}"
         item = {"type": "message", "id": f"msg_{rid}", "status": "completed",
                 "role": "assistant",

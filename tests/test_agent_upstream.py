@@ -252,6 +252,20 @@ def test_upstream_errors_keep_the_api_shape(base: str, rec: AgentRecorder) -> No
         openai_client(base, "sk-acme").responses.create(model="chat-only", input="x")
 
 
+def test_a_relayed_stream_that_breaks_ends_with_an_anthropic_error_event(
+        base: str, rec: AgentRecorder) -> None:
+    rec.break_stream = True
+    with local_client(base_url=base, headers={"x-api-key": "sk-acme"}) as http:
+        with http.stream("POST", "/v1/messages", json={
+                "model": "native", "max_tokens": 4, "stream": True,
+                "messages": [{"role": "user", "content": "x"}]}) as response:
+            lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == "event: message_start"
+    assert lines[-2] == "event: error"
+    error = json.loads(lines[-1].removeprefix("data: "))
+    assert error["type"] == "error" and "mid-stream" in error["error"]["message"]
+
+
 def test_a_model_without_upstream_or_engine_refuses_agent_requests(base: str) -> None:
     with pytest.raises(anthropic.BadRequestError, match="no upstream and no engine"):
         claude(base).messages.create(model="boundary-only", max_tokens=4,

@@ -40,8 +40,9 @@ from ..chat.responses_stream import (
     response_json,
     response_stream,
 )
-from ..http.errors import ClientDisconnected
+from ..http.errors import ClientDisconnected, anthropic_error_body
 from ..http.relay import RelayResponse, RelayTap, until_disconnect
+from ..http.sse import sse_event
 from .api import cache_headers
 from .deps import State, Tenant, read_body
 from .models import ServedModel
@@ -66,7 +67,8 @@ async def messages(request: Request, state: State, tenant: Tenant) -> Response:
             return stream_response(message_stream(meta, events), headers)
         return await json_response(request, message_json(meta, events), headers)
 
-    return await _generate(request, state, tenant, model, "messages", raw, body, call, answer)
+    return await _generate(request, state, tenant, model, "messages", raw, body, call, answer,
+                           error_event=_anthropic_error_event)
 
 
 @router.post("/v1/messages/count_tokens")
@@ -102,12 +104,14 @@ async def responses(request: Request, state: State, tenant: Tenant) -> Response:
         return await json_response(request, response_json(meta, events, keep), headers)
 
     return await _generate(request, state, tenant, model, "responses", raw, body, call, answer,
-                           tap=RelayedResponseRecorder(call.stream, keep))
+                           tap=RelayedResponseRecorder(call.stream, keep),
+                           error_event=_responses_error_event)
 
 
 async def _generate(request: Request, state: ServiceState, tenant: str, model: ServedModel,
                     api: str, raw: bytes, body: dict[str, Any], call: AgentCall, answer: Answer,
-                    tap: RelayTap | None = None) -> Response:
+                    tap: RelayTap | None = None,
+                    error_event: Callable[[str], bytes] | None = None) -> Response:
     """Resolve the conversation's boundary, then generate where the model runs."""
     conversation = call.conversation
     if model.engine is not None:
@@ -128,7 +132,7 @@ async def _generate(request: Request, state: ServiceState, tenant: str, model: S
     if upstream.speaks(api):
         content = upstream.forward_content(raw, body, result, namespace=tenant)
         response = await _open(request, state, model, api, content)
-        return RelayResponse(response, headers, tap)
+        return RelayResponse(response, headers, tap, error_event)
     chat = call.chat_body(call.model or model.name)
     content = upstream.forward_content(json_io.dumps(chat), chat, result, namespace=tenant)
     response = await _open(request, state, model, "chat", content)
@@ -144,3 +148,14 @@ async def _open(request: Request, state: ServiceState, model: ServedModel, api: 
     if disconnected or response is None:
         raise ClientDisconnected("the client disconnected before the upstream answered")
     return response
+
+
+def _anthropic_error_event(message: str) -> bytes:
+    """A relayed Messages stream that breaks ends with Anthropic's error event."""
+    return sse_event(anthropic_error_body(502, message), "error")
+
+
+def _responses_error_event(message: str) -> bytes:
+    """A relayed Responses stream that breaks ends with its API's error event."""
+    return sse_event({"type": "error", "code": "upstream_interrupted", "message": message,
+                      "param": None}, "error")
