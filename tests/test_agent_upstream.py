@@ -394,3 +394,22 @@ def test_bad_responses_are_openai_400s(base: str, rec: AgentRecorder) -> None:
             sdk.responses.create(model="chat-only", **fields)
         assert set(info.value.body) >= {"message", "type", "code"}
     assert rec.requests == []
+
+
+def test_the_openapi_document_describes_the_agent_routes() -> None:
+    from fastapi import FastAPI
+
+    from prefix_cache.service import agent_api
+
+    app = FastAPI()
+    app.include_router(agent_api.router)
+    paths = app.openapi()["paths"]
+    for path, required, answer in [
+            ("/v1/messages", {"model", "max_tokens", "messages"}, "AnthropicMessage"),
+            ("/v1/messages/count_tokens", {"messages"}, "TokenCount"),
+            ("/v1/responses", {"input"}, "ResponseObject")]:
+        operation = paths[path]["post"]
+        schema = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert set(schema["required"]) == required
+        assert operation["responses"]["200"]["content"]["application/json"]["schema"] \
+            == {"$ref": f"#/components/schemas/{answer}"}

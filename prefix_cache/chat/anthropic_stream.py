@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel
 
 from .. import json_io
 from ..http.errors import anthropic_error_body
@@ -31,6 +33,32 @@ from .events import (
 )
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+class AnthropicUsage(BaseModel):
+    input_tokens: int
+    cache_creation_input_tokens: int
+    cache_read_input_tokens: int
+    output_tokens: int
+
+
+class AnthropicMessage(BaseModel):
+    """The ``message`` object a Messages request is answered with (the OpenAPI document's)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[dict[str, Any]]   # text and tool_use blocks
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: AnthropicUsage
+
+
+class TokenCount(BaseModel):
+    """``POST /v1/messages/count_tokens``'s answer."""
+
+    input_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,9 @@ import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
 
 from .. import json_io
 from ..http.sse import SSEDecoder, sse_event
@@ -30,6 +32,23 @@ log = logging.getLogger("prefix_cache.service")
 
 Done = Callable[[dict[str, Any]], None]
 MAX_RECORDED_BYTES = 16 << 20  # a relayed answer larger than this is relayed, not kept
+
+
+class ResponseObject(BaseModel):
+    """The ``response`` object a Responses request is answered with (the OpenAPI
+    document's); it also repeats the request's fields (instructions, tools, ...)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    model: str
+    output: list[dict[str, Any]]    # message and function_call items
+    usage: dict[str, Any] | None
 
 
 def new_id(prefix: str) -> str:

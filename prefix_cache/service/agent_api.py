@@ -24,18 +24,31 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from .. import json_io
 from ..chat.agent_call import AgentCall
-from ..chat.anthropic_params import messages_conversation, parse_messages_body
-from ..chat.anthropic_stream import MessageMeta, message_json, message_stream
+from ..chat.anthropic_params import (
+    MessagesConversation,
+    MessagesRequest,
+    messages_conversation,
+    parse_messages_body,
+)
+from ..chat.anthropic_stream import (
+    AnthropicMessage,
+    MessageMeta,
+    TokenCount,
+    message_json,
+    message_stream,
+)
 from ..chat.events import OutputEvent, backend_events
 from ..chat.openai_chunks import completion_events
 from ..chat.respond import json_response, stream_response
-from ..chat.responses_params import parse_responses_body
+from ..chat.responses_params import ResponsesRequest, parse_responses_body
 from ..chat.responses_stream import (
     RelayedResponseRecorder,
     ResponseMeta,
+    ResponseObject,
     new_id,
     response_json,
     response_stream,
@@ -55,7 +68,14 @@ Events = AsyncGenerator[OutputEvent, None]
 Answer = Callable[[Events, int, dict[str, str]], Any]
 
 
-@router.post("/v1/messages")
+def json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that reads its JSON itself (exactly, by hand)."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": model.model_json_schema()}}}}
+
+
+@router.post("/v1/messages", openapi_extra=json_body(MessagesRequest),
+             responses={200: {"model": AnthropicMessage}})
 async def messages(request: Request, state: State, tenant: Tenant) -> Response:
     raw, body = await read_body(request, state)
     call = parse_messages_body(body)
@@ -71,7 +91,8 @@ async def messages(request: Request, state: State, tenant: Tenant) -> Response:
                            error_event=_anthropic_error_event)
 
 
-@router.post("/v1/messages/count_tokens")
+@router.post("/v1/messages/count_tokens", openapi_extra=json_body(MessagesConversation),
+             responses={200: {"model": TokenCount}})
 async def count_tokens(request: Request, state: State, tenant: Tenant) -> Response:
     """Anthropic's token count: the length of the prompt the conversation renders to, here
     (the boundary is resolved on the way, so the agent's first turn is then a hit)."""
@@ -86,7 +107,8 @@ async def count_tokens(request: Request, state: State, tenant: Tenant) -> Respon
                     media_type="application/json", headers=cache_headers(result))
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=json_body(ResponsesRequest),
+             responses={200: {"model": ResponseObject}})
 async def responses(request: Request, state: State, tenant: Tenant) -> Response:
     raw, body = await read_body(request, state)
     parsed = parse_responses_body(body, lambda rid: state.responses.get(tenant, rid))
