@@ -413,3 +413,22 @@ def test_the_openapi_document_describes_the_agent_routes() -> None:
         assert set(schema["required"]) == required
         assert operation["responses"]["200"]["content"]["application/json"]["schema"] \
             == {"$ref": f"#/components/schemas/{answer}"}
+
+
+def test_upstream_apis_come_from_the_models_file(tmp_path: Any, demo_folder: Any) -> None:
+    from prefix_cache.service.models import load_model, load_model_specs
+
+    models = tmp_path / "models.yaml"
+    models.write_text(
+        f"vllm:\n  folder: {demo_folder}\n  upstream: http://h:1/v1\n"
+        f"  upstream_apis: [messages]\n"
+        f"ours:\n  folder: {demo_folder}\n  upstream: http://h:2/v1\n"
+        f"  upstream_kind: specprefill\n"
+        f"plain:\n  folder: {demo_folder}\n  upstream: http://h:3/v1\n")
+    specs = load_model_specs(ServiceSettings(models_file=models, keys_file=None))
+    upstreams = [load_model(s, loader=lambda *_: None).upstream for s in specs]
+    assert [u.apis for u in upstreams if u] == [("messages",), ("messages", "responses"), ()]
+    models.write_text(f"bad:\n  folder: {demo_folder}\n  upstream: http://h:1/v1\n"
+                      f"  upstream_apis: [completions]\n")
+    with pytest.raises(ValueError, match="upstream_apis"):
+        load_model_specs(ServiceSettings(models_file=models, keys_file=None))
