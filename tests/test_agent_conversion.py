@@ -147,8 +147,23 @@ def test_generation_fields_and_chat_options() -> None:
     assert body["specprefill_keep_pct"] == 0.5 and body["stop"] == ["END"]
 
 
+def test_structured_output_goes_to_upstreams_and_is_refused_by_the_engine() -> None:
+    call = parse_messages_body(anthropic_body(
+        messages=[{"role": "user", "content": "x"}],
+        output_config={"effort": "low", "format": {"type": "json_schema", "schema": SCHEMA}}))
+    assert call.chat_options == {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "output", "schema": SCHEMA}}}
+    with pytest.raises(InvalidRequestError, match="output_config.format"):
+        call.check_engine_support()
+    effort_only = parse_messages_body(anthropic_body(
+        messages=[{"role": "user", "content": "x"}], output_config={"effort": "low"}))
+    assert effort_only.engine_refusal is None and effort_only.chat_options == {}
+
+
 @pytest.mark.parametrize("fields, fragment", [
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role: 'system'"),
+    ({"messages": [{"role": "user", "content": "x"}], "output_config": {"format": {
+        "type": "json_object"}}}, "output_config.format must be"),
     ({"messages": [{"role": "user", "content": []}]}, "non-empty list"),
     ({"messages": [{"role": "user", "content": [{"type": "document"}]}]}, "'document' block"),
     ({"messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "with a 'type'"),

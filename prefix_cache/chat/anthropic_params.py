@@ -73,6 +73,7 @@ class MessagesRequest(MessagesConversation):
     stop_sequences: list[StrictStr] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES)
     stream: StrictBool | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
 
 
 def messages_conversation(body: Mapping[str, Any]) -> Conversation:
@@ -107,14 +108,29 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
         stop=tuple(s for s in req.stop_sequences or () if s),
     )
     options = _tool_choice(req.tool_choice)
+    refusal = None
     if req.top_k is not None:
         options["top_k"] = req.top_k
+        refusal = "top_k is not supported by this engine"
+    output_format = (req.output_config or {}).get("format")
+    if output_format is not None:
+        options["response_format"] = _response_format(output_format)
+        refusal = "output_config.format is not supported by this engine (no structured outputs)"
     return AgentCall(
         model=req.model, conversation=conversation,
         sampling=sampling, specprefill=specprefill_params(body), stream=bool(req.stream),
-        chat_options=options,
-        engine_refusal=None if req.top_k is None else "top_k is not supported by this engine",
+        chat_options=options, engine_refusal=refusal,
     )
+
+
+def _response_format(output_format: Any) -> dict[str, Any]:
+    """Anthropic's ``output_config.format`` as a chat completion's ``response_format``."""
+    if not isinstance(output_format, dict) or output_format.get("type") != "json_schema" \
+            or not isinstance(output_format.get("schema"), dict):
+        raise InvalidRequestError("output_config.format must be {\"type\": \"json_schema\", "
+                                  "\"schema\": {...}}")
+    return {"type": "json_schema", "json_schema": {"name": "output",
+                                                   "schema": output_format["schema"]}}
 
 
 def _system(system: str | list[dict[str, Any]] | None) -> str:

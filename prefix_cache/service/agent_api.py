@@ -19,9 +19,10 @@ have the API's own shape (``prefix_cache.http.errors``).
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
+import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
@@ -65,7 +66,7 @@ router = APIRouter()
 
 Events = AsyncGenerator[OutputEvent, None]
 # Answers a turn's events in the API's shape: (events, prompt tokens, headers) -> response.
-Answer = Callable[[Events, int, dict[str, str]], Any]
+Answer = Callable[[Events, int, dict[str, str]], Awaitable[Response]]
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
@@ -163,7 +164,7 @@ async def _generate(request: Request, state: ServiceState, tenant: str, model: S
 
 
 async def _open(request: Request, state: ServiceState, model: ServedModel, api: str,
-                content: bytes) -> Any:
+                content: bytes) -> httpx.Response:
     upstream = model.require_upstream()
     response, disconnected = await until_disconnect(request.receive,
                                                     upstream.open(state.http, content, api))
