@@ -9,6 +9,7 @@ their usual exceptions with our message in them: OpenAI's ``{"error": {"message"
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,8 +109,9 @@ def error_body(message: str, type_: str, code: str | None,
     return {"error": error}
 
 
-# Paths whose errors take Anthropic's shape (both servers serve the Messages API there).
-ANTHROPIC_PATHS = ("/v1/messages",)
+# Paths whose errors take Anthropic's shape (both servers serve the Messages API there), also
+# behind a proxy that mounts them under a prefix.
+ANTHROPIC_PATH = re.compile(r"/v1/messages(/|$)")
 # Anthropic's error type for each status; other 5xx are "api_error".
 ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -117,7 +119,7 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 def is_anthropic_path(path: str) -> bool:
-    return any(path == p or path.startswith(p + "/") for p in ANTHROPIC_PATHS)
+    return ANTHROPIC_PATH.search(path) is not None
 
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
