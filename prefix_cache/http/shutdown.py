@@ -27,16 +27,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from .errors import error_body
+from .errors import error_response
 
 log = logging.getLogger("prefix_cache.service")
 
 RETRY_AFTER_S = 1
-_REFUSAL = orjson.dumps(error_body("the server is shutting down; retry the request",
-                                   "server_error", "shutting_down"))
 
 
 class Drain:
@@ -96,12 +93,12 @@ class DrainMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.drain.draining:
-            await send({"type": "http.response.start", "status": 503, "headers": [
-                (b"content-type", b"application/json"), (b"connection", b"close"),
-                (b"retry-after", str(RETRY_AFTER_S).encode()),
-                (b"content-length", str(len(_REFUSAL)).encode())]})
-            await send({"type": "http.response.body", "body": _REFUSAL})
+        if self.drain.draining:  # in the error shape of the API asked for
+            refusal = error_response(503, "the server is shutting down; retry the request",
+                                     "server_error", "shutting_down",
+                                     {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+                                     path=scope.get("path", ""))
+            await refusal(scope, receive, send)
             return
         task = asyncio.current_task()
         assert task is not None  # an ASGI app always runs in a task

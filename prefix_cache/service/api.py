@@ -84,5 +84,6 @@ async def engine_completion(request: Request, state: ServiceState, model: Served
     the tenant as the namespace of the engine's static-prefix KV (invariant 5)."""
     params = parse_chat_params(body, engine.name)  # before resolving: a refused request caches nothing
     result = await resolve(state, model, body, tenant)
-    generation = params.request(result.prompt_ids, result.specprefill_system_end, tenant)
+    generation = params.request(result.prompt_ids, result.specprefill_system_end, tenant,
+                                body.get("tools"))
     return await respond_chat(request, engine, params, generation, cache_headers(result))

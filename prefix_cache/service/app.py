@@ -10,6 +10,7 @@ import httpx
 from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
+from ..chat.responses_store import ResponseStore
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
@@ -19,7 +20,7 @@ from ..multiprocess import mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
-from . import admin, api, dashboard, health
+from . import admin, agent_api, api, dashboard, health
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
 from .settings import ServiceSettings
@@ -60,7 +61,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
         metrics.add_collector(EngineCollector(lambda: engines))
     cache = StaticPrefixCache(store, observer=metrics)
     return ServiceState(settings, registry, keyring, store, cache, metrics,
-                        Drain(settings.shutdown_grace_s))
+                        Drain(settings.shutdown_grace_s),
+                        responses=ResponseStore(settings.responses_store_bytes))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -100,6 +102,6 @@ def create_app(settings: ServiceSettings | None = None, *,
     # Outermost last: every response, the drain's 503 included, carries the request id.
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(RequestIdMiddleware)
-    for module in (api, admin, health, dashboard):
+    for module in (api, agent_api, admin, health, dashboard):
         app.include_router(module.router)
     return app

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..cache import StaticPrefixCache
+from ..chat.responses_store import ResponseStore
 from ..http.shutdown import Drain
 from ..metrics import Metrics
 from .models import ModelRegistry
@@ -27,6 +28,7 @@ class ServiceState:
     cache: StaticPrefixCache
     metrics: Metrics
     drain: Drain
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     client: httpx.AsyncClient | None = None  # opened by the app's lifespan, on its event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 
