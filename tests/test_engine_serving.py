@@ -477,7 +477,8 @@ def test_serve_engine_models_and_health(engine_server: tuple[str, MLXBackend]) -
     with local_client(base_url=url) as http:
         assert http.get("/health").json() == {"status": "ok"}
         models = http.get("/v1/models").json()
-        bad = http.post("/v1/chat/completions", content=b"[1]")
+        bad = http.post("/v1/chat/completions", content=b"[1]",
+                        headers={"content-type": "application/json"})
     assert [m["id"] for m in models["data"]] == ["tiny-engine"]
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "code"}
 

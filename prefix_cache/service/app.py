@@ -86,7 +86,9 @@ def create_app(settings: ServiceSettings | None = None, *,
             state.cache.close()
             mark_process_dead()
 
-    app = FastAPI(title="prefix-cache sidecar", lifespan=lifespan,
+    # No trailing-slash redirects: Starlette builds their Location from the Host header, which
+    # the client chooses.
+    app = FastAPI(title="prefix-cache sidecar", lifespan=lifespan, redirect_slashes=False,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = state
     install_error_handlers(app)

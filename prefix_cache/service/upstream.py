@@ -24,7 +24,13 @@ import httpx
 
 from .. import json_io
 from ..cache import PrefixResult
-from ..http.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from ..http.errors import (
+    UpstreamBadStatus,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from ..http.relay import relays_status
 from .settings import UpstreamKind
 
 log = logging.getLogger("prefix_cache.service")
@@ -109,6 +115,13 @@ class Upstream:
             log.warning("upstream %s failed: %r", self.chat_url, exc)
             raise UpstreamUnavailable(
                 f"the upstream is unreachable ({type(exc).__name__})") from exc
+        if not relays_status(response.status_code):
+            await response.aclose()
+            log.warning("upstream %s answered %d: not relayed", self.chat_url,
+                        response.status_code)
+            raise UpstreamBadStatus(
+                f"the upstream answered with HTTP status {response.status_code}, which is "
+                "not relayed: the sidecar passes on 2xx answers and 4xx/5xx errors only")
         if response.status_code >= 400:
             try:
                 body = await _read_capped(response, MAX_RELAYED_ERROR_BYTES)
