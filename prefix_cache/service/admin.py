@@ -7,9 +7,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from ..http.errors import BadRequest
-from ..keys import key_pattern, model_label, validate_label
+from ..keys import key_pattern, validate_label
 from .deps import State, read_body, require_admin
 from .schemas import PurgeRequest
+from .state import ServiceState
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
@@ -36,8 +37,18 @@ async def purge(request: Request, state: State) -> dict[str, Any]:
     try:
         # A label never holds glob characters, so a purge cannot reach past what it names.
         tenant = validate_label(req.tenant, "tenant") if req.tenant is not None else None
+        model = purged_model_label(state, req.model) if req.model is not None else None
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
-    model = model_label(req.model) if req.model is not None else None
+        raise BadRequest(str(exc), code="invalid_label") from None
     pattern = key_pattern(state.cache.prefix, tenant, model)
     return {"purged": await state.store.apurge(pattern), "pattern": pattern}
+
+
+def purged_model_label(state: ServiceState, model: str) -> str:
+    """The key label of a served model's name, or ``model`` itself if it is a valid label
+    (entries of a model no longer served, in a shared store); ValueError otherwise. Never a
+    rewrite: a name like "../../demo" would otherwise purge "demo" for every tenant."""
+    for served in state.models:
+        if served.name == model:
+            return served.label
+    return validate_label(model, "model")
