@@ -146,10 +146,14 @@ def test_admin_refuses_without_the_admin_key(http: Any, headers: dict[str, str],
         assert r.status_code == status and r.json()["error"]["code"] == code
 
 
-def test_health_endpoints_need_no_key(http: Any) -> None:
+def test_health_endpoints_need_no_key_but_details_do(http: Any) -> None:
     assert http.get("/healthz").status_code == 200
     ready = http.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["upstreams"]["rec"]["ok"] is True
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+    for key in (ACME, "sk-unknown"):  # a tenant learns no more than anyone
+        assert http.get("/readyz", headers=auth(key)).json() == {"status": "ready"}
+    detailed = http.get("/readyz", headers=auth(ADMIN))
+    assert detailed.status_code == 200 and detailed.json()["upstreams"]["rec"]["ok"] is True
 
 
 # -- admin -------------------------------------------------------------------------------------

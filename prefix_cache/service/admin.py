@@ -8,14 +8,16 @@ from fastapi import APIRouter, Depends, Request
 
 from ..http.errors import BadRequest
 from ..keys import key_pattern, validate_label
+from . import openapi_docs as docs
 from .deps import State, read_body, require_admin
-from .schemas import PurgeRequest
+from .schemas import AdminStats, PurgeRequest, PurgeResponse
 from .state import ServiceState
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
 
 
-@router.get("/stats")
+@router.get("/stats", response_model=None,
+            responses=docs.responses(AdminStats, 401, 403))
 async def stats(state: State) -> dict[str, Any]:
     """The cache's counters (the metrics' tally: every worker's, in multiprocess mode) and the
     store's figures, per tenant included."""
@@ -27,7 +29,8 @@ async def stats(state: State) -> dict[str, Any]:
     }
 
 
-@router.post("/purge")
+@router.post("/purge", response_model=None, openapi_extra=docs.json_body(PurgeRequest),
+             responses=docs.responses(PurgeResponse, 400, 401, 403, 413, 415))
 async def purge(request: Request, state: State) -> dict[str, Any]:
     """Remove every entry of a tenant, of a model, or of a tenant's use of a model."""
     _, body = await read_body(request, state)

@@ -9,6 +9,7 @@ import httpx
 
 from ..cache import StaticPrefixCache
 from ..metrics import Metrics
+from .limits import TenantLimits
 from .models import ModelRegistry
 from .quota import TenantQuotaStore
 from .settings import ServiceSettings
@@ -25,6 +26,7 @@ class ServiceState:
     store: TenantQuotaStore
     cache: StaticPrefixCache
     metrics: Metrics
+    limits: TenantLimits
     client: httpx.AsyncClient | None = None  # opened by the app's lifespan, on its event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 
