@@ -483,6 +483,19 @@ def test_serve_engine_models_and_health(engine_server: tuple[str, MLXBackend]) -
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "code"}
 
 
+def test_serve_engine_takes_json_bodies_only_and_never_redirects(
+        engine_server: tuple[str, MLXBackend]) -> None:
+    url, _ = engine_server
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    with local_client(base_url=url) as http:
+        for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
+            headers = {"content-type": content_type} if content_type else {}
+            r = http.post("/v1/chat/completions", content=body, headers=headers)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        r = http.get("/v1/models/", headers={"host": "evil.example"})
+        assert r.status_code == 404 and "location" not in r.headers
+
+
 def test_serve_engine_api_key(engine_server: tuple[str, MLXBackend]) -> None:
     _, chat_engine = engine_server
     app = create_engine_app(chat_engine, api_key="sk-engine", close_engine=False)

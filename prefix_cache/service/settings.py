@@ -119,7 +119,7 @@ class ServiceSettings(BaseSettings):
     max_prompt_bytes: int = Field(default=2 << 20, gt=0, description="text one request gives "
                                   "the template (messages without media data, tools, kwargs, "
                                   "as JSON); larger gets a 413")
-    tenant_max_concurrency: int = Field(default=4, gt=0, description="requests of one tenant "
+    tenant_max_concurrency: int = Field(default=2, gt=0, description="requests of one tenant "
                                         "prepared at once per worker (body to boundary)")
     tenant_max_queue: int = Field(default=128, ge=0, description="requests of one tenant "
                                   "waiting for a slot; more get a 429 with Retry-After")
