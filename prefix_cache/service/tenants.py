@@ -34,7 +34,8 @@ def _digest(key: str) -> bytes:
 
 
 class KeyRing:
-    """Who a request is: its tenant (namespace) and whether it may use ``/admin/``."""
+    """Who a request is: its tenant (namespace), and whether it may use ``/admin/`` or read
+    operational data (``/metrics``, ``/readyz``'s report)."""
 
     def __init__(self, tenant_keys: Mapping[str, str], admin_keys: Iterable[str] = (),
                  metrics_keys: Iterable[str] = ()) -> None:
