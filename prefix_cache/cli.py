@@ -42,7 +42,7 @@ def _parse(raw: bytes) -> tuple[Any, str | None]:
     except json_io.JSONInputError as exc:
         return None, str(exc)
     if not isinstance(body, dict):
-        return None, "a request must be a JSON object (an OpenAI chat body)"
+        return None, "a request must be a JSON object (a chat, Messages or Responses body)"
     return body, None
 
 
@@ -53,6 +53,7 @@ def _emit(obj: dict[str, Any]) -> None:
 
 def cmd_boundary(args: argparse.Namespace) -> int:
     from .cache import StaticPrefixCache
+    from .chat.bodies import conversation_of
     from .model_dir import load_tokenizer
 
     try:
@@ -65,11 +66,12 @@ def cmd_boundary(args: argparse.Namespace) -> int:
     for body, error in _read_requests(args):
         if error is None:
             try:
+                conversation = conversation_of(body, args.api)
                 result = cache.resolve(
                     tokenizer,
-                    body.get("messages"),
-                    body.get("tools"),
-                    body.get("chat_template_kwargs"),
+                    conversation.messages,
+                    conversation.tools,
+                    conversation.chat_template_kwargs,
                     namespace=args.namespace,
                     model=Path(args.model).name,
                 )
@@ -169,8 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)")
     b.add_argument("--chat-template", metavar="FILE", help="Jinja chat template overriding the folder's")
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--request", metavar="FILE", help="one OpenAI chat body ('-' for stdin)")
-    src.add_argument("--requests", metavar="FILE.jsonl", help="one OpenAI chat body per line")
+    src.add_argument("--request", metavar="FILE", help="one request body ('-' for stdin)")
+    src.add_argument("--requests", metavar="FILE.jsonl", help="one request body per line")
+    b.add_argument("--api", choices=("auto", "chat", "messages", "responses"), default="auto",
+                   help="the API of the bodies: OpenAI chat completions, Anthropic Messages, "
+                        "OpenAI Responses (default auto: detected per body)")
     b.add_argument("--namespace", default="default", metavar="NS", help="tenant namespace of the keys")
     b.add_argument("--redis", metavar="URL", default=os.environ.get(redis_env),
                    help="shared store: redis://, rediss://, unix://, redis+cluster:// "

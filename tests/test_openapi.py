@@ -79,9 +79,10 @@ def test_every_route_is_in_the_document(app: Any, document: dict[str, Any]) -> N
                 assert ref.rsplit("/", 1)[1] in schemas
             for status, response in op["responses"].items():
                 if status.startswith(("4", "5")):
-                    assert response["content"]["application/json"]["schema"]["$ref"] in (
-                        "#/components/schemas/ErrorResponse",
-                        "#/components/schemas/ReadyReport"), (method, path, status)
+                    shape = "AnthropicErrorResponse" if path.startswith("/v1/messages") else (
+                        "ReadyReport" if path == "/readyz" else "ErrorResponse")
+                    assert response["content"]["application/json"]["schema"]["$ref"] == (
+                        f"#/components/schemas/{shape}"), (method, path, status)
 
 
 def test_the_request_models_cover_the_fields_the_routes_read(document: dict[str, Any]) -> None:
@@ -97,6 +98,19 @@ def test_the_request_models_cover_the_fields_the_routes_read(document: dict[str,
     errors = document["paths"]["/v1/chat/completions"]["post"]["responses"]
     assert {"400", "401", "404", "413", "415", "429", "502", "504"} <= set(errors)
     assert "Retry-After" in errors["429"]["headers"]
+
+
+def test_the_document_describes_the_agent_routes(document: dict[str, Any]) -> None:
+    schemas = document["components"]["schemas"]
+    for path, required, answer in [
+            ("/v1/messages", {"model", "max_tokens", "messages"}, "AnthropicMessage"),
+            ("/v1/messages/count_tokens", {"messages"}, "TokenCount"),
+            ("/v1/responses", {"input"}, "ResponseObject")]:
+        operation = document["paths"][path]["post"]
+        ref = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert set(schemas[ref.rsplit("/", 1)[1]]["required"]) == required, path
+        assert operation["responses"]["200"]["content"]["application/json"]["schema"] \
+            == {"$ref": f"#/components/schemas/{answer}"}
 
 
 def test_a_documented_example_is_served(base: str, document: dict[str, Any]) -> None:

@@ -35,16 +35,20 @@ def cache_headers(result: PrefixResult) -> dict[str, str]:
             "x-specprefill-system-end": str(result.specprefill_system_end)}
 
 
-async def resolve(state: ServiceState, model: ServedModel, body: dict[str, Any],
-                  tenant: str, body_size: int) -> PrefixResult:
-    """The boundary of a validated body, in the tenant's namespace (renders off the loop),
-    within the tenant's prompt size limit."""
-    state.limits.check_prompt(tenant, body_size, body["messages"], body.get("tools"),
-                              body.get("chat_template_kwargs"))
-    return await state.cache.aresolve(
-        model.tokenizer, body["messages"], body.get("tools"), body.get("chat_template_kwargs"),
-        namespace=tenant, model=model.label,
-    )
+async def resolve(state: ServiceState, model: ServedModel, tenant: str, body_size: int,
+                  messages: list[dict[str, Any]], tools: Any, kwargs: Any) -> PrefixResult:
+    """The boundary of a validated conversation (of any API), in the tenant's namespace,
+    within the tenant's prompt size limit; renders run off the loop."""
+    state.limits.check_prompt(tenant, body_size, messages, tools, kwargs)
+    return await state.cache.aresolve(model.tokenizer, messages, tools, kwargs,
+                                      namespace=tenant, model=model.label)
+
+
+async def resolve_chat(state: ServiceState, model: ServedModel, body: dict[str, Any],
+                       tenant: str, body_size: int) -> PrefixResult:
+    """The boundary of a validated chat body."""
+    return await resolve(state, model, tenant, body_size, body["messages"], body.get("tools"),
+                         body.get("chat_template_kwargs"))
 
 
 @router.get("/v1/models", response_model=None, responses=docs.responses(ModelList, 401, 403))
@@ -62,7 +66,8 @@ async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Res
     async with state.limits.slot(tenant):  # the tenant's share of this worker
         raw, body = await read_body(request, state)
         req = BoundaryRequest.model_validate(body)
-        result = await resolve(state, state.models.get(req.model), body, tenant, len(raw))
+        result = await resolve_chat(state, state.models.get(req.model), body, tenant,
+                                    len(raw))
     out: dict[str, Any] = {
         "specprefill_system_end": result.specprefill_system_end,
         "prompt_tokens": len(result.prompt_ids),
@@ -86,12 +91,13 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> Re
         if model.engine is not None:
             # Parameters before resolving: a refused request caches nothing.
             params = parse_chat_params(body, model.engine.name)
-            result = await resolve(state, model, body, tenant, len(raw))
+            result = await resolve_chat(state, model, body, tenant, len(raw))
             # The tenant is the namespace of the engine's static-prefix KV (invariant 5).
-            generation = params.request(result.prompt_ids, result.specprefill_system_end, tenant)
+            generation = params.request(result.prompt_ids, result.specprefill_system_end, tenant,
+                                        body.get("tools"))
         else:
             upstream = model.require_upstream()  # before resolving: a refused request caches nothing
-            result = await resolve(state, model, body, tenant, len(raw))
+            result = await resolve_chat(state, model, body, tenant, len(raw))
             content = upstream.forward_content(raw, body, result, namespace=tenant)
     if model.engine is not None:
         return await respond_chat(request, model.engine, params, generation, cache_headers(result))

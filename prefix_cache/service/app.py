@@ -10,24 +10,33 @@ import httpx
 from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
+from ..chat.anthropic_params import MessagesRequest
+from ..chat.responses_params import ResponsesRequest
+from ..chat.responses_store import ResponseStore
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
 from ..metrics import Metrics, mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
-from . import admin, api, dashboard, health, openapi_docs
+from . import admin, agent_api, api, dashboard, health, openapi_docs
 from .limits import TenantLimits
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
-from .schemas import ChatCompletionRequest, PrefixBoundaryRequest, PurgeRequest
+from .schemas import (
+    ChatCompletionRequest,
+    CountTokensRequest,
+    PrefixBoundaryRequest,
+    PurgeRequest,
+)
 from .settings import ServiceSettings
 from .state import ServiceState
 from .tenants import KeysConfig
 
 DESCRIPTION = ("An OpenAI-compatible proxy that attaches the cached SpecPrefill boundary "
                "(specprefill_system_end) of each request. Errors use OpenAI's shape.")
-BODY_MODELS = (ChatCompletionRequest, PrefixBoundaryRequest, PurgeRequest)
+BODY_MODELS = (ChatCompletionRequest, PrefixBoundaryRequest, MessagesRequest, CountTokensRequest,
+               ResponsesRequest, PurgeRequest)
 
 # Connections kept to the upstreams: enough for many concurrent streams, bounded all the same.
 MAX_UPSTREAM_CONNECTIONS = 512
@@ -64,7 +73,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
         metrics.add_collector(EngineCollector(lambda: engines))
     cache = StaticPrefixCache(store, observer=metrics)
     limits = TenantLimits.from_settings(settings, callers.tenant_limits)
-    return ServiceState(settings, registry, keyring, store, cache, metrics, limits)
+    return ServiceState(settings, registry, keyring, store, cache, metrics, limits,
+                        responses=ResponseStore(settings.responses_store_bytes))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -102,7 +112,7 @@ def create_app(settings: ServiceSettings | None = None, *,
                   openapi_url=openapi_docs.OPENAPI_PATH)
     app.state.service = state
     install_error_handlers(app)
-    for module in (api, admin, health, dashboard):
+    for module in (api, agent_api, admin, health, dashboard):
         app.include_router(module.router)
     openapi_docs.install(app, BODY_MODELS, bearer_paths=("/v1/", "/admin/", "/metrics"))
     return app

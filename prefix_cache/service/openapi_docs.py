@@ -18,11 +18,12 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from .schemas import ErrorResponse
+from .schemas import AnthropicErrorResponse, ErrorResponse
 
 OPENAPI_PATH = "/openapi.json"
 REF = "#/components/schemas/{model}"
-BEARER = "bearerAuth"
+BEARER, API_KEY_HEADER = "bearerAuth", "apiKeyHeader"
+ERROR_MODELS = (ErrorResponse, AnthropicErrorResponse)
 
 ERRORS: dict[int | str, str] = {
     400: "Invalid request: bad JSON, fields, roles, a template that refuses the conversation",
@@ -51,8 +52,9 @@ CACHE_HEADERS = {
                                  "schema": {"type": "string", "pattern": "^[0-9]+$"}},
 }
 # One server-sent event (OpenAPI before 3.2: the schema of a stream describes each event).
-SSE_EVENT = {"type": "object", "required": ["data"], "description": "with stream: true, each "
-             "event's data is a chat.completion.chunk as JSON; the last is [DONE]",
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "with stream: true, the "
+             "API's server-sent events, each event's data a JSON object (chat completions end "
+             "with data: [DONE])",
              "properties": {"data": {"type": "string"}, "event": {"type": "string"},
                             "id": {"type": "string"}}}
 _HEADERS_OF_ERROR = {
@@ -76,9 +78,11 @@ def json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 def responses(ok: type[BaseModel] | None, *errors: int | str,
               headers: Mapping[str, Any] | None = None, stream: bool = False,
-              description: str = "OK") -> dict[int | str, Any]:
+              description: str = "OK",
+              error_model: type[BaseModel] = ErrorResponse) -> dict[int | str, Any]:
     """``responses`` for a route: its success (``ok``'s JSON, or the route's own response
-    class; also an SSE stream with ``stream``) and ``errors`` in OpenAI's shape."""
+    class; also an SSE stream with ``stream``) and ``errors`` in the API's shape
+    (``error_model``: OpenAI's by default)."""
     success: dict[str, Any] = {"description": description}
     if ok is not None:
         success["model"] = ok
@@ -94,7 +98,7 @@ def responses(ok: type[BaseModel] | None, *errors: int | str,
         # Errors are JSON whatever the route's own media type (/metrics is text, /dashboard
         # HTML): their schema is given as content, not as a model FastAPI would attach to it.
         error: dict[str, Any] = {"description": ERRORS[status], "content": {
-            "application/json": {"schema": {"$ref": REF.format(model=ErrorResponse.__name__)}}}}
+            "application/json": {"schema": {"$ref": REF.format(model=error_model.__name__)}}}}
         if status in _HEADERS_OF_ERROR:
             error["headers"] = _HEADERS_OF_ERROR[status]
         out[status] = error
@@ -105,7 +109,7 @@ def install(app: FastAPI, body_models: Iterable[type[BaseModel]],
             bearer_paths: Iterable[str]) -> None:
     """Serve ``/openapi.json`` with ``body_models`` (and the error shape) in its components and
     the bearer scheme on the operations under ``bearer_paths`` (path prefixes)."""
-    models = [*body_models, ErrorResponse]
+    models: list[type[BaseModel]] = [*body_models, *ERROR_MODELS]
     prefixes = tuple(bearer_paths)
 
     def openapi() -> dict[str, Any]:
@@ -115,13 +119,19 @@ def install(app: FastAPI, body_models: Iterable[type[BaseModel]],
             _, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF)
             components = document.setdefault("components", {})
             components.setdefault("schemas", {}).update(defs.get("$defs", {}))
-            components["securitySchemes"] = {BEARER: {
-                "type": "http", "scheme": "bearer",
-                "description": "Authorization: Bearer KEY (tenant, admin or metrics key)"}}
+            components["securitySchemes"] = {
+                BEARER: {"type": "http", "scheme": "bearer",
+                         "description": "Authorization: Bearer KEY (tenant, admin or metrics key)"},
+                API_KEY_HEADER: {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                 "description": "a tenant key, as Anthropic clients send it"}}
             for path, operations in document.get("paths", {}).items():
-                if path.startswith(prefixes):
-                    for operation in operations.values():
-                        operation["security"] = [{BEARER: []}]
+                if not path.startswith(prefixes):
+                    continue
+                schemes: list[dict[str, list[str]]] = [{BEARER: []}]
+                if path.startswith("/v1/messages"):
+                    schemes.append({API_KEY_HEADER: []})
+                for operation in operations.values():
+                    operation["security"] = schemes
             app.openapi_schema = document
         return app.openapi_schema
 

@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
+from ..chat.anthropic_params import MessagesConversation
+
 
 class ChatRequest(BaseModel):
     """An OpenAI chat completion body: the fields the boundary depends on, typed."""
@@ -155,6 +157,26 @@ class ErrorResponse(BaseModel):
     """OpenAI's error shape, for every error (an upstream's own error keeps its fields)."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape: every error under ``/v1/messages``."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class CountTokensRequest(MessagesConversation):
+    """``POST /v1/messages/count_tokens``: a Messages conversation and the model it is for."""
+
+    model: StrictStr | None = None
 
 
 class HealthStatus(BaseModel):

@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 ENV_PREFIX = "PREFIX_CACHE_"
 UpstreamKind = Literal["openai", "specprefill"]
+AgentApi = Literal["messages", "responses"]
 # Names an earlier release read; set, they stop the service with the name to use instead.
 RENAMED_ENV = {"PREFIX_CACHE_REDIS": "PREFIX_CACHE_REDIS_URL"}
 
@@ -87,6 +88,13 @@ class ServiceSettings(BaseSettings):
                                        "(default: the client's)")
     upstream_api_key: str | None = Field(default=None,
                                          description="bearer key the sidecar sends upstream")
+    upstream_apis: Annotated[list[AgentApi] | None, NoDecode] = Field(
+        default=None, description="agent APIs the upstream serves itself, sent there as they "
+        "are: messages, responses (comma-separated or JSON; default: both for kind "
+        "specprefill, none for openai, whose agent requests go as chat completions)")
+    responses_store_bytes: int = Field(
+        default=32 << 20, gt=0, description="bytes of recent /v1/responses one tenant's "
+        "previous_response_id can refer to (in-process)")
     engine: str | None = Field(
         default=None, description="run completions in-process on this engine instead of "
         "--upstream (mlx: the batched MLX engine; it needs --workers 1)",
@@ -153,6 +161,11 @@ class ServiceSettings(BaseSettings):
     @field_validator("admin_keys", "metrics_keys", mode="before")
     @classmethod
     def _key_lists(cls, value: Any) -> Any:
+        return _split_list(value, ",")
+
+    @field_validator("upstream_apis", mode="before")
+    @classmethod
+    def _upstream_apis(cls, value: Any) -> Any:
         return _split_list(value, ",")
 
     @field_validator("upstream", "redis_url", "upstream_model", "upstream_api_key", "engine")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..cache import StaticPrefixCache
+from ..chat.responses_store import ResponseStore
 from ..metrics import Metrics
 from .limits import TenantLimits
 from .models import ModelRegistry
@@ -27,6 +28,7 @@ class ServiceState:
     cache: StaticPrefixCache
     metrics: Metrics
     limits: TenantLimits
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     client: httpx.AsyncClient | None = None  # opened by the app's lifespan, on its event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 
