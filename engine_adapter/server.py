@@ -179,7 +179,8 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
             if close_engine:
                 await asyncio.to_thread(chat.close)
 
-    app = FastAPI(title="prefix-cache engine", lifespan=lifespan,
+    # No trailing-slash redirects: their Location would be built from the client's Host header.
+    app = FastAPI(title="prefix-cache engine", lifespan=lifespan, redirect_slashes=False,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat_engine = chat
     install_error_handlers(app)

@@ -39,8 +39,8 @@ def _read_requests(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]
 def _parse(raw: bytes) -> tuple[Any, str | None]:
     try:
         body = json_io.loads(raw)  # integers of any size stay exact
-    except orjson.JSONDecodeError as exc:
-        return None, f"invalid JSON: {exc}"
+    except json_io.JSONInputError as exc:
+        return None, str(exc)
     if not isinstance(body, dict):
         return None, "a request must be a JSON object (a chat, Messages or Responses body)"
     return body, None

@@ -169,7 +169,7 @@ def test_readyz_and_dashboard_follow_redis_not_the_breaker(redis: RedisServer, m
         redis.kill()
         # Down, before any request noticed: the breaker is still closed, the truth is not.
         assert not reachable()
-        r = http.get("/readyz")
+        r = http.get("/readyz", headers=auth(ADMIN))
         assert r.status_code == 503 and r.json()["store"]["ok"] is False
         assert boundary(http, unique_system("outage")).status_code == 200  # computed instead
         assert remote_of(app).breaker.state == "open"

@@ -81,6 +81,19 @@ class ServiceUnavailable(ServiceError):
     status, type, code = 503, "server_error", "service_unavailable"
 
 
+class UnsupportedMediaType(ServiceError):
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
+class TooManyRequests(ServiceError):
+    """Over a limit for now: try again after ``retry_after_s`` seconds."""
+
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
 class UpstreamUnavailable(ServiceError):
     """The upstream could not be reached or did not answer in time."""
 
@@ -89,6 +102,12 @@ class UpstreamUnavailable(ServiceError):
 
 class UpstreamTimeout(UpstreamUnavailable):
     status, code = 504, "upstream_timeout"
+
+
+class UpstreamBadStatus(UpstreamUnavailable):
+    """The upstream answered with a status that is not relayed (see ``relay.relays_status``)."""
+
+    code = "upstream_bad_status"
 
 
 class EngineFailed(ServiceError):

@@ -30,6 +30,18 @@ RELAYED_HEADERS = ("content-type", "content-length", "content-encoding", "cache-
                    "x-request-id")
 
 
+def relays_status(status: int) -> bool:
+    """Whether an upstream status is passed on: a 2xx answer (relayed as it arrives) or a
+    4xx/5xx error (relayed with its status, in OpenAI's shape).
+
+    Everything else is a 502 instead. A 3xx is not followed (that would send the body, and the
+    sidecar's upstream key, wherever the upstream points) nor passed on (its Location names
+    the upstream's side of the network); a 1xx is not a final answer; a status outside
+    [100, 600) is not HTTP and cannot be written to the client at all.
+    """
+    return 200 <= status < 300 or 400 <= status < 600
+
+
 async def _wait_for_disconnect(receive: Receive) -> None:
     while True:
         message = await receive()

@@ -25,16 +25,11 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from .. import json_io
+from ..cache import PrefixResult
 from ..chat.agent_call import AgentCall
-from ..chat.anthropic_params import (
-    MessagesConversation,
-    MessagesRequest,
-    messages_conversation,
-    parse_messages_body,
-)
+from ..chat.anthropic_params import MessagesRequest, messages_conversation, parse_messages_body
 from ..chat.anthropic_stream import (
     AnthropicMessage,
     MessageMeta,
@@ -57,9 +52,11 @@ from ..chat.responses_stream import (
 from ..http.errors import ClientDisconnected, anthropic_error_body
 from ..http.relay import RelayResponse, RelayTap, until_disconnect
 from ..http.sse import sse_event
-from .api import cache_headers
+from . import openapi_docs as docs
+from .api import cache_headers, resolve
 from .deps import State, Tenant, read_body
 from .models import ServedModel
+from .schemas import AnthropicErrorResponse, CountTokensRequest
 from .state import ServiceState
 
 router = APIRouter()
@@ -69,18 +66,16 @@ Events = AsyncGenerator[OutputEvent, None]
 Answer = Callable[[Events, int, dict[str, str]], Awaitable[Response]]
 
 
-def json_body(model: type[BaseModel]) -> dict[str, Any]:
-    """The OpenAPI request body of a route that reads its JSON itself (exactly, by hand)."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": model.model_json_schema()}}}}
-
-
-@router.post("/v1/messages", openapi_extra=json_body(MessagesRequest),
-             responses={200: {"model": AnthropicMessage}})
+@router.post("/v1/messages", openapi_extra=docs.json_body(MessagesRequest),
+             responses=docs.responses(AnthropicMessage, *docs.PREPARE_ERRORS,
+                                      *docs.UPSTREAM_ERRORS, headers=docs.CACHE_HEADERS,
+                                      stream=True, error_model=AnthropicErrorResponse))
 async def messages(request: Request, state: State, tenant: Tenant) -> Response:
-    raw, body = await read_body(request, state)
-    call = parse_messages_body(body)
-    model = state.models.get(call.model)
+    async with state.limits.slot(tenant):  # released before generation, as for chat
+        raw, body = await read_body(request, state)
+        call = parse_messages_body(body)
+        model = state.models.get(call.model)
+        result = await _prepare(state, tenant, model, call, len(raw))
 
     async def answer(events: Events, prompt_tokens: int, headers: dict[str, str]) -> Response:
         meta = MessageMeta(new_id("msg"), call.model or model.name, prompt_tokens)
@@ -88,33 +83,39 @@ async def messages(request: Request, state: State, tenant: Tenant) -> Response:
             return stream_response(message_stream(meta, events), headers)
         return await json_response(request, message_json(meta, events), headers)
 
-    return await _generate(request, state, tenant, model, "messages", raw, body, call, answer,
-                           error_event=_anthropic_error_event)
+    return await _generate(request, state, tenant, model, "messages", raw, body, call, result,
+                           answer, error_event=_anthropic_error_event)
 
 
-@router.post("/v1/messages/count_tokens", openapi_extra=json_body(MessagesConversation),
-             responses={200: {"model": TokenCount}})
+@router.post("/v1/messages/count_tokens", openapi_extra=docs.json_body(CountTokensRequest),
+             responses=docs.responses(TokenCount, *docs.PREPARE_ERRORS,
+                                      headers=docs.CACHE_HEADERS,
+                                      error_model=AnthropicErrorResponse))
 async def count_tokens(request: Request, state: State, tenant: Tenant) -> Response:
     """Anthropic's token count: the length of the prompt the conversation renders to, here
     (the boundary is resolved on the way, so the agent's first turn is then a hit)."""
-    _, body = await read_body(request, state)
-    model_name = body.get("model")
-    conversation = messages_conversation(body)
-    model = state.models.get(model_name if isinstance(model_name, str) else None)
-    result = await state.cache.aresolve(
-        model.tokenizer, conversation.messages, conversation.tools,
-        conversation.chat_template_kwargs, namespace=tenant, model=model.label)
+    async with state.limits.slot(tenant):
+        raw, body = await read_body(request, state)
+        model_name = body.get("model")
+        conversation = messages_conversation(body)
+        model = state.models.get(model_name if isinstance(model_name, str) else None)
+        result = await resolve(state, model, tenant, len(raw), conversation.messages,
+                               conversation.tools, conversation.chat_template_kwargs)
     return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
                     media_type="application/json", headers=cache_headers(result))
 
 
-@router.post("/v1/responses", openapi_extra=json_body(ResponsesRequest),
-             responses={200: {"model": ResponseObject}})
+@router.post("/v1/responses", openapi_extra=docs.json_body(ResponsesRequest),
+             responses=docs.responses(ResponseObject, *docs.PREPARE_ERRORS,
+                                      *docs.UPSTREAM_ERRORS, headers=docs.CACHE_HEADERS,
+                                      stream=True))
 async def responses(request: Request, state: State, tenant: Tenant) -> Response:
-    raw, body = await read_body(request, state)
-    parsed = parse_responses_body(body, lambda rid: state.responses.get(tenant, rid))
-    call = parsed.call
-    model = state.models.get(call.model)
+    async with state.limits.slot(tenant):
+        raw, body = await read_body(request, state)
+        parsed = parse_responses_body(body, lambda rid: state.responses.get(tenant, rid))
+        call = parsed.call
+        model = state.models.get(call.model)
+        result = await _prepare(state, tenant, model, call, len(raw))
     meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo())
 
     def keep(response: dict[str, Any]) -> None:
@@ -126,24 +127,29 @@ async def responses(request: Request, state: State, tenant: Tenant) -> Response:
             return stream_response(response_stream(meta, events, keep), headers)
         return await json_response(request, response_json(meta, events, keep), headers)
 
-    return await _generate(request, state, tenant, model, "responses", raw, body, call, answer,
-                           tap=RelayedResponseRecorder(call.stream, keep),
+    return await _generate(request, state, tenant, model, "responses", raw, body, call, result,
+                           answer, tap=RelayedResponseRecorder(call.stream, keep),
                            error_event=_responses_error_event)
 
 
-async def _generate(request: Request, state: ServiceState, tenant: str, model: ServedModel,
-                    api: str, raw: bytes, body: dict[str, Any], call: AgentCall, answer: Answer,
-                    tap: RelayTap | None = None,
-                    error_event: Callable[[str], bytes] | None = None) -> Response:
-    """Resolve the conversation's boundary, then generate where the model runs."""
-    conversation = call.conversation
+async def _prepare(state: ServiceState, tenant: str, model: ServedModel, call: AgentCall,
+                   body_size: int) -> PrefixResult:
+    """The conversation's boundary, once the model can serve the call (a refused request
+    caches nothing)."""
     if model.engine is not None:
-        call.check_engine_support()  # before resolving: a refused request caches nothing
+        call.check_engine_support()
     else:
         model.require_upstream()
-    result = await state.cache.aresolve(
-        model.tokenizer, conversation.messages, conversation.tools,
-        conversation.chat_template_kwargs, namespace=tenant, model=model.label)
+    conversation = call.conversation
+    return await resolve(state, model, tenant, body_size, conversation.messages,
+                         conversation.tools, conversation.chat_template_kwargs)
+
+
+async def _generate(request: Request, state: ServiceState, tenant: str, model: ServedModel,
+                    api: str, raw: bytes, body: dict[str, Any], call: AgentCall,
+                    result: PrefixResult, answer: Answer, tap: RelayTap | None = None,
+                    error_event: Callable[[str], bytes] | None = None) -> Response:
+    """Generate where the model runs, with the boundary ``_prepare`` resolved."""
     headers = cache_headers(result)
     if model.engine is not None:
         # The sidecar's prompt ids and boundary; the tenant is the namespace of the engine's KV.

@@ -10,6 +10,8 @@ import httpx
 from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
+from ..chat.anthropic_params import MessagesRequest
+from ..chat.responses_params import ResponsesRequest
 from ..chat.responses_store import ResponseStore
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
@@ -20,12 +22,24 @@ from ..multiprocess import mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
-from . import admin, agent_api, api, dashboard, health
+from . import admin, agent_api, api, dashboard, health, openapi_docs
+from .limits import TenantLimits
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
+from .schemas import (
+    ChatCompletionRequest,
+    CountTokensRequest,
+    PrefixBoundaryRequest,
+    PurgeRequest,
+)
 from .settings import ServiceSettings
 from .state import ServiceState
-from .tenants import KeyRing
+from .tenants import KeysConfig
+
+DESCRIPTION = ("An OpenAI-compatible proxy that attaches the cached SpecPrefill boundary "
+               "(specprefill_system_end) of each request. Errors use OpenAI's shape.")
+BODY_MODELS = (ChatCompletionRequest, PrefixBoundaryRequest, MessagesRequest, CountTokensRequest,
+               ResponsesRequest, PurgeRequest)
 
 # Connections kept to the upstreams: enough for many concurrent streams, bounded all the same.
 MAX_UPSTREAM_CONNECTIONS = 512
@@ -46,7 +60,8 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
 
 def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:
     """Everything a worker needs before it takes requests; ValueError on bad configuration."""
-    keyring = KeyRing.from_settings(settings)
+    callers = KeysConfig.load(settings)
+    keyring = callers.keyring()
     registry = models if models is not None else ModelRegistry.from_specs(load_model_specs(settings))
     for model in registry:
         # The first render of a tokenizer fingerprints its whole vocabulary (once, ~1 s for 150k
@@ -60,7 +75,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     if engines:  # in-process engines' own counters, read at scrape time
         metrics.add_collector(EngineCollector(lambda: engines))
     cache = StaticPrefixCache(store, observer=metrics)
-    return ServiceState(settings, registry, keyring, store, cache, metrics,
+    limits = TenantLimits.from_settings(settings, callers.tenant_limits)
+    return ServiceState(settings, registry, keyring, store, cache, metrics, limits,
                         Drain(settings.shutdown_grace_s),
                         responses=ResponseStore(settings.responses_store_bytes))
 
@@ -95,8 +111,12 @@ def create_app(settings: ServiceSettings | None = None, *,
             state.cache.close()
             mark_process_dead()
 
-    app = FastAPI(title="prefix-cache sidecar", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    # No trailing-slash redirects: Starlette builds their Location from the Host header, which
+    # the client chooses. No Swagger page either (it would load scripts from a CDN).
+    app = FastAPI(title="prefix-cache sidecar", version=openapi_docs.package_version(),
+                  description=DESCRIPTION,
+                  lifespan=lifespan, redirect_slashes=False, docs_url=None, redoc_url=None,
+                  openapi_url=openapi_docs.OPENAPI_PATH)
     app.state.service = state
     install_error_handlers(app)
     # Outermost last: every response, the drain's 503 included, carries the request id.
@@ -104,4 +124,5 @@ def create_app(settings: ServiceSettings | None = None, *,
     app.add_middleware(RequestIdMiddleware)
     for module in (api, agent_api, admin, health, dashboard):
         app.include_router(module.router)
+    openapi_docs.install(app, BODY_MODELS, bearer_paths=("/v1/", "/admin/", "/metrics"))
     return app

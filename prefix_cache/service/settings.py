@@ -115,13 +115,27 @@ class ServiceSettings(BaseSettings):
         default=0.05, gt=0, description="longest wait for Redis (a connection, then an answer) "
         "before a lookup is computed instead; a timeout opens the circuit breaker")
     keys_file: Path | None = Field(default=None, description="YAML/JSON {tenants: {KEY: "
-                                   "tenant}, admin_keys: [...]}")
+                                   "tenant}, admin_keys: [...], metrics_keys: [...], "
+                                   "tenant_limits: {tenant: {max_concurrency, max_queue, "
+                                   "max_prompt_bytes}}}")
     api_keys: dict[str, str] = Field(default_factory=dict, description="JSON {KEY: tenant}; "
                                      "no keys anywhere: open service, namespace 'default'")
     admin_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="JSON list (or comma-separated) of admin keys")
+    metrics_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="JSON list (or comma-separated) of keys that may "
+        "read /metrics and /readyz details (admin keys may too); needed once any key exists")
     max_body_bytes: int = Field(default=8 << 20, gt=0,
                                 description="request body limit; larger gets a 413")
+    max_prompt_bytes: int = Field(default=2 << 20, gt=0, description="text one request gives "
+                                  "the template (messages without media data, tools, kwargs, "
+                                  "as JSON); larger gets a 413")
+    tenant_max_concurrency: int = Field(default=2, gt=0, description="requests of one tenant "
+                                        "prepared at once per worker (body to boundary)")
+    tenant_max_queue: int = Field(default=128, ge=0, description="requests of one tenant "
+                                  "waiting for a slot; more get a 429 with Retry-After")
+    tenant_queue_timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a "
+                                          "slot; then a 429 with Retry-After")
     tenant_max_entries: int = Field(default=4096, gt=0,
                                     description="cache entries one tenant may hold")
     tenant_max_bytes: int = Field(default=64 << 20, gt=0,
@@ -153,9 +167,9 @@ class ServiceSettings(BaseSettings):
     def _engine_options(cls, value: Any) -> Any:
         return parse_key_values(value)
 
-    @field_validator("admin_keys", mode="before")
+    @field_validator("admin_keys", "metrics_keys", mode="before")
     @classmethod
-    def _admin_keys(cls, value: Any) -> Any:
+    def _key_lists(cls, value: Any) -> Any:
         return _split_list(value, ",")
 
     @field_validator("upstream_apis", mode="before")

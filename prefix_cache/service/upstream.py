@@ -29,7 +29,13 @@ import httpx
 
 from .. import json_io
 from ..cache import PrefixResult
-from ..http.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from ..http.errors import (
+    UpstreamBadStatus,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from ..http.relay import relays_status
 from ..http.request_id import HEADER as REQUEST_ID_HEADER
 from ..http.request_id import current_request_id
 from .settings import UpstreamKind
@@ -138,6 +144,12 @@ class Upstream:
             log.warning("upstream %s failed: %r", url, exc)
             raise UpstreamUnavailable(
                 f"the upstream is unreachable ({type(exc).__name__})") from exc
+        if not relays_status(response.status_code):
+            await response.aclose()
+            log.warning("upstream %s answered %d: not relayed", url, response.status_code)
+            raise UpstreamBadStatus(
+                f"the upstream answered with HTTP status {response.status_code}, which is "
+                "not relayed: the sidecar passes on 2xx answers and 4xx/5xx errors only")
         if response.status_code >= 400:
             try:
                 body = await _read_capped(response, MAX_RELAYED_ERROR_BYTES)
