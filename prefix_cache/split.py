@@ -203,7 +203,7 @@ def _tokenizer_off(tokenizer: Any) -> str | None:
     if (getattr(kind, "_encode_plus", None) is not TokenizersBackend._encode_plus
             or kind.__call__ is not PreTrainedTokenizerBase.__call__
             or kind.encode is not PreTrainedTokenizerBase.encode):
-        return f"{kind.__qualname__} encodes its own way"
+        return f"{kind.__name__} encodes its own way"
     return None
 
 
