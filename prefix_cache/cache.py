@@ -88,6 +88,11 @@ class _Plan:
     def probe_shape(self) -> bool:
         return boundary.is_probe_shape(self.messages, self.n_static)
 
+    @property
+    def memo_key(self) -> tuple[str, int] | None:
+        """What fixes the tools' content: the key and its independent check value."""
+        return (self.key, self.check) if self.static is not None else None
+
 
 class StaticPrefixCache:
     """Resolves ``specprefill_system_end`` for chat requests, caching the static scaffold."""
@@ -247,7 +252,8 @@ class StaticPrefixCache:
         plain data once they are in a key: the render may skip its defensive copy)."""
         self._events.prompt_rendered()
         text, tools = plan.renderer.text_with_choice(plan.messages, plan.tools, plan.kwargs,
-                                                     plain=plan.static is not None)
+                                                     plain=plan.static is not None,
+                                                     memo_key=plan.memo_key)
         return _Text(text, plan.tools is None and tools is not None)
 
     def _prepare(self, plan: _Plan, text: _Text | None, entry: Entry | None
@@ -269,7 +275,7 @@ class StaticPrefixCache:
         self._events.prompt_rendered()
         try:
             again = plan.renderer.render_text(plan.messages, _tools(plan, entry), plan.kwargs,
-                                              plain=True)
+                                              plain=True, memo_key=plan.memo_key)
         except TemplateRenderError as exc:
             raise TemplateRenderError(
                 f"the template renders this prompt only with tools={'[]' if text.empty_tools else 'None'}"
@@ -391,7 +397,8 @@ class StaticPrefixCache:
         renders = 0
         for _ in range(2):  # probes that straddle midnight are rendered again, on one date
             day = plan.renderer.date_tag()
-            probed = probe(plan.renderer, plan.static or [], plan.tools, plan.kwargs)
+            probed = probe(plan.renderer, plan.static or [], plan.tools, plan.kwargs,
+                           plan.memo_key)
             renders += probed.renders
             settled = plan.renderer.date_tag() == day
             if settled:

@@ -35,9 +35,11 @@ class Probed:
 
 
 def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
-          tools: list[dict[str, Any]] | None, kwargs: Mapping[str, Any]) -> Probed:
+          tools: list[dict[str, Any]] | None, kwargs: Mapping[str, Any],
+          memo_key: tuple[str, int] | None = None) -> Probed:
     """Run the probes of ``static`` (four renders; two more tail tokenizations per split
-    candidate verified). ``static``, ``tools`` and ``kwargs`` are the key's plain data."""
+    candidate verified). ``static``, ``tools`` and ``kwargs`` are the key's plain data;
+    ``memo_key`` names it (``direct_render``)."""
     count = 0
     choices = tool_choices(tools)
     for i, choice in enumerate(choices):
@@ -48,8 +50,8 @@ def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
         try:
             conv_a, conv_b = boundary.probe_conversations(static)
             count += 2
-            text_a = renderer.render_text(conv_a, choice, kwargs, plain=True)
-            text_b = renderer.render_text(conv_b, choice, kwargs, plain=True)
+            text_a = renderer.render_text(conv_a, choice, kwargs, plain=True, memo_key=memo_key)
+            text_b = renderer.render_text(conv_b, choice, kwargs, plain=True, memo_key=memo_key)
         except TemplateRenderError:
             if i == len(choices) - 1:
                 raise

@@ -205,17 +205,17 @@ class TemplateRenderer:
             raise TemplateRenderError(_template_message(exc)) from exc
 
     def render_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                    *, plain: bool = False) -> str:
+                    *, plain: bool = False, memo_key: tuple[str, int] | None = None) -> str:
         """The text ``apply`` tokenizes: the same call with ``tokenize=False``.
 
         ``plain``: ``tools`` and ``kwargs`` are known to be exactly plain JSON data (the cache
         checked them for the key), so a bare transformers tokenizer may render them through its
-        own compiled template without ``render_jinja_template``'s defensive deep copy, which
-        costs more than the template itself on many tools (same text: the copy of plain data
-        is equal data, and the sandbox cannot change it). The first such render per renderer is
-        compared with the official one; a difference turns it off."""
+        own template without ``render_jinja_template``'s defensive deep copy (``direct_render``:
+        the same text), reusing the tools' ``tojson`` texts of ``memo_key`` (the cache key and
+        check value whose content ``tools`` is). The first such render per renderer is compared
+        with the official one; a difference turns it off."""
         if plain and self._direct is not None and direct.takes(self.tokenizer, kwargs):
-            return self._direct_text(messages, tools, kwargs)
+            return self._direct_text(messages, tools, kwargs, memo_key)
         return self.official_text(messages, tools, kwargs)
 
     def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> str:
@@ -230,9 +230,10 @@ class TemplateRenderer:
                                       "not text")
         return out
 
-    def _direct_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> str:
+    def _direct_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                     memo_key: tuple[str, int] | None) -> str:
         try:
-            text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs)
+            text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs, memo_key)
         except Exception as exc:
             raise TemplateRenderError(_template_message(exc)) from exc
         if not self._direct_checked:
@@ -268,12 +269,14 @@ class TemplateRenderer:
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
 
     def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                         *, plain: bool = False) -> tuple[str, list[Mapping[str, Any]] | None]:
+                         *, plain: bool = False, memo_key: tuple[str, int] | None = None
+                         ) -> tuple[str, list[Mapping[str, Any]] | None]:
         """``render_text`` with the documented tools fallback, and the ``tools`` it rendered with."""
         choices = tool_choices(tools)
         for i, choice in enumerate(choices):
             try:
-                return self.render_text(messages, choice, kwargs, plain=plain), choice
+                return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key),
+                        choice)
             except TemplateRenderError:
                 if i == len(choices) - 1:
                     raise

@@ -347,3 +347,25 @@ def test_the_sidecar_prepares_prompts_from_the_split(recorder_server, demo_token
     assert f'prefix_cache_prompt_tokenizations_total{{path="fast",reason=""}} {fast}.0' in metrics
     assert "\nprefix_cache_tokenize_mismatches_total{" not in metrics  # no mismatch seen
     assert f"prefix_cache_tokenize_checks_total {fast}.0" in metrics
+
+
+def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None:
+    """A hit's render reuses the tools' tojson texts its key fixes; each namespace has its own."""
+    from prefix_cache import direct_render
+
+    tools = make_tools(5, seed=13)
+    cache = StaticPrefixCache(tokenize_check_rate=0)
+    keys = {}
+    for ns in ("tenant-a", "tenant-b"):
+        for text in ("Ship it.", "Roll back."):
+            r = cache.resolve(qwen3, conv(text), tools, chat_template=TOOLS_IN_FIRST_USER,
+                              namespace=ns)
+            assert r.prompt_ids == reference.render(qwen3, conv(text), tools, None,
+                                                    TOOLS_IN_FIRST_USER)
+        keys[ns] = r.key
+    memo = {key: texts for (key, _), texts in direct_render._memo.lru.items()}
+    assert keys["tenant-a"] != keys["tenant-b"] and {keys["tenant-a"], keys["tenant-b"]} <= set(memo)
+    texts = memo[keys["tenant-a"]]
+    assert sorted(at[0] for at in texts) == list(range(len(tools)))  # one text per tool
+    assert all(at[2] == 4 for at in texts)  # as the template asks: tojson(indent=4)
+    assert texts[next(iter(texts))] == json.dumps(tools[0], ensure_ascii=False, indent=4)
