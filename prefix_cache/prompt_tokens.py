@@ -53,10 +53,6 @@ class PromptTokenizer:
         self._off: dict[bytes, str] = {}   # tokenizer fingerprint -> why the fast path is off
         self._lock = threading.Lock()
 
-    def off_reason(self, renderer: TemplateRenderer) -> str | None:
-        """Why the fast path is off for this renderer's tokenizer, or None."""
-        return self._off.get(renderer.tokenizer_digest)
-
     def tokenize(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
                  model: str, official: Callable[[], str] | None = None) -> TokenIds:
         """The prompt's ids, equal to ``renderer.tokenize(text)``. ``official``: the prompt
