@@ -65,7 +65,8 @@ class _Memo:
     def keep(self, key: tuple[str, int], texts: dict[tuple[Any, ...], str], added: int) -> None:
         if not added:
             return
-        size = sum(len(t) for t in texts.values()) + 64 * len(texts)
+        values = list(texts.values())  # one C-level copy: other threads may be adding
+        size = sum(map(len, values)) + 64 * len(values)
         with self.lock:
             self.lru.put(key, texts, size)
 
