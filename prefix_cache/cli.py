@@ -55,10 +55,14 @@ def cmd_boundary(args: argparse.Namespace) -> int:
     from .cache import StaticPrefixCache
     from .chat.bodies import conversation_of
     from .model_dir import load_tokenizer
+    from .service.settings import setting_from_env
 
     try:
+        rate = args.tokenize_check_rate
+        if rate is None:
+            rate = setting_from_env("tokenize_check_rate")
         tokenizer = load_tokenizer(args.model, args.chat_template)
-        cache = StaticPrefixCache(_open_store(args))
+        cache = StaticPrefixCache(_open_store(args), tokenize_check_rate=rate)
     except (NoChatTemplateError, ValueError, OSError) as exc:
         print(f"prefix-cache: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -91,8 +95,11 @@ def cmd_boundary(args: argparse.Namespace) -> int:
             "key": result.key,
         })
     stats = cache.stats.snapshot()
-    log.info("hits=%d misses=%d none=%d renders=%d errors=%d", stats["hits"], stats["misses"],
-             stats["none"], stats["renders"], failed)
+    log.info("hits=%d misses=%d none=%d renders=%d errors=%d fast_tokenizations=%d "
+             "full_tokenizations=%d", stats["hits"], stats["misses"], stats["none"],
+             stats["renders"], failed, stats["fast_tokenizations"], stats["full_tokenizations"])
+    for model, reason in stats["fast_tokenize_off"].items():
+        log.info("fast prompt tokenization off for %s: %s", model, reason)
     cache.close()
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -158,6 +165,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .prompt_tokens import DEFAULT_CHECK_RATE
     from .service.flags import add_serve_flags
     from .service.settings import env_name
 
@@ -180,6 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--redis", metavar="URL", default=os.environ.get(redis_env),
                    help="shared store: redis://, rediss://, unix://, redis+cluster:// "
                         f"(env {redis_env}; default: in-memory)")
+    rate_env = env_name("tokenize_check_rate")
+    b.add_argument("--tokenize-check-rate", type=float, metavar="RATE",
+                   help="fraction of prompts tokenized from a stored split that are re-tokenized "
+                        f"in full and compared (env {rate_env}; default {DEFAULT_CHECK_RATE})")
     b.set_defaults(func=cmd_boundary)
 
     bench = sub.add_parser("bench", help="benchmark cached vs uncached boundaries")

@@ -74,7 +74,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     engines = [(m.name, m.engine) for m in registry if m.engine is not None]
     if engines:  # in-process engines' own counters, read at scrape time
         metrics.add_collector(EngineCollector(lambda: engines))
-    cache = StaticPrefixCache(store, observer=metrics)
+    cache = StaticPrefixCache(store, observer=metrics,
+                              tokenize_check_rate=settings.tokenize_check_rate)
     limits = TenantLimits.from_settings(settings, callers.tenant_limits)
     return ServiceState(settings, registry, keyring, store, cache, metrics, limits,
                         Drain(settings.shutdown_grace_s),

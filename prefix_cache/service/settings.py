@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from ..prompt_tokens import DEFAULT_CHECK_RATE
 
 ENV_PREFIX = "PREFIX_CACHE_"
 UpstreamKind = Literal["openai", "specprefill"]
@@ -148,6 +151,10 @@ class ServiceSettings(BaseSettings):
                                    description="per-check timeout of GET /readyz")
     metrics_max_tenants: int = Field(default=20, gt=0, description="tenants with their own "
                                      "metrics label; the rest are folded into 'other'")
+    tokenize_check_rate: float = Field(
+        default=DEFAULT_CHECK_RATE, ge=0.0, le=1.0, description="fraction of prompts tokenized "
+        "from a stored split that are re-tokenized in full and compared (a mismatch turns the "
+        "fast path off for that tokenizer)", json_schema_extra=_flag("--tokenize-check-rate", "RATE"))
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         default="info", description="log level")
     log_format: Literal["text", "json"] = Field(
@@ -196,3 +203,19 @@ def check_renamed_env(environ: dict[str, str] | None = None) -> None:
     for old, new in RENAMED_ENV.items():
         if env.get(old):
             raise ValueError(f"{old} is not read: set {new} instead")
+
+
+def setting_from_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting as ``serve`` reads it (its one variable, checked by the model's field), for
+    the other commands that take it; its default when the variable is unset. ValueError (a
+    pydantic ValidationError) names a bad value."""
+    env = os.environ if environ is None else environ
+    info = ServiceSettings.model_fields[name]
+    raw = env.get(env_name(name))
+    if not raw:
+        return info.get_default(call_default_factory=True)
+    try:
+        return TypeAdapter(Annotated[info.annotation, info]).validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"] for e in exc.errors())
+        raise ValueError(f"{env_name(name)}={raw!r}: {problems}") from None
