@@ -1,8 +1,8 @@
 """Load benchmark of the sidecar (loopback only, bounded): requests/s and added latency over a
 direct call to the same upstream, at 1, 16 and 64 concurrent clients, hit and miss mixes, for
-16- and 64-tool agents.
+16- and 64-tool agents; direct and sidecar alternate a slice of the requests at a time.
 
-    python bench/load.py [--requests 200] [--output docs/benchmarks-load.table.md]
+    python bench/load.py [--requests 200] [--rounds 4] [--output docs/benchmarks-load.table.md]
 
 Three processes on this machine: a minimal OpenAI-compatible upstream (answers at once, so what
 is measured is the sidecar), the sidecar (`prefix-cache serve --upstream ...`, demo model,
@@ -34,7 +34,7 @@ from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name 
 UPSTREAM_APP = '''
 import orjson
 from starlette.applications import Starlette
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 BODY = orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "created": 0,
@@ -42,8 +42,18 @@ BODY = orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion", "creat
     "message": {"role": "assistant", "content": "ok"}}],
     "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
 
+CHUNKS = [b"data: " + orjson.dumps({"id": "chatcmpl-bench", "object": "chat.completion.chunk",
+    "created": 0, "model": "bench", "choices": [{"index": 0, "delta": {"content": text},
+    "finish_reason": None}]}) + b"\\n\\n" for text in ("o", "k", "!")] + [b"data: [DONE]\\n\\n"]
+
+async def chunks():
+    for chunk in CHUNKS:
+        yield chunk
+
 async def chat(request):
-    await request.body()
+    raw = await request.body()
+    if b'"stream": true' in raw or b'"stream":true' in raw:
+        return StreamingResponse(chunks(), media_type="text/event-stream")
     return Response(BODY, media_type="application/json")
 
 async def health(request):
@@ -116,6 +126,8 @@ def pct(values: list[float], q: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=200, help="requests per case")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="slices of each case's requests, direct and sidecar alternating")
     parser.add_argument("--output", help="write the markdown table here")
     args = parser.parse_args()
 
@@ -143,8 +155,18 @@ def main() -> int:
             for mix in ("hit", "miss"):
                 for conc in (1, 16, 64):
                     payloads = bodies(args.requests, tools, mix)
-                    d_lat, d_wall = asyncio.run(run(direct, payloads, conc))
-                    s_lat, s_wall = asyncio.run(run(sidecar, payloads, conc))
+                    # Direct and sidecar alternate, a slice of the requests at a time, so noise
+                    # from a shared machine falls on both alike.
+                    # A slice holds at least ``conc`` requests, so the concurrency is real.
+                    d_lat, s_lat, d_wall, s_wall = [], [], 0.0, 0.0
+                    rounds = max(1, min(args.rounds, len(payloads) // conc))
+                    step = -(-len(payloads) // rounds)
+                    for start in range(0, len(payloads), step):
+                        part = payloads[start:start + step]
+                        lat, wall = asyncio.run(run(direct, part, conc))
+                        d_lat, d_wall = d_lat + lat, d_wall + wall
+                        lat, wall = asyncio.run(run(sidecar, part, conc))
+                        s_lat, s_wall = s_lat + lat, s_wall + wall
                     row = {
                         "tools": tools, "mix": mix, "clients": conc,
                         "direct_rps": len(payloads) / d_wall, "sidecar_rps": len(payloads) / s_wall,
@@ -163,8 +185,10 @@ def main() -> int:
     lines = [
         f"Machine: {cpu}, {os.cpu_count()} cores (client, sidecar and upstream share them). "
         f"{args.requests} requests per row; the sidecar renders each prompt (no prompt ids from "
-        f"the client), demo model (real Qwen3 tokenizer), memory store, one worker. "
-        f"Command: `python bench/load.py --requests {args.requests}`",
+        f"the client), demo model (real Qwen3 tokenizer), memory store, one worker; direct and "
+        f"sidecar alternate in up to {args.rounds} slices per row (of at least as many "
+        f"requests as clients). "
+        f"Command: `python bench/load.py --requests {args.requests} --rounds {args.rounds}`",
         "",
         "| tools | mix | clients | direct req/s | sidecar req/s | direct p50 | sidecar p50 | added p50 | direct p99 | sidecar p99 | added p99 |",
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -3,7 +3,9 @@
     BackendRequest ──> check: max_tokens filled in (the default, cut to the context left), the
                        engine's own validation (400s: ids, boundary, lengths)
                    ──> generate: MLXEngine.agenerate token events ──> IncrementalDecoder ──>
-                       stop strings ──> BackendOutput deltas, usage on the last one
+                       stop strings ──> tool calls cut out (when the request gives tools and
+                       the tokenizer knows its family's format: ``tool_calls``) ──>
+                       BackendOutput deltas, usage on the last one
 
 The model's end-of-turn tokens end a generation with ``"stop"`` and are not returned as text;
 closing the output iterator closes the engine's, which cancels the request.
@@ -22,12 +24,14 @@ from prefix_cache.chat.backend import (
     BackendRequest,
     EngineHealth,
     EngineStats,
+    ToolCall,
     Usage,
 )
 
 from .decoding import IncrementalDecoder, StopStrings
 from .mlx_engine.request import GenerationRequest
 from .options import DEFAULT_MAX_TOKENS
+from .tool_calls import ToolCallSplitter
 
 
 class MLXBackend:
@@ -85,6 +89,7 @@ class MLXBackend:
         engine_request = self._engine_request(self.check(request))
         decoder = IncrementalDecoder(self.tokenizer)
         stops = StopStrings(request.sampling.stop)
+        calls = ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
         stop_ids = set(getattr(self.engine, "stop_token_ids", ()))
         generated = cached = 0
         async with aclosing(self.engine.agenerate(engine_request)) as events:
@@ -99,12 +104,23 @@ class MLXBackend:
                 if final:
                     text += decoder.flush()
                 text, stopped = stops.feed(text, final)
-                if stopped or final:  # leaving the loop closes the engine's iterator
+                done = stopped or final
+                pieces: list[str | ToolCall] = [text] if calls is None else calls.feed(text, done)
+                last = ""
+                if done and pieces and isinstance(pieces[-1], str):
+                    last = str(pieces.pop())  # the last text goes with the finish, as before
+                for piece in pieces:
+                    if isinstance(piece, ToolCall):
+                        yield BackendOutput(tool_calls=(piece,))
+                    elif piece:
+                        yield BackendOutput(piece)
+                if done:  # leaving the loop closes the engine's iterator
+                    finish = "stop" if stopped else event.finish_reason
+                    if finish == "stop" and not stopped and calls is not None and calls.calls:
+                        finish = "tool_calls"  # the turn ended after its tool calls
                     usage = Usage(len(engine_request.prompt_ids), generated, cached)
-                    yield BackendOutput(text, "stop" if stopped else event.finish_reason, usage)
+                    yield BackendOutput(last, finish, usage, stop_sequence=stops.matched)
                     return
-                if text:
-                    yield BackendOutput(text)
 
     def _engine_request(self, request: BackendRequest) -> GenerationRequest:
         s, sp = request.sampling, request.specprefill

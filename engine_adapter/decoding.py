@@ -60,6 +60,7 @@ class StopStrings:
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = tuple(s for s in stops if s)
+        self.matched: str | None = None  # the stop string that was hit
         self._pending = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
@@ -68,8 +69,9 @@ class StopStrings:
         if not self.stops:
             self._pending = ""
             return pending, False
-        cut = min((i for i in (pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self.stops if (i := pending.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self._pending = ""
             return pending[:cut], True
         keep = 0 if final else _stop_hold(pending, self.stops)

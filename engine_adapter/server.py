@@ -7,6 +7,13 @@
         specprefill_namespace   the namespace of the engine's static-prefix KV; read only with
                                 --trust-namespace (see below)
         specprefill, specprefill_keep_pct, specprefill_threshold: per-request SpecPrefill knobs
+    POST /v1/messages           an Anthropic Messages body, streaming or not (and
+                                /v1/messages/count_tokens); POST /v1/responses
+                                an OpenAI Responses body (``previous_response_id``: this
+                                server's recent responses, per namespace). Both take the same
+                                extension fields; without ``prompt_token_ids`` the conversation
+                                they convert to is rendered (prefix_cache.chat, the sidecar's
+                                conversion). Errors under /v1/messages have Anthropic's shape.
     GET  /v1/models             the one model served (the ``model`` of a request is not checked)
     GET  /health                {"status": "ok"}, or a 503 once the engine thread is down
                                 (what the sidecar's /readyz probes)
@@ -41,10 +48,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefix_cache.chat.agent_call import AgentCall
+from prefix_cache.chat.anthropic_params import messages_conversation, parse_messages_body
+from prefix_cache.chat.anthropic_stream import MessageMeta, message_json, message_stream
+from prefix_cache.chat.conversation import Conversation
+from prefix_cache.chat.events import backend_events
 from prefix_cache.chat.openai_params import parse_chat_params
 from prefix_cache.chat.openai_stream import respond_chat
+from prefix_cache.chat.respond import json_response, stream_response
+from prefix_cache.chat.responses_params import parse_responses_body
+from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, ResponseStore
+from prefix_cache.chat.responses_stream import ResponseMeta, new_id, response_json, response_stream
 from prefix_cache.errors import InvalidRequestError
-from prefix_cache.http.auth import bearer_matches
+from prefix_cache.http.auth import bearer_matches, client_authorization
 from prefix_cache.http.body import read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized, install_error_handlers
 from prefix_cache.keys import validate_label
@@ -97,6 +113,23 @@ def render_prompt(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     return get_renderer(tokenizer, None, tools).render_ids(messages, tools, kwargs)
 
 
+async def prompt_of(chat: MLXBackend, body: dict[str, Any],
+                    call: AgentCall | None = None) -> tuple[list[int], int]:
+    """A request's prompt ids (given, or rendered off the event loop: a long template takes a
+    while) and its boundary; ``call``: the agent API request whose conversation is rendered."""
+    ids = prompt_ids_of(body, chat.vocab_size)
+    if ids is None:
+        chat_body = body if call is None else conversation_body(call.conversation)
+        ids = await asyncio.to_thread(render_prompt, chat.tokenizer, chat_body)
+    return ids, boundary_of(body, len(ids))
+
+
+def conversation_body(c: Conversation) -> dict[str, Any]:
+    """A conversation as the chat body ``render_prompt`` reads."""
+    return {"messages": c.messages, "tools": c.tools, "chat_template_kwargs":
+            c.chat_template_kwargs}
+
+
 class _Namespaces:
     """Where a request's KV namespace comes from (see the module docstring)."""
 
@@ -123,15 +156,19 @@ class _Namespaces:
 
 def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
                       api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                      close_engine: bool = True) -> FastAPI:
+                      close_engine: bool = True,
+                      responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT) -> FastAPI:
     """The app serving the backend ``chat``; with ``close_engine`` it is closed at shutdown."""
     namespaces = _Namespaces(trust_namespace)
+    stored = ResponseStore(responses_store_bytes)
     started = int(time.time())
 
     def check_key(request: Request) -> None:
         if not api_key:
             return
-        if not bearer_matches(request.headers.get("authorization"), api_key):
+        given = client_authorization(request.headers.get("authorization"),
+                                     request.headers.get("x-api-key"))
+        if not bearer_matches(given, api_key):
             raise Unauthorized("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
 
     @asynccontextmanager
@@ -142,7 +179,8 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
             if close_engine:
                 await asyncio.to_thread(chat.close)
 
-    app = FastAPI(title="prefix-cache engine", lifespan=lifespan,
+    # No trailing-slash redirects: their Location would be built from the client's Host header.
+    app = FastAPI(title="prefix-cache engine", lifespan=lifespan, redirect_slashes=False,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat_engine = chat
     install_error_handlers(app)
@@ -166,11 +204,51 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         _, body = await read_json_object(request, max_body_bytes)
         params = parse_chat_params(body, chat.name)
         namespace = namespaces.of(body)
-        ids = prompt_ids_of(body, chat.vocab_size)
-        if ids is None:  # rendering a long template takes a while: off the event loop
-            ids = await asyncio.to_thread(render_prompt, chat.tokenizer, body)
-        generation = params.request(ids, boundary_of(body, len(ids)), namespace)
+        ids, end = await prompt_of(chat, body)
+        generation = params.request(ids, end, namespace, body.get("tools"))
         return await respond_chat(request, chat, params, generation)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        check_key(request)
+        _, body = await read_json_object(request, max_body_bytes)
+        call = parse_messages_body(body)
+        call.check_engine_support()
+        namespace = namespaces.of(body)
+        ids, end = await prompt_of(chat, body, call)
+        events = backend_events(chat, chat.check(call.backend_request(ids, end, namespace)))
+        meta = MessageMeta(new_id("msg"), call.model or chat.name, len(ids))
+        if call.stream:
+            return stream_response(message_stream(meta, events))
+        return await json_response(request, message_json(meta, events))
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request) -> Response:
+        check_key(request)
+        _, body = await read_json_object(request, max_body_bytes)
+        chat_body = conversation_body(messages_conversation(body))
+        ids = await asyncio.to_thread(render_prompt, chat.tokenizer, chat_body)
+        return JSONResponse({"input_tokens": len(ids)})
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        check_key(request)
+        _, body = await read_json_object(request, max_body_bytes)
+        namespace = namespaces.of(body)
+        parsed = parse_responses_body(body, lambda rid: stored.get(namespace, rid))
+        call = parsed.call
+        call.check_engine_support()
+        ids, end = await prompt_of(chat, body, call)
+        events = backend_events(chat, chat.check(call.backend_request(ids, end, namespace)))
+        meta = ResponseMeta(new_id("resp"), call.model or chat.name, parsed.echo())
+
+        def keep(response: dict[str, Any]) -> None:
+            if parsed.store:
+                stored.put(namespace, response["id"], parsed.conversation_items(response))
+
+        if call.stream:
+            return stream_response(response_stream(meta, events, keep))
+        return await json_response(request, response_json(meta, events, keep))
 
     return app
 

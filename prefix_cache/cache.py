@@ -1,16 +1,18 @@
 """StaticPrefixCache: specprefill_system_end with the probe renders run only on a miss.
 
     request -> key (xxh3-128 of namespace, render identity, static messages, tools, kwargs[, date])
-            -> store.get(key) -- hit  -> the stored scaffold
+            -> store.get(key) -- hit  -> the stored scaffold (and the static text's safe split)
                               -- miss -> probe renders once per key (single-flight), store.put
+            -> prompt ids: given, or the render's text tokenized from the split on
+               (prompt_tokens.py: the stored ids up to the split, then the rest of the text)
             -> boundary = common_prefix_len(prompt_ids, scaffold), never past the first
                non-static message's text (boundary.py)
 
 A hit returns exactly what the uncached computation returns, because the stored value is the
-very scaffold (and cap, and tools choice) the uncached path would compute from the key's inputs,
-and the boundary is cut against this request's own prompt ids in one function for both. Prompt
-ids are checked before anything is looked up or stored. Store failures and bad entries cost a
-recompute, never an error or a wrong answer.
+very scaffold (and cap, tools choice and split) the uncached path would compute from the key's
+inputs, the prompt's ids are those of a full tokenization of its render, and the boundary is cut
+against them in one function for both. Prompt ids are checked before anything is looked up or
+stored. Store failures and bad entries cost a recompute, never an error or a wrong answer.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from .entry import Entry, decode_entry, encode_entry
 from .errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
 from .observer import CacheObserver, ObserverGroup
-from .render import TemplateRenderer, get_renderer, tool_choices
+from .probes import probe
+from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
+from .render import TemplateRenderer, get_renderer
 from .singleflight import SingleFlight
 from .stats import CacheStats
 from .store import MemoryStore, Store
@@ -56,12 +60,11 @@ class PrefixResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _Prompt:
-    """The prompt's token ids, and whether it rendered with the tools=[] fallback (None: the
-    caller gave the ids)."""
+class _Text:
+    """The request's rendered prompt, and whether it rendered with the tools=[] fallback."""
 
-    ids: TokenIds
-    empty_tools: bool | None
+    text: str
+    empty_tools: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,11 @@ class _Plan:
     def probe_shape(self) -> bool:
         return boundary.is_probe_shape(self.messages, self.n_static)
 
+    @property
+    def memo_key(self) -> tuple[str, int] | None:
+        """What fixes the tools' content: the key and its independent check value."""
+        return (self.key, self.check) if self.static is not None else None
+
 
 class StaticPrefixCache:
     """Resolves ``specprefill_system_end`` for chat requests, caching the static scaffold."""
@@ -98,6 +106,7 @@ class StaticPrefixCache:
         protect_default_prefix: bool = False,
         max_render_threads: int | None = None,
         observer: CacheObserver | None = None,
+        tokenize_check_rate: float = DEFAULT_CHECK_RATE,
     ) -> None:
         self.store: Store = store if store is not None else MemoryStore()
         self.prefix = keys.validate_label(prefix, "key prefix")
@@ -113,6 +122,8 @@ class StaticPrefixCache:
         self.stats = CacheStats()
         self.observer = observer or CacheObserver()
         self._events = ObserverGroup(self.stats, self.observer)
+        # Rendered prompts are tokenized from the entry's split, checked at this sampled rate.
+        self._tokens = PromptTokenizer(self._events, tokenize_check_rate)
         self._flights = SingleFlight()
         self._executor = ThreadPoolExecutor(
             max_workers=max_render_threads or min(8, (os.cpu_count() or 2) + 2),
@@ -137,14 +148,21 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model)
-            # The prompt first: a request whose own render fails stores nothing.
-            prompt = self._given(prompt_ids) if prompt_ids is not None else self._render(plan)
+            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
             if plan.static is None:
-                return self._none(plan, prompt)
+                return self._none(plan, given if given is not None else self._prepare(plan, None, None)[0])
             stored = self._read(plan, self._get(plan.key))
             cache = MISS if stored is None else HIT
-            entry = stored if stored is not None else self._await_flight_sync(plan)
-            prompt, end = self._finish(plan, prompt, entry)
+            if given is not None:
+                entry = stored if stored is not None else self._await_flight_sync(plan)
+                prompt, end = given, self._cut_capped(plan, given, entry)
+            elif stored is not None:
+                entry = stored
+                prompt, end = self._prepare(plan, None, entry)
+            else:  # the prompt first: a request whose own render fails stores nothing
+                text = self._render(plan)
+                entry = self._await_flight_sync(plan)
+                prompt, end = self._prepare(plan, text, entry)
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
@@ -164,26 +182,30 @@ class StaticPrefixCache:
     ) -> PrefixResult:
         """The boundary for one request; renders run in a thread pool, off the event loop."""
         loop = asyncio.get_running_loop()
+        run = self._executor
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model)
-            if prompt_ids is not None:
-                prompt = self._given(prompt_ids)
-            else:  # the prompt first: a request whose own render fails stores nothing
-                prompt = await loop.run_in_executor(self._executor, self._render, plan)
+            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
             if plan.static is None:
-                return self._none(plan, prompt)
+                if given is None:
+                    given = (await loop.run_in_executor(run, self._prepare, plan, None, None))[0]
+                return self._none(plan, given)
             stored = self._read(plan, await self._aget(plan.key))
             cache = MISS if stored is None else HIT
-            entry = stored if stored is not None else await self._await_flight(plan, loop)
-            if _rerender(prompt, entry):
-                prompt, end = await loop.run_in_executor(
-                    self._executor, self._finish, plan, prompt, entry)
-            else:
-                end, past_cap = self._cut(plan, prompt.ids, entry)
+            if given is not None:
+                entry = stored if stored is not None else await self._await_flight(plan, loop)
+                prompt = given
+                end, past_cap = self._cut(plan, given, entry)
                 if past_cap:
-                    end = await loop.run_in_executor(
-                        self._executor, self._capped, plan, prompt.ids, entry, end)
+                    end = await loop.run_in_executor(run, self._capped, plan, given, entry, end)
+            elif stored is not None:  # a hit: render, tokenize and cut in one hop to a thread
+                entry = stored
+                prompt, end = await loop.run_in_executor(run, self._prepare, plan, None, entry)
+            else:  # the prompt first: a request whose own render fails stores nothing
+                text = await loop.run_in_executor(run, self._render, plan)
+                entry = await self._await_flight(plan, loop)
+                prompt, end = await loop.run_in_executor(run, self._prepare, plan, text, entry)
         except PrefixCacheError as exc:
             self._failed(namespace, model, tokenizer, exc)
             raise
@@ -224,33 +246,46 @@ class StaticPrefixCache:
         return _Plan(renderer, messages, tools, kwargs, n_static, static, key,
                      keys.check_value(material), date, namespace, label, started)
 
-    @staticmethod
-    def _given(prompt_ids: Any) -> _Prompt:
-        return _Prompt(checked_token_ids(prompt_ids), None)
 
-    def _render(self, plan: _Plan) -> _Prompt:
-        """The request's prompt, with the documented tools fallback."""
+    def _render(self, plan: _Plan) -> _Text:
+        """The request's prompt text, with the documented tools fallback (tools and kwargs are
+        plain data once they are in a key: the render may skip its defensive copy)."""
         self._events.prompt_rendered()
-        ids, tools = plan.renderer.render_with_choice(plan.messages, plan.tools, plan.kwargs)
-        return _Prompt(TokenIds.of_rendered(ids), plan.tools is None and tools is not None)
+        text, tools = plan.renderer.text_with_choice(plan.messages, plan.tools, plan.kwargs,
+                                                     plain=plan.static is not None,
+                                                     memo_key=plan.memo_key)
+        return _Text(text, plan.tools is None and tools is not None)
 
-    def _finish(self, plan: _Plan, prompt: _Prompt, entry: Entry) -> tuple[_Prompt, int]:
-        """The prompt, rendered again in the rare case its tools argument is not the probes',
-        and its boundary."""
-        if _rerender(prompt, entry):
-            self._events.prompt_rendered()
-            try:
-                ids = plan.renderer.apply(plan.messages, _tools(plan, entry), plan.kwargs)
-            except TemplateRenderError as exc:
-                raise TemplateRenderError(
-                    f"the template renders this prompt only with tools={'[]' if prompt.empty_tools else 'None'}"
-                    f" but its static part only with tools={'[]' if entry.empty_tools else 'None'}; "
-                    f"pass tools explicitly ({exc})") from exc
-            prompt = _Prompt(TokenIds.of_rendered(ids), entry.empty_tools)
-        end, past_cap = self._cut(plan, prompt.ids, entry)
-        if past_cap:
-            end = self._capped(plan, prompt.ids, entry, end)
-        return prompt, end
+    def _prepare(self, plan: _Plan, text: _Text | None, entry: Entry | None
+                 ) -> tuple[TokenIds, int]:
+        """The rendered prompt's ids (from the entry's split when its text allows) and its
+        boundary; the prompt is rendered here unless ``text`` is given."""
+        if text is None:
+            text = self._render(plan)
+        if entry is not None and text.empty_tools != entry.empty_tools:
+            text = self._rerender(plan, text, entry)
+        def official() -> str:  # what a sampled check compares a direct render with
+            tools = [] if text.empty_tools else plan.tools
+            return plan.renderer.official_text(plan.messages, tools, plan.kwargs)
+        prompt = self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official)
+        return prompt, (0 if entry is None else self._cut_capped(plan, prompt, entry))
+
+    def _rerender(self, plan: _Plan, text: _Text, entry: Entry) -> _Text:
+        """The prompt again, in the rare case its tools argument is not the probes'."""
+        self._events.prompt_rendered()
+        try:
+            again = plan.renderer.render_text(plan.messages, _tools(plan, entry), plan.kwargs,
+                                              plain=True, memo_key=plan.memo_key)
+        except TemplateRenderError as exc:
+            raise TemplateRenderError(
+                f"the template renders this prompt only with tools={'[]' if text.empty_tools else 'None'}"
+                f" but its static part only with tools={'[]' if entry.empty_tools else 'None'}; "
+                f"pass tools explicitly ({exc})") from exc
+        return _Text(again, entry.empty_tools)
+
+    def _cut_capped(self, plan: _Plan, prompt: TokenIds, entry: Entry) -> int:
+        end, past_cap = self._cut(plan, prompt, entry)
+        return self._capped(plan, prompt, entry, end) if past_cap else end
 
     def _cut(self, plan: _Plan, prompt: TokenIds, entry: Entry) -> tuple[int, bool]:
         """Where the prompt leaves the scaffold (a memcmp on packed ids), and whether that cut
@@ -273,14 +308,14 @@ class StaticPrefixCache:
             return 0
         return min(end, boundary.packed_prefix_len(prompt.packed, pack_ids(ids)))
 
-    def _none(self, plan: _Plan, prompt: _Prompt) -> PrefixResult:
-        return self._report(plan, PrefixResult(0, prompt.ids.ids, NONE, ""))
+    def _none(self, plan: _Plan, prompt: TokenIds) -> PrefixResult:
+        return self._report(plan, PrefixResult(0, prompt.ids, NONE, ""))
 
-    def _answer(self, plan: _Plan, prompt: _Prompt, end: int, entry: Entry,
+    def _answer(self, plan: _Plan, prompt: TokenIds, end: int, entry: Entry,
                 cache: str) -> PrefixResult:
         if cache == HIT:
             self._events.saved(model=plan.model, seconds=entry.render_seconds)
-        return self._report(plan, PrefixResult(end, prompt.ids.ids, cache, plan.key, entry.n_static))
+        return self._report(plan, PrefixResult(end, prompt.ids, cache, plan.key, entry.n_static))
 
     def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:
         self._events.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
@@ -362,44 +397,22 @@ class StaticPrefixCache:
         renders = 0
         for _ in range(2):  # probes that straddle midnight are rendered again, on one date
             day = plan.renderer.date_tag()
-            ids, cap, empty_tools, n = self._probe(plan)
-            renders += n
+            probed = probe(plan.renderer, plan.static or [], plan.tools, plan.kwargs,
+                           plan.memo_key)
+            renders += probed.renders
             settled = plan.renderer.date_tag() == day
             if settled:
                 break
         elapsed = time.perf_counter() - started
-        self._events.computed(model=plan.model, seconds=elapsed, static_tokens=len(ids),
+        self._events.computed(model=plan.model, seconds=elapsed, static_tokens=len(probed.ids),
                               renders=renders)
+        if probed.split_off is not None:
+            self._events.fast_path_off(model=plan.model, reason=probed.split_off)
         if settled and day != plan.date:
             log.info("the date changed since the key was made; %s is not stored", plan.key)
-        entry = Entry(plan.key, plan.check, pack_ids(ids), elapsed, cap, empty_tools)
+        entry = Entry(plan.key, plan.check, pack_ids(probed.ids), elapsed, probed.cap,
+                      probed.empty_tools, probed.split)
         return entry, settled and day == plan.date
-
-    def _probe(self, plan: _Plan) -> tuple[list[int], int, bool, int]:
-        """(scaffold ids, cap, whether they rendered with the [] fallback, renders run).
-
-        All probes of one computation render with the same ``tools`` argument: the request's,
-        or for a request without tools whose probes fail on None, ``[]``.
-        """
-        count = 0
-        choices = tool_choices(plan.tools)
-        for i, tools in enumerate(choices):
-            def render(conv: list[boundary.Message], tools: Any = tools) -> list[int]:
-                nonlocal count
-                count += 1
-                return plan.renderer.apply(conv, tools, plan.kwargs)
-            try:
-                ids = boundary.static_prefix_ids(render, plan.static or [])
-            except TemplateRenderError:
-                if i == len(choices) - 1:
-                    raise
-                continue
-            try:
-                cap = boundary.text_start_cap(render, plan.static or [])
-            except TemplateRenderError:
-                cap = 0  # no multi-turn layout known: every other shape is checked on its own
-            return ids, cap, plan.tools is None and tools is not None, count
-        raise AssertionError("tool_choices is never empty")  # pragma: no cover
 
     # -- store access, failures converted to misses in one place -------------------------------
 
@@ -419,7 +432,7 @@ class StaticPrefixCache:
 
     def _put(self, plan: _Plan, entry: Entry) -> None:
         value = encode_entry(plan.key, plan.check, entry.packed_ids, entry.render_seconds,
-                             cap=entry.cap, empty_tools=entry.empty_tools)
+                             cap=entry.cap, empty_tools=entry.empty_tools, split=entry.split)
         try:
             self.store.put(plan.key, value, self.ttl_seconds)
         except StoreUnavailableError as exc:
@@ -433,8 +446,3 @@ class StaticPrefixCache:
 def _tools(plan: _Plan, entry: Entry) -> list[dict[str, Any]] | None:
     """The ``tools`` argument the entry's probes rendered with."""
     return [] if entry.empty_tools else plan.tools
-
-
-def _rerender(prompt: _Prompt, entry: Entry) -> bool:
-    """Whether we rendered the prompt with another tools argument than the entry's probes."""
-    return prompt.empty_tools is not None and prompt.empty_tools != entry.empty_tools

@@ -39,10 +39,10 @@ def _read_requests(args: argparse.Namespace) -> Iterator[tuple[Any, str | None]]
 def _parse(raw: bytes) -> tuple[Any, str | None]:
     try:
         body = json_io.loads(raw)  # integers of any size stay exact
-    except orjson.JSONDecodeError as exc:
-        return None, f"invalid JSON: {exc}"
+    except json_io.JSONInputError as exc:
+        return None, str(exc)
     if not isinstance(body, dict):
-        return None, "a request must be a JSON object (an OpenAI chat body)"
+        return None, "a request must be a JSON object (a chat, Messages or Responses body)"
     return body, None
 
 
@@ -53,11 +53,16 @@ def _emit(obj: dict[str, Any]) -> None:
 
 def cmd_boundary(args: argparse.Namespace) -> int:
     from .cache import StaticPrefixCache
+    from .chat.bodies import conversation_of
     from .model_dir import load_tokenizer
+    from .service.settings import setting_from_env
 
     try:
+        rate = args.tokenize_check_rate
+        if rate is None:
+            rate = setting_from_env("tokenize_check_rate")
         tokenizer = load_tokenizer(args.model, args.chat_template)
-        cache = StaticPrefixCache(_open_store(args))
+        cache = StaticPrefixCache(_open_store(args), tokenize_check_rate=rate)
     except (NoChatTemplateError, ValueError, OSError) as exc:
         print(f"prefix-cache: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -65,11 +70,12 @@ def cmd_boundary(args: argparse.Namespace) -> int:
     for body, error in _read_requests(args):
         if error is None:
             try:
+                conversation = conversation_of(body, args.api)
                 result = cache.resolve(
                     tokenizer,
-                    body.get("messages"),
-                    body.get("tools"),
-                    body.get("chat_template_kwargs"),
+                    conversation.messages,
+                    conversation.tools,
+                    conversation.chat_template_kwargs,
                     namespace=args.namespace,
                     model=Path(args.model).name,
                 )
@@ -89,8 +95,11 @@ def cmd_boundary(args: argparse.Namespace) -> int:
             "key": result.key,
         })
     stats = cache.stats.snapshot()
-    log.info("hits=%d misses=%d none=%d renders=%d errors=%d", stats["hits"], stats["misses"],
-             stats["none"], stats["renders"], failed)
+    log.info("hits=%d misses=%d none=%d renders=%d errors=%d fast_tokenizations=%d "
+             "full_tokenizations=%d", stats["hits"], stats["misses"], stats["none"],
+             stats["renders"], failed, stats["fast_tokenizations"], stats["full_tokenizations"])
+    for model, reason in stats["fast_tokenize_off"].items():
+        log.info("fast prompt tokenization off for %s: %s", model, reason)
     cache.close()
     return EXIT_FAILED if failed else EXIT_OK
 
@@ -168,6 +177,7 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .prompt_tokens import DEFAULT_CHECK_RATE
     from .service.flags import add_serve_flags
     from .service.settings import env_name
 
@@ -181,12 +191,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model folder (tokenizer.json, tokenizer_config.json, chat_template.jinja)")
     b.add_argument("--chat-template", metavar="FILE", help="Jinja chat template overriding the folder's")
     src = b.add_mutually_exclusive_group(required=True)
-    src.add_argument("--request", metavar="FILE", help="one OpenAI chat body ('-' for stdin)")
-    src.add_argument("--requests", metavar="FILE.jsonl", help="one OpenAI chat body per line")
+    src.add_argument("--request", metavar="FILE", help="one request body ('-' for stdin)")
+    src.add_argument("--requests", metavar="FILE.jsonl", help="one request body per line")
+    b.add_argument("--api", choices=("auto", "chat", "messages", "responses"), default="auto",
+                   help="the API of the bodies: OpenAI chat completions, Anthropic Messages, "
+                        "OpenAI Responses (default auto: detected per body)")
     b.add_argument("--namespace", default="default", metavar="NS", help="tenant namespace of the keys")
     b.add_argument("--redis", metavar="URL", default=os.environ.get(redis_env),
                    help="shared store: redis://, rediss://, unix://, redis+cluster:// "
                         f"(env {redis_env}; default: in-memory)")
+    rate_env = env_name("tokenize_check_rate")
+    b.add_argument("--tokenize-check-rate", type=float, metavar="RATE",
+                   help="fraction of prompts tokenized from a stored split that are re-tokenized "
+                        f"in full and compared (env {rate_env}; default {DEFAULT_CHECK_RATE})")
     b.set_defaults(func=cmd_boundary)
 
     bench = sub.add_parser("bench", help="benchmark cached vs uncached boundaries")

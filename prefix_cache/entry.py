@@ -3,11 +3,16 @@
 Layout (little-endian)::
 
     magic "SPCE" | version u8 | flags u8 | key_len u16 | check u64 | render_us u32 | n_ids u32
-    cap u32 | key bytes | n_ids * u32 token ids | xxh3-64 digest of all the bytes before it
+    cap u32 | key bytes | n_ids * u32 token ids
+    [split: anchor u32 | index u32 | text_len u32 | text (UTF-8)]     (flags bit 1)
+    | xxh3-64 digest of all the bytes before it
 
 ``flags`` bit 0: the probes rendered with ``tools=[]`` (the documented fallback for a request
-without tools whose template fails on ``None``), so the prompt is rendered the same way. ``cap``:
-where a multi-turn probe puts its first user text (see ``boundary.text_start_cap``).
+without tools whose template fails on ``None``), so the prompt is rendered the same way. Bit 1:
+the entry holds a safe split of the static text (``split.StaticSplit``): a prompt whose text
+starts with it is tokenized from the anchor on only. ``cap``: where a multi-turn probe puts its
+first user text (see ``boundary.text_start_cap``). Version 2 entries (no split section) are
+still read, as entries without a split.
 
 The key inside the value catches a foreign entry (a bug or a hand edit put it under another key),
 the check value catches a true collision of the key hash, the digest catches corruption and
@@ -23,16 +28,20 @@ from dataclasses import dataclass
 import xxhash
 
 from .errors import EntryError
+from .split import StaticSplit
 from .token_ids import pack_ids, unpack_ids
 
 __all__ = ["MAGIC", "VERSION", "Entry", "decode_entry", "encode_entry", "pack_ids"]
 
 MAGIC = b"SPCE"
-VERSION = 2
+VERSION = 3
+_READABLE = (2, 3)
 _HEADER = struct.Struct("<4sBBHQIII")
+_SPLIT = struct.Struct("<III")
 _DIGEST = struct.Struct("<Q")
 _MAX_U32 = 0xFFFF_FFFF
 _EMPTY_TOOLS = 0x01
+_HAS_SPLIT = 0x02
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +59,7 @@ class Entry:
     render_seconds: float
     cap: int = _MAX_U32          # multi-turn first-text position (no cap by default)
     empty_tools: bool = False    # the probes rendered with tools=[] (the fallback)
+    split: StaticSplit | None = None  # where a prompt's text may be cut for tokenization
 
     @property
     def n_static(self) -> int:
@@ -61,18 +71,23 @@ class Entry:
 
 
 def encode_entry(key: str, check: int, static_ids: Sequence[int] | bytes, render_seconds: float,
-                 *, cap: int = _MAX_U32, empty_tools: bool = False) -> bytes:
+                 *, cap: int = _MAX_U32, empty_tools: bool = False,
+                 split: StaticSplit | None = None) -> bytes:
     """Serialize one entry; token ids (a sequence, or already packed) must fit in uint32."""
     key_bytes = key.encode()
     ids = static_ids if isinstance(static_ids, bytes) else pack_ids(static_ids)
     render_us = min(max(int(render_seconds * 1e6), 0), _MAX_U32)
-    flags = _EMPTY_TOOLS if empty_tools else 0
-    body = (
+    flags = (_EMPTY_TOOLS if empty_tools else 0) | (_HAS_SPLIT if split is not None else 0)
+    parts = [
         _HEADER.pack(MAGIC, VERSION, flags, len(key_bytes), check, render_us, len(ids) // 4,
-                     min(max(cap, 0), _MAX_U32))
-        + key_bytes
-        + ids
-    )
+                     min(max(cap, 0), _MAX_U32)),
+        key_bytes,
+        ids,
+    ]
+    if split is not None:
+        text = split.text.encode()
+        parts += [_SPLIT.pack(split.anchor, split.index, len(text)), text]
+    body = b"".join(parts)
     return body + _DIGEST.pack(xxhash.xxh3_64_intdigest(body))
 
 
@@ -83,10 +98,11 @@ def decode_entry(data: bytes, key: str, check: int) -> Entry:
     magic, version, flags, key_len, stored_check, render_us, n_ids, cap = _HEADER.unpack_from(data)
     if magic != MAGIC:
         raise EntryError("not a static-prefix entry")
-    if version != VERSION:
+    if version not in _READABLE:
         raise EntryError(f"entry format version {version}, expected {VERSION}")
-    body_len = _HEADER.size + key_len + 4 * n_ids
-    if len(data) != body_len + _DIGEST.size:
+    ids_end = _HEADER.size + key_len + 4 * n_ids
+    body_len = len(data) - _DIGEST.size
+    if body_len < ids_end:
         raise EntryError("entry length does not match its header")
     (digest,) = _DIGEST.unpack_from(data, body_len)
     if digest != xxhash.xxh3_64_intdigest(memoryview(data)[:body_len]):
@@ -96,5 +112,23 @@ def decode_entry(data: bytes, key: str, check: int) -> Entry:
         raise EntryError("entry belongs to another key")
     if stored_check != check:
         raise EntryError("entry check value mismatch (key collision)")
-    return Entry(key, stored_check, bytes(data[_HEADER.size + key_len : body_len]), render_us / 1e6,
-                 cap, bool(flags & _EMPTY_TOOLS))
+    split = _decode_split(data, ids_end, body_len, n_ids) if flags & _HAS_SPLIT else None
+    if split is None and body_len != ids_end:
+        raise EntryError("entry length does not match its header")
+    return Entry(key, stored_check, bytes(data[_HEADER.size + key_len : ids_end]), render_us / 1e6,
+                 cap, bool(flags & _EMPTY_TOOLS), split)
+
+
+def _decode_split(data: bytes, start: int, body_len: int, n_ids: int) -> StaticSplit:
+    if body_len < start + _SPLIT.size:
+        raise EntryError("entry split section truncated")
+    anchor, index, text_len = _SPLIT.unpack_from(data, start)
+    if start + _SPLIT.size + text_len != body_len:
+        raise EntryError("entry length does not match its header")
+    try:
+        text = bytes(data[start + _SPLIT.size : body_len]).decode()
+    except UnicodeDecodeError:
+        raise EntryError("entry split text is not UTF-8") from None
+    if not (anchor < len(text) and index < n_ids):
+        raise EntryError("entry split out of range")
+    return StaticSplit(text, anchor, index)

@@ -39,5 +39,10 @@ class StoreUnavailableError(PrefixCacheError):
     """A store could not answer (down, slow, full). The cache treats it as a miss, never as a failure."""
 
 
+class StoreBusyError(StoreUnavailableError):
+    """Every connection to the store stayed busy for the whole wait: the server is up and
+    answering others, so this costs one caller a recompute and never opens the circuit."""
+
+
 class EntryError(PrefixCacheError):
     """A stored entry is corrupt, of another format version, or belongs to other inputs."""

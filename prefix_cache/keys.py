@@ -23,12 +23,13 @@ KEY_VERSION = b"spc-key-v2"
 DEFAULT_PREFIX = "spc"
 CHECK_SEED = 0x5A17_C0DE_D00D_F00D
 
-_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,127}$")
+# fullmatch: with "$" a trailing newline would pass ("acme\n"), and end up in keys and patterns.
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 
 
 def validate_label(value: str, what: str) -> str:
     """A namespace, model or prefix label: shown in the clear in keys, so no ':' or glob chars."""
-    if not isinstance(value, str) or not _LABEL.match(value):
+    if not isinstance(value, str) or not _LABEL.fullmatch(value):
         raise ValueError(
             f"{what} {value!r} must be 1-128 characters of letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"

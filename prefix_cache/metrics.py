@@ -13,7 +13,6 @@ folded into ``other``.
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -29,6 +28,7 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from .multiprocess import forget_dead_processes, multiprocess_dir
 from .observer import CacheObserver
 from .store.base import StoreStats
 
@@ -58,18 +58,6 @@ class TenantLabels:
                 self._known.add(tenant)
                 return tenant
         return OTHER
-
-
-def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
-
-
-def mark_process_dead() -> None:
-    """At a worker's exit: drop its live gauges from the multiprocess aggregate."""
-    if multiprocess_dir():
-        from prometheus_client import multiprocess
-
-        multiprocess.mark_process_dead(os.getpid())
 
 
 class Metrics(CacheObserver):
@@ -108,15 +96,29 @@ class Metrics(CacheObserver):
                                    registry=reg)
         self.verification_failures = Counter(f"{NS}_verification_failures_total",
                                              "Stored entries rejected on read.", registry=reg)
+        self.tokenizations = Counter(
+            f"{NS}_prompt_tokenizations_total", "Rendered prompts tokenized: path fast (from "
+            "the entry's split) or full, and why full.", ["path", "reason"], registry=reg)
+        self.tokenize_checks = Counter(f"{NS}_tokenize_checks_total", "Sampled fast "
+                                       "tokenizations re-done in full.", registry=reg)
+        self.tokenize_mismatches = Counter(
+            f"{NS}_tokenize_mismatches_total", "Sampled checks whose fast tokenization differed "
+            "(fast tokenization is then off for that tokenizer).", ["model"], registry=reg)
+        self.fast_path_offs = Counter(
+            f"{NS}_fast_tokenize_off_total", "Tokenizers or static texts without fast "
+            "tokenization.", ["model"], registry=reg)
+        self.tokenizations.labels("fast", "")  # exposed at zero for dashboards and alerts
+        self.tokenize_checks.inc(0)
         self.store_entries = Gauge(f"{NS}_store_entries", "Entries in the in-process store.",
                                    ["store"], registry=reg, multiprocess_mode="livesum")
         self.store_bytes = Gauge(f"{NS}_store_bytes", "Bytes in the in-process store.",
                                  ["store"], registry=reg, multiprocess_mode="livesum")
         self.store_evictions = Gauge(f"{NS}_store_evictions", "Evictions so far (per process).",
                                      ["store"], registry=reg, multiprocess_mode="livesum")
+        # livemax: a worker that died with its breaker open must not hold the gauge at 1.
         self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
                                   "1 while the shared store's circuit breaker is open.",
-                                  registry=reg, multiprocess_mode="max")
+                                  registry=reg, multiprocess_mode="livemax")
 
     # -- observer ---------------------------------------------------------------------------
 
@@ -144,6 +146,17 @@ class Metrics(CacheObserver):
 
     def verification_failure(self) -> None:
         self.verification_failures.inc()
+
+    def tokenized(self, *, model: str, fast: bool, reason: str) -> None:
+        self.tokenizations.labels("fast" if fast else "full", reason).inc()
+
+    def tokenize_checked(self, *, model: str, mismatch: bool) -> None:
+        self.tokenize_checks.inc()
+        if mismatch:
+            self.tokenize_mismatches.labels(model).inc()
+
+    def fast_path_off(self, *, model: str, reason: str) -> None:
+        self.fast_path_offs.labels(model).inc()
 
     # -- store gauges -----------------------------------------------------------------------
 
@@ -174,6 +187,7 @@ class Metrics(CacheObserver):
             return self.registry
         from prometheus_client import multiprocess
 
+        forget_dead_processes()  # a killed worker's gauges leave the sums
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
         for collector in self._collectors:
@@ -215,7 +229,9 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
     sums = dict.fromkeys((
         "render_seconds_saved_total", "renders_total", "store_errors_total",
         "verification_failures_total", "store_entries", "store_bytes", "store_evictions",
-        "render_seconds_sum", "render_seconds_count"), 0.0)
+        "render_seconds_sum", "render_seconds_count", "tokenize_checks_total",
+        "tokenize_mismatches_total"), 0.0)
+    tokenized = {"fast": 0.0, "full": 0.0}
     breaker = 0.0
     lookup: dict[str, dict[float, float]] = {}
     render_buckets: dict[float, float] = {}
@@ -229,6 +245,8 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
                 for table, label in ((tenants, labels["tenant"]), (models, labels["model"])):
                     row = table.setdefault(label, {r: 0.0 for r in RESULTS})
                     row[labels["result"]] = row.get(labels["result"], 0.0) + value
+            elif name == "prompt_tokenizations_total":
+                tokenized[labels["path"]] = tokenized.get(labels["path"], 0.0) + value
             elif name == "circuit_breaker_open":
                 breaker = max(breaker, value)
             elif name in ("lookup_seconds_bucket", "render_seconds_bucket"):
@@ -271,6 +289,9 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
                   "evictions": int(sums["store_evictions"]), "errors": int(sums["store_errors_total"]),
                   "verification_failures": int(sums["verification_failures_total"]),
                   "breaker_open": bool(breaker)},
+        "tokenization": {"fast": int(tokenized["fast"]), "full": int(tokenized["full"]),
+                         "checks": int(sums["tokenize_checks_total"]),
+                         "mismatches": int(sums["tokenize_mismatches_total"])},
         "tenants": rows(tenants),
         "models": rows(models),
     }

@@ -37,6 +37,16 @@ class CacheObserver:
     def verification_failure(self) -> None:
         """A stored entry was rejected (corrupt, foreign, collision)."""
 
+    def tokenized(self, *, model: str, fast: bool, reason: str) -> None:
+        """A rendered prompt was tokenized: from its entry's split (``fast``), or whole, and
+        ``reason`` why (see ``prompt_tokens``)."""
+
+    def tokenize_checked(self, *, model: str, mismatch: bool) -> None:
+        """A sampled check compared a fast tokenization with a full one."""
+
+    def fast_path_off(self, *, model: str, reason: str) -> None:
+        """Fast tokenization is off for a tokenizer, or a static text has no safe split."""
+
 
 class ObserverGroup(CacheObserver):
     """Several observers as one: each event goes to all of them, in order."""
@@ -81,3 +91,15 @@ class ObserverGroup(CacheObserver):
     def verification_failure(self) -> None:
         for o in self.observers:
             o.verification_failure()
+
+    def tokenized(self, *, model: str, fast: bool, reason: str) -> None:
+        for o in self.observers:
+            o.tokenized(model=model, fast=fast, reason=reason)
+
+    def tokenize_checked(self, *, model: str, mismatch: bool) -> None:
+        for o in self.observers:
+            o.tokenize_checked(model=model, mismatch=mismatch)
+
+    def fast_path_off(self, *, model: str, reason: str) -> None:
+        for o in self.observers:
+            o.fast_path_off(model=model, reason=reason)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
+import logging
 import sys
 import threading
 import weakref
@@ -32,7 +33,10 @@ from typing import Any
 import orjson
 import xxhash
 
+from . import direct_render as direct
 from .errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
+
+log = logging.getLogger("prefix_cache")
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
@@ -174,13 +178,17 @@ def _function_identity(function: Callable[..., Any]) -> tuple[str, bool]:
 class TemplateRenderer:
     """Renders one chat template through one renderer; cheap to call, safe from many threads."""
 
-    def __init__(self, target: Any, template: str | None, identity: bytes, uses_date: bool) -> None:
+    def __init__(self, target: Any, template: str | None, identity: bytes, uses_date: bool,
+                 tokenizer_digest: bytes = b"") -> None:
         self.target = target        # what renders: a tokenizer, or a wrapper with its own method
         self.tokenizer = unwrap_tokenizer(target)   # what tokenizes
         self.template = template    # None: the wrapper's Python renderer
         self.identity = identity
         self.uses_date = uses_date
+        self.tokenizer_digest = tokenizer_digest  # the tokenizer's fingerprint (its state)
         self._wrapped = self.tokenizer is not target
+        self._direct = direct.compiled(target, template) if not self._wrapped else None
+        self._direct_checked = False
 
     def date_tag(self) -> str | None:
         """Today's date as strftime_now would see it (local time), for templates that read it."""
@@ -195,6 +203,84 @@ class TemplateRenderer:
             return list(ids)
         except Exception as exc:
             raise TemplateRenderError(_template_message(exc)) from exc
+
+    def render_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                    *, plain: bool = False, memo_key: tuple[str, int] | None = None) -> str:
+        """The text ``apply`` tokenizes: the same call with ``tokenize=False``.
+
+        ``plain``: ``tools`` and ``kwargs`` are known to be exactly plain JSON data (the cache
+        checked them for the key), so a bare transformers tokenizer may render them through its
+        own template without ``render_jinja_template``'s defensive deep copy (``direct_render``:
+        the same text), reusing the tools' ``tojson`` texts of ``memo_key`` (the cache key and
+        check value whose content ``tools`` is). The first such render per renderer is compared
+        with the official one; a difference turns it off."""
+        if plain and self._direct is not None and direct.takes(self.tokenizer, kwargs):
+            return self._direct_text(messages, tools, kwargs, memo_key)
+        return self.official_text(messages, tools, kwargs)
+
+    def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> str:
+        """The render through the renderer's own ``apply_chat_template``."""
+        try:
+            out = self._call(list(messages), None if tools is None else list(tools), kwargs,
+                             tokenize=False)
+        except Exception as exc:
+            raise TemplateRenderError(_template_message(exc)) from exc
+        if not isinstance(out, str):
+            raise TemplateRenderError(f"chat template error: the render is a {type(out).__name__}, "
+                                      "not text")
+        return out
+
+    def _direct_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                     memo_key: tuple[str, int] | None) -> str:
+        try:
+            text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs, memo_key)
+        except Exception as exc:
+            raise TemplateRenderError(_template_message(exc)) from exc
+        if not self._direct_checked:
+            official = self.official_text(messages, tools, kwargs)
+            if official != text:
+                self.direct_off("the first direct render differs from apply_chat_template's")
+                return official
+            self._direct_checked = True
+        return text
+
+    def direct_off(self, reason: str) -> None:
+        """Render through ``apply_chat_template`` from now on (logged once)."""
+        if self._direct is not None:
+            self._direct = None
+            log.warning("direct template render off for this renderer: %s", reason)
+
+    @property
+    def renders_direct(self) -> bool:
+        return self._direct is not None
+
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of rendered text exactly as ``apply`` makes them: transformers tokenizes a
+        render with ``add_special_tokens=False`` (and no padding or truncation); mlx-lm encodes
+        a Python renderer's text with ``encode(text, add_special_tokens=False)``."""
+        try:
+            if self._wrapped and self.template is None:
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
+            out = self.tokenizer(text, padding=False, truncation=False, max_length=None,
+                                 add_special_tokens=False, return_tensors=None,
+                                 sanitize_control_tokens=False)
+            return list(out["input_ids"])
+        except Exception as exc:
+            raise TemplateRenderError(f"tokenizer error: {exc}") from exc
+
+    def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                         *, plain: bool = False, memo_key: tuple[str, int] | None = None
+                         ) -> tuple[str, list[Mapping[str, Any]] | None]:
+        """``render_text`` with the documented tools fallback, and the ``tools`` it rendered with."""
+        choices = tool_choices(tools)
+        for i, choice in enumerate(choices):
+            try:
+                return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key),
+                        choice)
+            except TemplateRenderError:
+                if i == len(choices) - 1:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def render_ids(self, messages: Messages, tools: Tools,
                    kwargs: Mapping[str, Any]) -> list[int]:
@@ -214,17 +300,17 @@ class TemplateRenderer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _call(self, messages: list[Mapping[str, Any]], tools: list | None,
-              kwargs: Mapping[str, Any]) -> Any:
+              kwargs: Mapping[str, Any], tokenize: bool = True) -> Any:
         if not self._wrapped:
             return self.target.apply_chat_template(
                 messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
-                tokenize=True, return_dict=False, **kwargs)
+                tokenize=tokenize, return_dict=False, **kwargs)
         if self.template is None:  # a Python renderer takes no template text
             return self.target.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=True, **kwargs)
+                messages, tools=tools, add_generation_prompt=True, tokenize=tokenize, **kwargs)
         return self.target.apply_chat_template(
             messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
-            tokenize=True, **kwargs)
+            tokenize=tokenize, **kwargs)
 
 
 def _template_message(exc: Exception) -> str:
@@ -305,4 +391,5 @@ def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., 
         if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
             # Per-request templates could grow this without end; the oldest is dropped.
             table.pop(next(iter(table)))
-        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, uses_date))
+        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, uses_date,
+                                                           digest))

@@ -29,6 +29,13 @@ class CacheStats(CacheObserver):
     render_seconds_saved: float = 0.0   # probe-render time that hits did not spend
     verification_failures: int = 0      # stored entries rejected (corrupt, foreign, collision)
     store_errors: int = 0               # store calls that failed and were treated as misses
+    fast_tokenizations: int = 0         # rendered prompts tokenized from their entry's split
+    full_tokenizations: int = 0         # rendered prompts tokenized whole
+    tokenize_checks: int = 0            # sampled fast tokenizations re-done in full
+    tokenize_mismatches: int = 0        # ... that differed (the fast path is then off)
+    # Model -> why fast tokenization is off for it (its tokenizer, a static text without a
+    # safe split, a failed check): the latest reason seen.
+    fast_tokenize_off: dict[str, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: float) -> None:
@@ -41,6 +48,7 @@ class CacheStats(CacheObserver):
             data: dict[str, Any] = {
                 f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")
             }
+            data["fast_tokenize_off"] = dict(self.fast_tokenize_off)
         lookups = data["hits"] + data["misses"]
         data["hit_rate"] = data["hits"] / lookups if lookups else 0.0
         return data
@@ -74,3 +82,13 @@ class CacheStats(CacheObserver):
 
     def verification_failure(self) -> None:
         self.add(verification_failures=1)
+
+    def tokenized(self, *, model: str, fast: bool, reason: str) -> None:
+        self.add(**{"fast_tokenizations" if fast else "full_tokenizations": 1})
+
+    def tokenize_checked(self, *, model: str, mismatch: bool) -> None:
+        self.add(tokenize_checks=1, tokenize_mismatches=int(mismatch))
+
+    def fast_path_off(self, *, model: str, reason: str) -> None:
+        with self._lock:
+            self.fast_tokenize_off[model] = reason

@@ -124,6 +124,7 @@ class Recorder:
     sent_at: list[float] = field(default_factory=list)   # when each stream chunk left
     finished_at: float | None = None
     ack_timeouts: int = 0
+    streams_open: int = 0     # streams being sent now (a stream nobody cancelled stays here)
 
     def reset(self) -> None:
         self.requests.clear()
@@ -131,6 +132,7 @@ class Recorder:
         self.sent_at.clear()
         self.finished_at = None
         self.ack_timeouts = 0
+        self.streams_open = 0
 
     def wait(self, name: str, timeout: float = EVENT_TIMEOUT_S) -> bool:
         return self.events[name].wait(timeout)
@@ -154,7 +156,8 @@ def recording_upstream(rec: Recorder) -> FastAPI:
     the behaviour: ``{"mode": "error", "status": N, "body": "...", "content_type": "..."}``,
     ``"hold"`` (never answers; sets event "cancelled" when the caller goes away), and for
     streams ``"chunks": N`` plus ``"lockstep"`` (chunk i+1 only after event "ack-i"),
-    ``"hang"`` (one chunk, then waits to be cancelled), ``"break"`` (one chunk, then dies).
+    ``"hang"`` (one chunk, then waits to be cancelled), ``"break"`` (one chunk, then dies);
+    ``"delay_s"`` waits that long before answering (a slow upstream).
     """
     app = FastAPI()
 
@@ -170,6 +173,8 @@ def recording_upstream(rec: Recorder) -> FastAPI:
         rec.events["received"].set()
         ctl = body.get("recorder") or {}
         mode = ctl.get("mode", "ok")
+        if ctl.get("delay_s"):
+            await asyncio.sleep(float(ctl["delay_s"]))
         if mode == "error":
             return Response(ctl.get("body", ""), status_code=ctl["status"],
                             media_type=ctl.get("content_type", "application/json"))
@@ -196,6 +201,7 @@ def recording_upstream(rec: Recorder) -> FastAPI:
 
 
 async def _stream(rec: Recorder, model: str, mode: str, chunks: int) -> AsyncIterator[bytes]:
+    rec.streams_open += 1
     try:
         for i in range(chunks):
             rec.sent_at.append(time.monotonic())
@@ -214,6 +220,8 @@ async def _stream(rec: Recorder, model: str, mode: str, chunks: int) -> AsyncIte
     except asyncio.CancelledError:
         rec.events["cancelled"].set()
         raise
+    finally:
+        rec.streams_open -= 1
 
 
 def served(name: str, tokenizer: Any, upstream: Upstream | None = None) -> ServedModel:
@@ -256,6 +264,20 @@ class ServeProcess:
             if match:
                 return match
         raise AssertionError(f"no line matching {pattern!r}; log:\n{''.join(self.log)}")
+
+    def output(self, timeout: float = STARTUP_TIMEOUT_S) -> str:
+        """Everything the process wrote, once it has exited (bounded)."""
+        self.proc.wait(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line == "":
+                break
+            self.log.append(line)
+        return "".join(self.log)
 
     def base_url(self) -> str:
         url = self.wait_for(r"Uvicorn running on (http://127\.0\.0\.1:\d+)").group(1)

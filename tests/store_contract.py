@@ -69,10 +69,22 @@ class StoreContract:
             got = await store.aget("spc:ns:m:x")
             deleted = store.delete("spc:ns:m:x")
             store.put("spc:ns:m:y", b"1")
+            store.put("spc:ns:m:z", b"2")
+            adeleted = (await store.adelete("spc:ns:m:z"), await store.adelete("spc:ns:m:z"))
             purged = await store.apurge("spc:ns:*:*")
-            return got, deleted, purged
+            answers = (store.ping(), await store.aping())
+            await store.aclose()
+            return got, deleted, adeleted, purged, answers
 
-        assert asyncio.run(go()) == (b"async", True, 1)
+        assert asyncio.run(go()) == (b"async", True, (True, False), 1, (True, True))
+
+    def test_async_purge_of_many_keys(self) -> None:
+        store = self.make_store()
+        for i in range(1200):  # more than one SCAN page and one delete batch
+            store.put(f"spc:many:m:{i}", b"v")
+        store.put("spc:other:m:0", b"v")
+        assert asyncio.run(store.apurge("spc:many:*:*")) == 1200
+        assert store.get("spc:many:m:7") is None and store.get("spc:other:m:0") == b"v"
 
     def test_concurrent_threads(self) -> None:
         store = self.make_store()

@@ -297,10 +297,14 @@ def test_observer_sees_every_event(qwen3) -> None:
     with pytest.raises(InvalidRequestError):
         cache.resolve(qwen3, [{"role": "robot"}], chat_template=TEMPLATE, namespace="t1", model="m")
     names = [name for name, _ in obs.events]
-    assert names == ["prompt_rendered", "computed", "resolved",
-                     "prompt_rendered", "saved", "resolved",
-                     "prompt_rendered", "resolved",
-                     "prompt_rendered", "verification_failure", "computed", "resolved", "failed"]
+    assert names == ["prompt_rendered", "computed", "tokenized", "resolved",
+                     "prompt_rendered", "tokenized", "saved", "resolved",
+                     "prompt_rendered", "tokenized", "resolved",
+                     "verification_failure", "prompt_rendered", "computed", "tokenized",
+                     "resolved", "failed"]
+    tokenized = [kw for name, kw in obs.events if name == "tokenized"]
+    assert [(t["fast"], t["reason"]) for t in tokenized] == [
+        (True, ""), (True, ""), (False, "no_static"), (True, "")]
     resolved = [kw for name, kw in obs.events if name == "resolved"]
     assert [r["cache"] for r in resolved] == ["miss", "hit", "none", "miss"]
     assert all(r["namespace"] == "t1" and r["model"] == "m" and r["seconds"] > 0 for r in resolved)

@@ -32,13 +32,15 @@ from .service_helpers import (
 pytest_plugins = ["tests.service_fixtures"]
 
 ACME, GLOBEX, ADMIN = "sk-dash-acme", "sk-dash-globex", "sk-dash-admin"
+METRICS = "sk-dash-metrics"  # what Prometheus scrapes with
 GRAFANA = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Iterator[str]:
     keys = tmp_path_factory.mktemp("dash") / "keys.yaml"
-    keys.write_text(f"tenants:\n  {ACME}: acme\n  {GLOBEX}: globex\nadmin_keys:\n  - {ADMIN}\n")
+    keys.write_text(f"tenants:\n  {ACME}: acme\n  {GLOBEX}: globex\nadmin_keys:\n  - {ADMIN}\n"
+                    f"metrics_keys:\n  - {METRICS}\n")
     app = create_app(ServiceSettings(keys_file=keys),
                      models=ModelRegistry([served("demo", demo_tokenizer)]))
     with ServerThread(app) as url:
@@ -63,7 +65,7 @@ def burst(base: str) -> tuple[int, int]:
 
 def scrape(base: str) -> dict[tuple[str, tuple], float]:
     with local_client(base_url=base) as http:
-        text = http.get("/metrics").text
+        text = http.get("/metrics", headers={"authorization": f"Bearer {METRICS}"}).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
@@ -129,7 +131,7 @@ def test_dashboard_needs_the_admin_key(base: str) -> None:
 
 def test_metrics_endpoint_is_prometheus_text(base: str) -> None:
     with local_client(base_url=base) as http:
-        r = http.get("/metrics")
+        r = http.get("/metrics", headers={"authorization": f"Bearer {METRICS}"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert "# TYPE prefix_cache_requests_total counter" in r.text
 

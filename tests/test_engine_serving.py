@@ -57,6 +57,7 @@ pytest_plugins = ["tests.service_fixtures"]
 
 REPO = Path(__file__).resolve().parents[1]
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
+ADMIN, METRICS = "sk-engine-admin", "sk-engine-metrics"   # the dashboard's, Prometheus's
 MODEL = "tiny-qwen3"  # the session tiny model's folder name: the sidecar's model name
 
 
@@ -201,6 +202,7 @@ def test_prefix_cache_imports_no_mlx_until_an_engine_is_asked_for() -> None:
 @pytest.fixture(scope="module")
 def sidecar(tiny_model_dir: Path) -> Iterator[tuple[str, MLXBackend]]:
     settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", api_keys=KEYS,
+                               admin_keys=[ADMIN], metrics_keys=[METRICS],
                                keys_file=None, models_file=None, upstream=None)
     app = create_app(settings)
     engine = app.state.service.models.get(MODEL).engine
@@ -229,7 +231,7 @@ def test_sidecar_streams_from_the_in_process_engine(sidecar: tuple[str, MLXBacke
 def test_readyz_reports_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
     url, engine = sidecar
     with local_client(base_url=url) as http:
-        r = http.get("/readyz")
+        r = http.get("/readyz", headers={"authorization": f"Bearer {METRICS}"})
     assert r.status_code == 200 and r.json()["status"] == "ready"
     report = r.json()["engines"][MODEL]
     assert report["ok"] is True and report["active"] == 0 and report["queued"] == 0
@@ -242,8 +244,9 @@ def test_metrics_export_the_engine_counters(sidecar: tuple[str, MLXBackend]) -> 
     sdk.chat.completions.create(model=MODEL, messages=chat(unique_system(), "Count me."),
                                 max_tokens=2, temperature=0.0)
     with local_client(base_url=url) as http:
-        text = http.get("/metrics").text
-        stats_json = http.get("/dashboard/stats.json")
+        text = http.get("/metrics", headers={"authorization": f"Bearer {METRICS}"}).text
+        stats_json = http.get("/dashboard/stats.json",
+                              headers={"authorization": f"Bearer {ADMIN}"})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     stats = engine.snapshot_stats()          # no request runs meanwhile: the same counts
@@ -267,7 +270,8 @@ def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, MLXB
         model=MODEL, messages=chat(unique_system(), "Show me."), max_tokens=2, temperature=0.0)
     stats = engine.snapshot_stats()
     with headless_chromium() as driver:
-        driver.get(f"{url}/dashboard?poll_ms=300")      # no admin key configured: open
+        host = url.removeprefix("http://")             # the login prompt's answer
+        driver.get(f"http://admin:{ADMIN}@{host}/dashboard?poll_ms=300")
         wait_for_js(driver, "return window.dashboard && window.dashboard.renders >= 1")
         assert driver.find_element("id", "engines").is_displayed()
         cells = driver.execute_script(
@@ -477,9 +481,23 @@ def test_serve_engine_models_and_health(engine_server: tuple[str, MLXBackend]) -
     with local_client(base_url=url) as http:
         assert http.get("/health").json() == {"status": "ok"}
         models = http.get("/v1/models").json()
-        bad = http.post("/v1/chat/completions", content=b"[1]")
+        bad = http.post("/v1/chat/completions", content=b"[1]",
+                        headers={"content-type": "application/json"})
     assert [m["id"] for m in models["data"]] == ["tiny-engine"]
     assert bad.status_code == 400 and set(bad.json()["error"]) == {"message", "type", "code"}
+
+
+def test_serve_engine_takes_json_bodies_only_and_never_redirects(
+        engine_server: tuple[str, MLXBackend]) -> None:
+    url, _ = engine_server
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1})
+    with local_client(base_url=url) as http:
+        for content_type in (None, "text/plain", "application/x-www-form-urlencoded"):
+            headers = {"content-type": content_type} if content_type else {}
+            r = http.post("/v1/chat/completions", content=body, headers=headers)
+            assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        r = http.get("/v1/models/", headers={"host": "evil.example"})
+        assert r.status_code == 404 and "location" not in r.headers
 
 
 def test_serve_engine_api_key(engine_server: tuple[str, MLXBackend]) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import struct
+
 import pytest
+import xxhash
 
 from prefix_cache.entry import VERSION, decode_entry, encode_entry
 from prefix_cache.errors import EntryError
+from prefix_cache.split import StaticSplit
 
 KEY, CHECK = "spc:default:m:00ff", 0x1234_5678_9ABC_DEF0
 IDS = [0, 1, 151643, 2**32 - 1, 42] * 100
@@ -63,3 +67,47 @@ def test_token_ids_out_of_range_refused() -> None:
         encode_entry(KEY, CHECK, [2**32], 0.0)
     with pytest.raises(OverflowError):
         encode_entry(KEY, CHECK, [-1], 0.0)
+
+
+# -- the split section (format 3) -----------------------------------------------------------
+
+SPLIT = StaticSplit("<|im_start|>system\nBe brief. é<|im_end|>\n<|im_start|>", 38, 7)
+WITH_SPLIT = encode_entry(KEY, CHECK, IDS, 0.01, split=SPLIT)
+
+
+def test_split_round_trip() -> None:
+    entry = decode_entry(WITH_SPLIT, KEY, CHECK)
+    assert entry.split == SPLIT and entry.static_ids == IDS
+    assert decode_entry(GOOD, KEY, CHECK).split is None
+
+
+def test_a_version_2_entry_is_read_as_one_without_a_split() -> None:
+    """Replicas still on the previous release wrote format 2: it reads, without a split."""
+    body = GOOD[:-8]
+    v2 = body[:4] + bytes([2]) + body[5:]
+    v2 += struct.pack("<Q", xxhash.xxh3_64_intdigest(v2))
+    entry = decode_entry(v2, KEY, CHECK)
+    assert entry.static_ids == IDS and entry.split is None
+
+
+def _resealed(body: bytes) -> bytes:
+    return body + struct.pack("<Q", xxhash.xxh3_64_intdigest(body))
+
+
+SPLIT_AT = len(WITH_SPLIT) - 8 - len(SPLIT.text.encode()) - 12
+SPLIT_DAMAGE = {
+    "text cut short": _resealed(WITH_SPLIT[:-9]),
+    "anchor past the text": _resealed(WITH_SPLIT[:SPLIT_AT] + struct.pack("<I", 10_000)
+                                      + WITH_SPLIT[SPLIT_AT + 4:-8]),
+    "index past the ids": _resealed(WITH_SPLIT[:SPLIT_AT + 4] + struct.pack("<I", len(IDS))
+                                    + WITH_SPLIT[SPLIT_AT + 8:-8]),
+    "not UTF-8": _resealed(WITH_SPLIT[:-9] + b"\xff"),
+    "flag without a section": _resealed(GOOD[:5] + bytes([GOOD[5] | 0x02]) + GOOD[6:-8]),
+    "flipped text": _flip(WITH_SPLIT, len(WITH_SPLIT) - 12),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPLIT_DAMAGE))
+def test_split_damage_is_detected(name: str) -> None:
+    with pytest.raises(EntryError):
+        decode_entry(SPLIT_DAMAGE[name], KEY, CHECK)

@@ -119,10 +119,18 @@ def test_key_format_is_namespaced_in_the_clear(qwen3) -> None:
     assert re.fullmatch(r"[0-9a-f]{32}", digest)
 
 
-@pytest.mark.parametrize("bad", ["", "a:b", "a*", "ten ant", "x" * 129, "-lead"])
+@pytest.mark.parametrize("bad", ["", "a:b", "a*", "ten ant", "x" * 129, "-lead", "acme\n"])
 def test_bad_namespace_is_refused(qwen3, bad: str) -> None:
     with pytest.raises(ValueError, match="namespace"):
         StaticPrefixCache().resolve(qwen3, BASE["messages"], namespace=bad, chat_template=TEMPLATE)
+
+
+@pytest.mark.parametrize("bad", ["acme\n", "acme\r\n", "\nacme", "ac\nme", "acme\x00"])
+def test_a_label_is_whole_line_free(bad: str) -> None:
+    # With "$", a trailing newline passed and reached keys and purge patterns.
+    with pytest.raises(ValueError, match="tenant"):
+        keys.validate_label(bad, "tenant")
+    assert keys.validate_label("acme-2.prod_x", "tenant") == "acme-2.prod_x"
 
 
 def test_date_is_in_key_only_for_templates_that_read_it(qwen3, monkeypatch) -> None:

@@ -84,7 +84,8 @@ def test_quantile_interpolates_like_histogram_quantile() -> None:
 
 
 def test_several_workers_aggregate(tmp_path) -> None:
-    """Two worker processes record; a third (the scraping one) sees the sum."""
+    """Two worker processes record; a third (the scraping one) sees the sum: counters of every
+    worker that ever ran, live gauges of the workers alive now."""
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
     worker = textwrap.dedent("""
         import sys
@@ -96,17 +97,28 @@ def test_several_workers_aggregate(tmp_path) -> None:
         m.resolved(cache="miss", namespace="t", model="m", seconds=0.05, static_tokens=10, boundary=10)
         m.refresh_store(StoreStats("memory", memory=MemoryStats(entries=3, bytes=100, max_bytes=1000,
                                                                 evictions=0, expirations=0)))
+        print("recorded", flush=True)
+        sys.stdin.read()  # alive until the test closes stdin
         """)
-    for n in (5, 7):
-        subprocess.run([sys.executable, "-c", worker, str(n)], env=env, check=True, timeout=60)
-    scrape = "from prefix_cache.metrics import Metrics; import json; print(json.dumps(Metrics().snapshot()))"
-    out = subprocess.run([sys.executable, "-c", scrape], env=env, check=True, timeout=60,
-                         capture_output=True, text=True).stdout
+    workers = [subprocess.Popen([sys.executable, "-c", worker, str(n)], env=env, text=True,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE) for n in (5, 7)]
     import json
 
-    snap = json.loads(out)
-    assert (snap["hits"], snap["misses"]) == (12, 2)
-    assert snap["store"]["entries"] == 6  # livesum over the workers (until marked dead)
+    def scrape() -> dict:
+        code = "from prefix_cache.metrics import Metrics; import json; print(json.dumps(Metrics().snapshot()))"
+        return json.loads(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                         timeout=60, capture_output=True, text=True).stdout)
+    try:
+        assert [w.stdout.readline().strip() for w in workers] == ["recorded", "recorded"]
+        snap = scrape()
+        assert (snap["hits"], snap["misses"]) == (12, 2)
+        assert snap["store"]["entries"] == 6  # livesum over the live workers
+    finally:
+        for w in workers:
+            w.communicate(timeout=60)
+    snap = scrape()
+    assert (snap["hits"], snap["misses"]) == (12, 2)  # what the dead counted happened
+    assert snap["store"]["entries"] == 0              # what they held is gone with them
 
 
 ENGINE_STATS = EngineStats(

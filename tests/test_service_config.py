@@ -258,7 +258,8 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
             capture_output=True, text=True, timeout=60, check=True).stdout
         return dict(json.loads(out))
     with local_client() as client:
-        return dict(client.post(f"{url}/v1/prefix/boundary", content=data).json())
+        return dict(client.post(f"{url}/v1/prefix/boundary", content=data,
+                                headers={"content-type": "application/json"}).json())
 
 
 README_BODY = {"messages": [{"role": "system", "content": "You are a coding agent."},

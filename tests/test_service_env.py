@@ -73,7 +73,7 @@ def test_serve_takes_its_store_models_and_keys_from_the_environment(
             result = http.post("/v1/prefix/boundary", headers=tenant,
                                json={**BOUNDARY, "model": "file-model"}).json()
             assert result["cache"] == "miss" and result["key"].startswith("spc:envco:file-model:")
-            assert http.get("/readyz").json()["store"]["backend"] == "tiered"
+            assert http.get("/readyz", headers=admin).json()["store"]["backend"] == "tiered"
             assert http.get("/admin/stats", headers=admin).json()["store"]["backend"] == "tiered"
         assert redis.cli("exists", result["key"]).strip() == "1"      # the entry is in Redis
     finally:

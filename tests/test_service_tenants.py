@@ -146,10 +146,14 @@ def test_admin_refuses_without_the_admin_key(http: Any, headers: dict[str, str],
         assert r.status_code == status and r.json()["error"]["code"] == code
 
 
-def test_health_endpoints_need_no_key(http: Any) -> None:
+def test_health_endpoints_need_no_key_but_details_do(http: Any) -> None:
     assert http.get("/healthz").status_code == 200
     ready = http.get("/readyz")
-    assert ready.status_code == 200 and ready.json()["upstreams"]["rec"]["ok"] is True
+    assert ready.status_code == 200 and ready.json() == {"status": "ready"}
+    for key in (ACME, "sk-unknown"):  # a tenant learns no more than anyone
+        assert http.get("/readyz", headers=auth(key)).json() == {"status": "ready"}
+    detailed = http.get("/readyz", headers=auth(ADMIN))
+    assert detailed.status_code == 200 and detailed.json()["upstreams"]["rec"]["ok"] is True
 
 
 # -- admin -------------------------------------------------------------------------------------
@@ -183,11 +187,30 @@ def test_admin_purges_a_model(http: Any) -> None:
 @pytest.mark.parametrize("payload, status", [
     ({}, 400), ({"tenant": "*"}, 400), ({"tenant": "a:b"}, 400), ({"tenant": 5}, 400),
     ({"tenant": "acme", "everything": True}, 400),
+    ({"tenant": "acme\n"}, 400), ({"model": "../../rec"}, 400), ({"model": "r*c"}, 400),
+    ({"model": "rec/"}, 400), ({"tenant": "acme", "model": "a b"}, 400),
 ])
 def test_admin_purge_refuses_what_it_cannot_name_exactly(http: Any, payload: dict[str, Any],
                                                          status: int) -> None:
+    system = unique_system()
+    http.post("/v1/prefix/boundary", json=body(system), headers=auth(ACME))
     r = http.post("/admin/purge", json=payload, headers=auth(ADMIN))
     assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "code"}
+    # Nothing was purged: a refused name is never rewritten into one that exists.
+    again = http.post("/v1/prefix/boundary", json=body(system), headers=auth(ACME))
+    assert again.json()["cache"] == "hit"
+
+
+def test_admin_purges_a_model_no_longer_served_by_its_label(http: Any) -> None:
+    r = http.post("/admin/purge", json={"model": "retired-model.v2"}, headers=auth(ADMIN))
+    assert r.status_code == 200 and r.json() == {"purged": 0, "pattern": "spc:*:retired-model.v2:*"}
+
+
+def test_a_tenant_name_with_a_newline_is_refused_in_the_keys_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"tenants": {"sk-1": "acme\n"}}))
+    with pytest.raises(ValueError, match="tenant"):
+        KeyRing.from_settings(ServiceSettings(keys_file=path))
 
 
 def test_admin_stats(http: Any) -> None:
@@ -312,6 +335,10 @@ def test_quota_store_purge_delete_and_failed_puts_keep_the_books() -> None:
     failing = TenantQuotaStore(Down(), max_entries=5, max_bytes=1 << 20)
     with pytest.raises(StoreUnavailableError):
         failing.put(key("a", 0), b"v")
+    # A failed put may have stored all the same (a memory tier, a timeout after Redis wrote):
+    # the key stays on the books until a read shows it absent.
+    assert failing.tenant_usage() == {"a": {"entries": 1, "bytes": entry_size(key("a", 0), b"v")}}
+    assert failing.get(key("a", 0)) is None
     assert failing.tenant_usage() == {"a": {"entries": 0, "bytes": 0}}
 
 

@@ -5,8 +5,10 @@ out, and the typed figures an engine reports.
         BackendRequest(prompt ids, boundary, tenant, SamplingParams, SpecPrefillParams)
     backend.check(request)            the request as it will run (max_tokens filled in), or an
                                       InvalidRequestError (a 400) before anything runs
-    backend.generate(request)         BackendOutput text deltas; the last one has the finish
-                                      reason and the usage; closing the iterator cancels
+    backend.generate(request)         BackendOutput text deltas (and tool calls, for engines
+                                      that parse them out of the text when the request gives
+                                      tools); the last one has the finish reason and the
+                                      usage; closing the iterator cancels
     API layer ── formats the outputs in its own shape (JSON or SSE)
 
 An engine is anything with these calls (``ChatBackend``); the sidecar finds one by name through
@@ -57,6 +59,8 @@ class BackendRequest:
     sampling: SamplingParams = SamplingParams()
     specprefill: SpecPrefillParams = SpecPrefillParams()
     request_id: str = field(default_factory=new_request_id)
+    # The tools the prompt offers: an engine that can parse tool calls does so only then.
+    tools: Sequence[Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,12 +77,24 @@ class Usage:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call the model wrote; ``arguments`` is JSON text, as OpenAI's API sends it."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class BackendOutput:
-    """A text delta; the last output of a generation carries its finish reason and usage."""
+    """A text delta (or tool calls); the last output of a generation carries its finish
+    reason and usage."""
 
     text: str = ""
-    finish_reason: str | None = None   # "stop" or "length" on the last output
+    finish_reason: str | None = None   # "stop", "length" or "tool_calls" on the last output
     usage: Usage | None = None
+    stop_sequence: str | None = None   # the stop string that ended the generation, if one did
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class BackendError(RuntimeError):

@@ -1,5 +1,6 @@
 """A backend's outputs as OpenAI chat completions: one ``chat.completion``, or SSE
-``chat.completion.chunk`` events ending in ``data: [DONE]``.
+``chat.completion.chunk`` events ending in ``data: [DONE]``. Tool calls the engine cut out of
+its text are ``tool_calls`` (whole, one chunk each), with finish reason "tool_calls".
 
 ``usage.prompt_tokens_details.cached_tokens`` reports the prompt tokens whose KV the engine
 restored. A client that goes away cancels the generation: Starlette cancels a streaming body,
@@ -19,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from ..http.errors import ClientDisconnected, error_body
 from ..http.relay import until_disconnect
-from .backend import BackendError, BackendRequest, ChatBackend, Usage
+from .backend import BackendError, BackendRequest, ChatBackend, ToolCall, Usage
 from .openai_params import ChatParams
 
 
@@ -34,18 +35,29 @@ async def complete(backend: ChatBackend, params: ChatParams,
                    request: BackendRequest) -> dict[str, Any]:
     """A whole ``chat.completion``."""
     parts: list[str] = []
+    calls: list[dict[str, Any]] = []
     finish, usage = None, None
     async with aclosing(backend.generate(request)) as outputs:
         async for out in outputs:
             parts.append(out.text)
+            calls += [_call(call) for call in out.tool_calls]
             finish, usage = out.finish_reason or finish, out.usage or usage
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(parts)}
+    if calls:
+        message["tool_calls"] = calls
     return {
         "id": f"chatcmpl-{request.request_id}", "object": "chat.completion",
         "created": int(time.time()), "model": params.model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(parts)},
-                     "logprobs": None, "finish_reason": finish or "length"}],
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": finish or "length"}],
         "usage": usage_body(usage),
     }
+
+
+def _call(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    return {**out, "id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
 
 
 async def stream(backend: ChatBackend, params: ChatParams,
@@ -60,12 +72,16 @@ async def stream(backend: ChatBackend, params: ChatParams,
         return _event(data)
 
     finish, usage = None, None
+    calls = 0
     yield chunk({"role": "assistant", "content": ""})
     try:
         async with aclosing(backend.generate(request)) as outputs:
             async for out in outputs:
                 if out.text:
                     yield chunk({"content": out.text})
+                for call in out.tool_calls:
+                    yield chunk({"tool_calls": [_call(call, calls)]})
+                    calls += 1
                 finish, usage = out.finish_reason or finish, out.usage or usage
     except BackendError as exc:  # the status is long sent: end the stream with the reason
         yield _event(error_body(str(exc), "server_error", "engine_error"))

@@ -17,6 +17,14 @@ def bearer_key(authorization: str | None) -> str | None:
     return key.strip()
 
 
+def client_authorization(authorization: str | None, x_api_key: str | None) -> str | None:
+    """The ``Authorization`` a /v1 client sent; Anthropic's clients send their key as
+    ``x-api-key: KEY`` instead, read as ``Bearer KEY`` when there is no Authorization."""
+    if authorization or not x_api_key or not x_api_key.strip():
+        return authorization
+    return f"Bearer {x_api_key.strip()}"
+
+
 def basic_password(authorization: str | None) -> str | None:
     """The password of an ``Authorization: Basic ...`` header (what a browser's login prompt
     sends), or None."""

@@ -1,25 +1,46 @@
-"""Reading a JSON request body under a size limit."""
+"""Reading a JSON request body: its content type, its size, its nesting."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from .. import json_io
-from .errors import BadRequest, ClientDisconnected, PayloadTooLarge
+from .errors import BadRequest, ClientDisconnected, PayloadTooLarge, UnsupportedMediaType
+
+JSON_MEDIA_TYPE = "application/json"
+# Answering before the whole body is read leaves the rest of it on the connection: closing it
+# is the only way to stop a client that keeps sending (a chunked body has no end to wait for).
+CLOSE = {"Connection": "close"}
+
+
+def require_json(content_type: str | None) -> None:
+    """415 unless the body is declared ``application/json``.
+
+    A browser sends ``text/plain``, form and multipart bodies cross-origin without asking
+    first (a CORS "simple request"); ``application/json`` needs a preflight, which this
+    service never grants, so no web page can make a visitor's browser post to it.
+    """
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if media_type != JSON_MEDIA_TYPE:
+        shown = repr(media_type) if media_type else "none"
+        raise UnsupportedMediaType(f"the body must be sent as Content-Type: {JSON_MEDIA_TYPE} "
+                                   f"(got {shown})")
 
 
 async def read_json_object(request: Request, limit: int,
                            setting: str | None = None) -> tuple[bytes, dict[str, Any]]:
-    """The raw body and its parsed JSON object; 413 past ``limit`` bytes (``setting``: what
-    raises the limit, named in the message), 400 if not an object.
+    """The raw body and its parsed JSON object.
 
-    A declared Content-Length over the limit is refused before a byte is read; a body sent
-    without one (chunked) is counted as it arrives, so it is never held beyond the limit.
+    415 unless it is ``application/json``; 413 past ``limit`` bytes (``setting``: what raises
+    the limit, named in the message), closing the connection; 400 if it is not a JSON object
+    or nests deeper than ``json_io.MAX_DEPTH``. A declared Content-Length over the limit is
+    refused before a byte is read; a body sent without one (chunked) is counted as it arrives,
+    so it is never held beyond the limit.
     """
+    require_json(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
@@ -38,9 +59,9 @@ async def read_json_object(request: Request, limit: int,
         raise ClientDisconnected("the client disconnected while sending the body") from exc
     raw = b"".join(chunks)
     try:
-        body = json_io.loads(raw)  # integers of any size stay exact
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+        body = json_io.loads(raw)  # integers of any size stay exact; nesting is bounded
+    except json_io.JSONInputError as exc:
+        raise BadRequest(f"the body is {exc}", code=exc.code) from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object (an OpenAI chat body)",
                          code="invalid_json")
@@ -49,4 +70,5 @@ async def read_json_object(request: Request, limit: int,
 
 def _too_large(limit: int, setting: str | None) -> PayloadTooLarge:
     where = f" ({setting})" if setting else ""
-    return PayloadTooLarge(f"the request body is larger than the limit of {limit} bytes{where}")
+    return PayloadTooLarge(f"the request body is larger than the limit of {limit} bytes{where}",
+                           headers=CLOSE)

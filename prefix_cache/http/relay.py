@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Mapping
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol, TypeVar
 
 import httpx
 import orjson
@@ -28,6 +28,18 @@ T = TypeVar("T")
 # details stay behind. The body is relayed byte for byte, so its length and encoding stay true.
 RELAYED_HEADERS = ("content-type", "content-length", "content-encoding", "cache-control",
                    "x-request-id")
+
+
+def relays_status(status: int) -> bool:
+    """Whether an upstream status is passed on: a 2xx answer (relayed as it arrives) or a
+    4xx/5xx error (relayed with its status, in OpenAI's shape).
+
+    Everything else is a 502 instead. A 3xx is not followed (that would send the body, and the
+    sidecar's upstream key, wherever the upstream points) nor passed on (its Location names
+    the upstream's side of the network); a 1xx is not a final answer; a status outside
+    [100, 600) is not HTTP and cannot be written to the client at all.
+    """
+    return 200 <= status < 300 or 400 <= status < 600
 
 
 async def _wait_for_disconnect(receive: Receive) -> None:
@@ -57,11 +69,25 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[T | No
     return task.result(), False
 
 
+class RelayTap(Protocol):
+    """Sees what is relayed (to keep a record of it); it never changes or delays a byte."""
+
+    def feed(self, chunk: bytes) -> None: ...
+
+    def end(self) -> None:
+        """The whole body was relayed."""
+        ...
+
+
 class RelayResponse(Response):
     """An open upstream response, streamed to the client chunk by chunk, closed at the end."""
 
-    def __init__(self, upstream: httpx.Response, headers: Mapping[str, str]) -> None:
+    def __init__(self, upstream: httpx.Response, headers: Mapping[str, str],
+                 tap: RelayTap | None = None,
+                 error_event: Callable[[str], bytes] | None = None) -> None:
         self.upstream = upstream
+        self.tap = tap
+        self.error_event = error_event or _openai_error_event  # in the API's shape
         self.status_code = upstream.status_code
         self.background = None
         merged = {name: upstream.headers[name] for name in RELAYED_HEADERS
@@ -85,13 +111,21 @@ class RelayResponse(Response):
                     "headers": self.raw_headers})
         try:
             async for chunk in self.upstream.aiter_raw():
+                if self.tap is not None:
+                    self.tap.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            if self.tap is not None:
+                self.tap.end()
         except httpx.HTTPError as exc:
             # The status is long sent; what is left is to end the body so the client sees why.
             log.warning("upstream failed mid-response: %r", exc)
             if self.is_event_stream:
-                event = error_body(f"the upstream failed mid-stream ({type(exc).__name__})",
-                                   "upstream_error", "upstream_interrupted")
-                await send({"type": "http.response.body",
-                            "body": b"data: " + orjson.dumps(event) + b"\n\n", "more_body": True})
+                message = f"the upstream failed mid-stream ({type(exc).__name__})"
+                await send({"type": "http.response.body", "body": self.error_event(message),
+                            "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def _openai_error_event(message: str) -> bytes:
+    event = error_body(message, "upstream_error", "upstream_interrupted")
+    return b"data: " + orjson.dumps(event) + b"\n\n"

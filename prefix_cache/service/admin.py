@@ -6,15 +6,20 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
-from ..http.errors import BadRequest
-from ..keys import key_pattern, model_label, validate_label
+from ..errors import StoreUnavailableError
+from ..http.errors import BadRequest, ServiceUnavailable
+from ..keys import key_pattern, validate_label
+from . import openapi_docs as docs
 from .deps import State, read_body, require_admin
-from .schemas import PurgeRequest
+from .schemas import AdminStats, PurgeRequest, PurgeResponse
+from .state import ServiceState
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
+PURGE_RETRY_AFTER_S = 5
 
 
-@router.get("/stats")
+@router.get("/stats", response_model=None,
+            responses=docs.responses(AdminStats, 401, 403))
 async def stats(state: State) -> dict[str, Any]:
     """The cache's counters (the metrics' tally: every worker's, in multiprocess mode) and the
     store's figures, per tenant included."""
@@ -26,7 +31,8 @@ async def stats(state: State) -> dict[str, Any]:
     }
 
 
-@router.post("/purge")
+@router.post("/purge", response_model=None, openapi_extra=docs.json_body(PurgeRequest),
+             responses=docs.responses(PurgeResponse, 400, 401, 403, 413, 415, 503))
 async def purge(request: Request, state: State) -> dict[str, Any]:
     """Remove every entry of a tenant, of a model, or of a tenant's use of a model."""
     _, body = await read_body(request, state)
@@ -36,8 +42,26 @@ async def purge(request: Request, state: State) -> dict[str, Any]:
     try:
         # A label never holds glob characters, so a purge cannot reach past what it names.
         tenant = validate_label(req.tenant, "tenant") if req.tenant is not None else None
+        model = purged_model_label(state, req.model) if req.model is not None else None
     except ValueError as exc:
-        raise BadRequest(str(exc)) from None
-    model = model_label(req.model) if req.model is not None else None
+        raise BadRequest(str(exc), code="invalid_label") from None
     pattern = key_pattern(state.cache.prefix, tenant, model)
-    return {"purged": await state.store.apurge(pattern), "pattern": pattern}
+    try:
+        # The shared tier first, this worker's memory tier only once it succeeded.
+        purged = await state.store.apurge(pattern)
+    except StoreUnavailableError as exc:
+        raise ServiceUnavailable(
+            "the shared store is unavailable, so the purge did not complete (this worker's "
+            "memory tier was left as it was); retry once the store is back",
+            code="store_unavailable", headers={"Retry-After": str(PURGE_RETRY_AFTER_S)}) from exc
+    return {"purged": purged, "pattern": pattern}
+
+
+def purged_model_label(state: ServiceState, model: str) -> str:
+    """The key label of a served model's name, or ``model`` itself if it is a valid label
+    (entries of a model no longer served, in a shared store); ValueError otherwise. Never a
+    rewrite: a name like "../../demo" would otherwise purge "demo" for every tenant."""
+    for served in state.models:
+        if served.name == model:
+            return served.label
+    return validate_label(model, "model")

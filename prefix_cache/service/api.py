@@ -9,14 +9,22 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..cache import PrefixResult
-from ..chat.backend import ChatBackend
 from ..chat.openai_params import parse_chat_params
 from ..chat.openai_stream import respond_chat
 from ..http.errors import ClientDisconnected
 from ..http.relay import RelayResponse, until_disconnect
+from . import openapi_docs as docs
 from .deps import State, Tenant, read_body
 from .models import ServedModel
-from .schemas import BoundaryRequest, ChatRequest
+from .schemas import (
+    BoundaryRequest,
+    BoundaryResponse,
+    ChatCompletion,
+    ChatCompletionRequest,
+    ChatRequest,
+    ModelList,
+    PrefixBoundaryRequest,
+)
 from .state import ServiceState
 
 router = APIRouter()
@@ -27,16 +35,23 @@ def cache_headers(result: PrefixResult) -> dict[str, str]:
             "x-specprefill-system-end": str(result.specprefill_system_end)}
 
 
-async def resolve(state: ServiceState, model: ServedModel, body: dict[str, Any],
-                  tenant: str) -> PrefixResult:
-    """The boundary of a validated body, in the tenant's namespace (renders off the loop)."""
-    return await state.cache.aresolve(
-        model.tokenizer, body["messages"], body.get("tools"), body.get("chat_template_kwargs"),
-        namespace=tenant, model=model.label,
-    )
+async def resolve(state: ServiceState, model: ServedModel, tenant: str, body_size: int,
+                  messages: list[dict[str, Any]], tools: Any, kwargs: Any) -> PrefixResult:
+    """The boundary of a validated conversation (of any API), in the tenant's namespace,
+    within the tenant's prompt size limit; renders run off the loop."""
+    state.limits.check_prompt(tenant, body_size, messages, tools, kwargs)
+    return await state.cache.aresolve(model.tokenizer, messages, tools, kwargs,
+                                      namespace=tenant, model=model.label)
 
 
-@router.get("/v1/models")
+async def resolve_chat(state: ServiceState, model: ServedModel, body: dict[str, Any],
+                       tenant: str, body_size: int) -> PrefixResult:
+    """The boundary of a validated chat body."""
+    return await resolve(state, model, tenant, body_size, body["messages"], body.get("tools"),
+                         body.get("chat_template_kwargs"))
+
+
+@router.get("/v1/models", response_model=None, responses=docs.responses(ModelList, 401, 403))
 async def list_models(state: State, tenant: Tenant) -> dict[str, Any]:
     return {"object": "list", "data": [
         {"id": m.name, "object": "model", "created": state.started_at, "owned_by": "prefix-cache"}
@@ -44,11 +59,15 @@ async def list_models(state: State, tenant: Tenant) -> dict[str, Any]:
     ]}
 
 
-@router.post("/v1/prefix/boundary")
+@router.post("/v1/prefix/boundary", openapi_extra=docs.json_body(PrefixBoundaryRequest),
+             responses=docs.responses(BoundaryResponse, *docs.PREPARE_ERRORS,
+                                      headers=docs.CACHE_HEADERS))
 async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Response:
-    _, body = await read_body(request, state)
-    req = BoundaryRequest.model_validate(body)
-    result = await resolve(state, state.models.get(req.model), body, tenant)
+    async with state.limits.slot(tenant):  # the tenant's share of this worker
+        raw, body = await read_body(request, state)
+        req = BoundaryRequest.model_validate(body)
+        result = await resolve_chat(state, state.models.get(req.model), body, tenant,
+                                    len(raw))
     out: dict[str, Any] = {
         "specprefill_system_end": result.specprefill_system_end,
         "prompt_tokens": len(result.prompt_ids),
@@ -61,28 +80,29 @@ async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Res
                     headers=cache_headers(result))
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=docs.json_body(ChatCompletionRequest),
+             responses=docs.responses(ChatCompletion, *docs.PREPARE_ERRORS, *docs.UPSTREAM_ERRORS,
+                                      headers=docs.CACHE_HEADERS, stream=True))
 async def chat_completions(request: Request, state: State, tenant: Tenant) -> Response:
-    raw, body = await read_body(request, state)
-    req = ChatRequest.model_validate(body)
-    model = state.models.get(req.model)
+    async with state.limits.slot(tenant):  # released before generation: the upstream queues that
+        raw, body = await read_body(request, state)
+        req = ChatRequest.model_validate(body)
+        model = state.models.get(req.model)
+        if model.engine is not None:
+            # Parameters before resolving: a refused request caches nothing.
+            params = parse_chat_params(body, model.engine.name)
+            result = await resolve_chat(state, model, body, tenant, len(raw))
+            # The tenant is the namespace of the engine's static-prefix KV (invariant 5).
+            generation = params.request(result.prompt_ids, result.specprefill_system_end, tenant,
+                                        body.get("tools"))
+        else:
+            upstream = model.require_upstream()  # before resolving: a refused request caches nothing
+            result = await resolve_chat(state, model, body, tenant, len(raw))
+            content = upstream.forward_content(raw, body, result, namespace=tenant)
     if model.engine is not None:
-        return await engine_completion(request, state, model, model.engine, body, tenant)
-    upstream = model.require_upstream()  # before resolving: a refused request caches nothing
-    result = await resolve(state, model, body, tenant)
-    content = upstream.forward_content(raw, body, result, namespace=tenant)
+        return await respond_chat(request, model.engine, params, generation, cache_headers(result))
     response, disconnected = await until_disconnect(request.receive,
                                                     upstream.open(state.http, content))
     if disconnected or response is None:
         raise ClientDisconnected("the client disconnected before the upstream answered")
     return RelayResponse(response, cache_headers(result))
-
-
-async def engine_completion(request: Request, state: ServiceState, model: ServedModel,
-                            engine: ChatBackend, body: dict[str, Any], tenant: str) -> Response:
-    """A completion on the model's in-process engine: the sidecar's prompt ids and boundary,
-    the tenant as the namespace of the engine's static-prefix KV (invariant 5)."""
-    params = parse_chat_params(body, engine.name)  # before resolving: a refused request caches nothing
-    result = await resolve(state, model, body, tenant)
-    generation = params.request(result.prompt_ids, result.specprefill_system_end, tenant)
-    return await respond_chat(request, engine, params, generation, cache_headers(result))

@@ -10,18 +10,36 @@ import httpx
 from fastapi import FastAPI
 
 from ..cache import StaticPrefixCache
+from ..chat.anthropic_params import MessagesRequest
+from ..chat.responses_params import ResponsesRequest
+from ..chat.responses_store import ResponseStore
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
-from ..metrics import Metrics, mark_process_dead
+from ..http.request_id import RequestIdMiddleware
+from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
+from ..metrics import Metrics
+from ..multiprocess import mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
-from . import admin, api, dashboard, health
+from . import admin, agent_api, api, dashboard, health, openapi_docs
+from .limits import TenantLimits
 from .models import ModelRegistry, load_model_specs
 from .quota import TenantQuotaStore
+from .schemas import (
+    ChatCompletionRequest,
+    CountTokensRequest,
+    PrefixBoundaryRequest,
+    PurgeRequest,
+)
 from .settings import ServiceSettings
 from .state import ServiceState
-from .tenants import KeyRing
+from .tenants import KeysConfig
+
+DESCRIPTION = ("An OpenAI-compatible proxy that attaches the cached SpecPrefill boundary "
+               "(specprefill_system_end) of each request. Errors use OpenAI's shape.")
+BODY_MODELS = (ChatCompletionRequest, PrefixBoundaryRequest, MessagesRequest, CountTokensRequest,
+               ResponsesRequest, PurgeRequest)
 
 # Connections kept to the upstreams: enough for many concurrent streams, bounded all the same.
 MAX_UPSTREAM_CONNECTIONS = 512
@@ -34,7 +52,7 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
     if settings.uses_memory_store:
         return open_store(None, max_bytes=n_tenants * settings.tenant_max_bytes)
     try:
-        return open_store(settings.redis_url)
+        return open_store(settings.redis_url, timeout_seconds=settings.redis_timeout_s)
     except ImportError as exc:
         raise ValueError(f"--redis {settings.redis_url}: the Redis store is not available: "
                          f"{exc}") from exc
@@ -42,7 +60,8 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
 
 def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:
     """Everything a worker needs before it takes requests; ValueError on bad configuration."""
-    keyring = KeyRing.from_settings(settings)
+    callers = KeysConfig.load(settings)
+    keyring = callers.keyring()
     registry = models if models is not None else ModelRegistry.from_specs(load_model_specs(settings))
     for model in registry:
         # The first render of a tokenizer fingerprints its whole vocabulary (once, ~1 s for 150k
@@ -55,8 +74,12 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     engines = [(m.name, m.engine) for m in registry if m.engine is not None]
     if engines:  # in-process engines' own counters, read at scrape time
         metrics.add_collector(EngineCollector(lambda: engines))
-    cache = StaticPrefixCache(store, observer=metrics)
-    return ServiceState(settings, registry, keyring, store, cache, metrics)
+    cache = StaticPrefixCache(store, observer=metrics,
+                              tokenize_check_rate=settings.tokenize_check_rate)
+    limits = TenantLimits.from_settings(settings, callers.tenant_limits)
+    return ServiceState(settings, registry, keyring, store, cache, metrics, limits,
+                        Drain(settings.shutdown_grace_s),
+                        responses=ResponseStore(settings.responses_store_bytes))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -77,19 +100,30 @@ def create_app(settings: ServiceSettings | None = None, *,
             trust_env=False,  # upstreams are configured here, never picked from proxy variables
         )
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
+        restore_sigterm = drain_on_sigterm(state.drain)
         try:
             yield
         finally:
+            restore_sigterm()
             gauges.cancel()
             await state.client.aclose()
             await asyncio.to_thread(state.models.close)  # in-process engines, if any
+            await state.store.aclose()  # the loop's Redis connections, closed on their loop
             state.cache.close()
             mark_process_dead()
 
-    app = FastAPI(title="prefix-cache sidecar", lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    # No trailing-slash redirects: Starlette builds their Location from the Host header, which
+    # the client chooses. No Swagger page either (it would load scripts from a CDN).
+    app = FastAPI(title="prefix-cache sidecar", version=openapi_docs.package_version(),
+                  description=DESCRIPTION,
+                  lifespan=lifespan, redirect_slashes=False, docs_url=None, redoc_url=None,
+                  openapi_url=openapi_docs.OPENAPI_PATH)
     app.state.service = state
     install_error_handlers(app)
-    for module in (api, admin, health, dashboard):
+    # Outermost last: every response, the drain's 503 included, carries the request id.
+    app.add_middleware(DrainMiddleware, drain=state.drain)
+    app.add_middleware(RequestIdMiddleware)
+    for module in (api, agent_api, admin, health, dashboard):
         app.include_router(module.router)
+    openapi_docs.install(app, BODY_MODELS, bearer_paths=("/v1/", "/admin/", "/metrics"))
     return app

@@ -1,9 +1,10 @@
 """``GET /metrics`` (Prometheus), ``GET /dashboard`` (a live page) and its JSON stats.
 
-The page and its stats need an admin key when one is configured: as Bearer, or as the password
-of the browser's Basic-auth prompt; the page then sets a cookie so its own polling is
-authenticated. ``/metrics`` is open, as Prometheus scrapers expect; its tenant labels are the
-operator's configured tenant names, bounded in number.
+The page and its stats need an admin key once any key is configured: as Bearer, or as the
+password of the browser's Basic-auth prompt; the page then sets a cookie so its own polling is
+authenticated. ``/metrics`` names tenants and their traffic, so once any key is configured it
+needs a metrics or admin key as Bearer (Prometheus sends one: ``authorization`` in a scrape
+config, ``authorization``/``bearerTokenSecret`` in a ServiceMonitor).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
+from . import openapi_docs as docs
 from .deps import State
+from .schemas import DashboardStats
 from .state import ServiceState
 
 router = APIRouter()
@@ -53,14 +56,16 @@ async def refresh_gauges_forever(state: ServiceState) -> None:
         await asyncio.sleep(GAUGE_REFRESH_SECONDS)
 
 
-@router.get("/metrics")
-async def metrics(state: State) -> Response:
+@router.get("/metrics", response_class=PlainTextResponse,
+            responses=docs.responses(None, 401, 403, description="Prometheus text format"))
+async def metrics(request: Request, state: State) -> Response:
+    state.keyring.require_observer(request.headers.get("authorization"))
     refresh_gauges(state)
     body, content_type = state.metrics.exposition()
     return Response(body, media_type=content_type)
 
 
-@router.get("/dashboard")
+@router.get("/dashboard", response_class=HTMLResponse, responses=docs.responses(None, 401))
 async def dashboard(request: Request, state: State) -> Response:
     if not _allowed(request, state):
         return _challenge()
@@ -72,16 +77,20 @@ async def dashboard(request: Request, state: State) -> Response:
     return page
 
 
-def stats_document(state: ServiceState) -> dict[str, Any]:
+async def stats_document(state: ServiceState) -> dict[str, Any]:
     """What the page draws: the metrics summary, store health and in-process engines' counters,
-    from this worker's view."""
+    from this worker's view. "reachable" is a ping of the store now, not the breaker's memory."""
     store = state.store.stats()
     state.metrics.refresh_store(store)
     breaker = store.remote.breaker if store.remote is not None else None
+    try:
+        reachable = await asyncio.wait_for(state.store.aping(), state.settings.ready_timeout_s)
+    except TimeoutError:
+        reachable = False
     return {
         "metrics": state.metrics.snapshot(),
         "store_backend": store.backend,
-        "store_health": {"breaker": breaker, "reachable": breaker != "open"},
+        "store_health": {"breaker": breaker, "reachable": reachable},
         "models": [m.name for m in state.models],
         "engines": engine_rows(state),
     }
@@ -101,11 +110,11 @@ def engine_rows(state: ServiceState) -> list[dict[str, Any]]:
     return rows
 
 
-@router.get("/dashboard/stats.json")
+@router.get("/dashboard/stats.json", responses=docs.responses(DashboardStats, 401))
 async def dashboard_stats(request: Request, state: State) -> Response:
     if not _allowed(request, state):
         return _challenge()
     import orjson
 
-    return Response(orjson.dumps(stats_document(state)), media_type="application/json",
+    return Response(orjson.dumps(await stats_document(state)), media_type="application/json",
                     headers={"Cache-Control": "no-store"})

@@ -6,6 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
+from ..http.auth import client_authorization
 from ..http.body import read_json_object
 from .state import ServiceState
 
@@ -22,7 +23,8 @@ State = Annotated[ServiceState, Depends(get_state)]
 
 async def get_tenant(request: Request, state: State) -> str:
     """The caller's namespace, from its API key (401/403 if it has none)."""
-    return state.keyring.tenant_for(request.headers.get("authorization"))
+    return state.keyring.tenant_for(client_authorization(request.headers.get("authorization"),
+                                                         request.headers.get("x-api-key")))
 
 
 Tenant = Annotated[str, Depends(get_tenant)]

@@ -10,6 +10,7 @@ A model comes from ``--model DIR`` (named after its folder) or from a ``--models
       upstream_model: default_model   # optional: the name the upstream knows it by
       upstream_api_key: ...           # optional: the sidecar's key for that upstream
       upstream_health_path: /health   # optional: what GET /readyz probes
+      upstream_apis: [messages, responses]  # optional: agent APIs the upstream serves itself
       engine: mlx                     # or: completions run in-process on the MLX engine
       draft_model: /models/Qwen3-0.6B # optional, with engine: the SpecPrefill draft
       engine_options: {kv_bytes: 8GiB} # optional, with engine: over --engine-option's
@@ -45,7 +46,7 @@ from ..errors import NoChatTemplateError
 from ..http.errors import BadRequest, NotFound
 from ..keys import model_label
 from .config_files import read_config_file
-from .settings import ServiceSettings, UpstreamKind
+from .settings import AgentApi, ServiceSettings, UpstreamKind
 from .upstream import DEFAULT_HEALTH_PATH, Upstream, normalize_base_url
 
 log = logging.getLogger("prefix_cache.service")
@@ -63,6 +64,7 @@ class ModelSpec(BaseModel):
     upstream_model: str | None = None
     upstream_api_key: str | None = None
     upstream_health_path: str = DEFAULT_HEALTH_PATH
+    upstream_apis: list[AgentApi] | None = None
     engine: str | None = None
     draft_model: Path | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict)
@@ -76,6 +78,7 @@ def load_model_specs(settings: ServiceSettings,
         "upstream_kind": settings.upstream_kind,
         "upstream_model": settings.upstream_model,
         "upstream_api_key": settings.upstream_api_key,
+        "upstream_apis": settings.upstream_apis,
         "engine": settings.engine,
         "draft_model": settings.draft_model,
         "engine_options": settings.engine_options,
@@ -200,8 +203,10 @@ def load_model(spec: ModelSpec, loader: Callable[..., Any] | None = None) -> Ser
         raise ValueError(f"model {spec.name!r}: {exc}") from exc
     upstream = None
     if spec.upstream is not None:
+        apis = None if spec.upstream_apis is None else tuple(spec.upstream_apis)
         upstream = Upstream(spec.upstream, spec.upstream_kind, model=spec.upstream_model,
-                            api_key=spec.upstream_api_key, health_path=spec.upstream_health_path)
+                            api_key=spec.upstream_api_key, health_path=spec.upstream_health_path,
+                            apis=apis)
     engine = load_engine(spec) if spec.engine is not None else None
     return ServedModel(spec.name, model_label(spec.name), tokenizer, upstream, engine)
 

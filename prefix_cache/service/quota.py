@@ -10,6 +10,13 @@ churns only its own entries.
 
 With a shared store (Redis) each process accounts for what it wrote itself: the quota bounds
 what each worker adds per tenant, and the store's own memory policy is the backstop.
+
+The books never lose a stored key, outages included: a key leaves them only once the store has
+confirmed it gone. An evicted entry whose delete fails stays on the tenant's pending list; the
+tenant's next put retries those deletes first and stores nothing while any remains, so the
+tenant never holds more than its quota. A put that fails keeps its key on the books (it may be
+stored all the same: in the memory tier, or by Redis just before a timeout). Purges and deletes
+forget keys only after the store did its part.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ class TenantQuotaStore(Store):
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._ledgers: dict[str, ByteLRU[str, None]] = {}
+        self._pending: dict[str, set[str]] = {}  # per tenant: evicted, delete not yet confirmed
         self.quota_evictions = 0
 
     # -- accounting (under the lock, no I/O) ---------------------------------------------------
@@ -53,8 +61,9 @@ class TenantQuotaStore(Store):
         return ledger
 
     def _admit(self, key: str, value: bytes) -> list[str] | None:
-        """Account a put; the tenant's keys to delete first, or None if it cannot fit at all
-        (larger than the whole quota: storing it would only empty the tenant)."""
+        """Account a put; the tenant's keys to delete first (moved to its pending list), or None
+        if it cannot fit at all (larger than the whole quota: storing it would only empty the
+        tenant)."""
         with self._lock:
             ledger = self._ledger(key, create=True)
             if ledger is None:
@@ -63,13 +72,29 @@ class TenantQuotaStore(Store):
             if evicted is None:
                 return None
             self.quota_evictions += len(evicted)
-            return [victim for victim, _ in evicted]
+            victims = [victim for victim, _ in evicted]
+            if victims:
+                self._pending.setdefault(_tenant(key), set()).update(victims)
+            return victims
+
+    def _pending_of(self, key: str) -> list[str]:
+        with self._lock:
+            return sorted(self._pending.get(_tenant(key), ()))
 
     def _forget(self, key: str) -> None:
+        """The store confirmed ``key`` gone (or never stored it)."""
         with self._lock:
             ledger = self._ledger(key)
             if ledger is not None:
                 ledger.pop(key)
+            self._pending.get(_tenant(key), set()).discard(key)
+
+    def _delete_pending(self, keys: list[str]) -> None:
+        """Delete evicted keys; each leaves the books once its delete succeeded. Raises
+        ``StoreUnavailableError`` at the first failure (the rest stay pending)."""
+        for victim in keys:
+            self.inner.delete(victim)
+            self._forget(victim)
 
     def _seen(self, key: str, value: bytes | None) -> None:
         """A read: refresh the key's place in its tenant's LRU, or forget a key that is gone."""
@@ -86,6 +111,8 @@ class TenantQuotaStore(Store):
         with self._lock:
             for ledger in self._ledgers.values():
                 ledger.pop_where(lambda key, _: bool(match(key)))
+            for pending in self._pending.values():
+                pending.difference_update([key for key in pending if match(key)])
 
     # -- the Store interface -------------------------------------------------------------------
 
@@ -100,28 +127,44 @@ class TenantQuotaStore(Store):
         return value
 
     def put(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
+        # Deletes an outage left undone come first: until they succeed the tenant's room is
+        # still taken, so nothing new is stored.
+        self._delete_pending(self._pending_of(key))
         victims = self._admit(key, value)
         if victims is None:
             return
-        for victim in victims:  # evict first, so the store never holds more than the quotas
-            self.inner.delete(victim)
-        try:
-            self.inner.put(key, value, ttl_seconds)
+        try:  # evict first, so the store never holds more than the quotas
+            self._delete_pending(victims)
         except BaseException:
-            self._forget(key)
+            self._forget(key)  # never sent
             raise
+        self.inner.put(key, value, ttl_seconds)  # failed or not, the key stays on the books
 
     def delete(self, key: str) -> bool:
+        removed = self.inner.delete(key)
         self._forget(key)
-        return self.inner.delete(key)
+        return removed
+
+    async def adelete(self, key: str) -> bool:
+        removed = await self.inner.adelete(key)
+        self._forget(key)
+        return removed
 
     def purge(self, pattern: str) -> int:
+        removed = self.inner.purge(pattern)
         self._forget_matching(pattern)
-        return self.inner.purge(pattern)
+        return removed
 
     async def apurge(self, pattern: str) -> int:
+        removed = await self.inner.apurge(pattern)
         self._forget_matching(pattern)
-        return await self.inner.apurge(pattern)
+        return removed
+
+    def ping(self) -> bool:
+        return self.inner.ping()
+
+    async def aping(self) -> bool:
+        return await self.inner.aping()
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         """Entries and bytes this process accounts to each tenant."""
@@ -129,10 +172,27 @@ class TenantQuotaStore(Store):
             return {ns: {"entries": len(ledger), "bytes": ledger.nbytes}
                     for ns, ledger in sorted(self._ledgers.items())}
 
+    def pending_deletes(self) -> dict[str, list[str]]:
+        """Per tenant, evicted keys whose delete the store has not confirmed yet."""
+        with self._lock:
+            return {ns: sorted(keys) for ns, keys in sorted(self._pending.items()) if keys}
+
     def stats(self) -> StoreStats:
+        with self._lock:
+            pending = sum(len(keys) for keys in self._pending.values())
         quota = QuotaStats(max_entries=self.max_entries, max_bytes=self.max_bytes,
-                           evictions=self.quota_evictions, tenants=self.tenant_usage())
+                           evictions=self.quota_evictions, tenants=self.tenant_usage(),
+                           pending_deletes=pending)
         return replace(self.inner.stats(), quota=quota)
 
     def close(self) -> None:
         self.inner.close()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def _tenant(key: str) -> str:
+    """The namespace field of a key (keys of another shape are never on the books)."""
+    parts = parse_key(key)
+    return parts.namespace if parts is not None else ""

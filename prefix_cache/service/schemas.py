@@ -8,9 +8,11 @@ the sidecar, is the judge of those. Roles and content parts are checked by
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
+
+from ..chat.anthropic_params import MessagesConversation
 
 
 class ChatRequest(BaseModel):
@@ -38,3 +40,178 @@ class PurgeRequest(BaseModel):
 
     tenant: StrictStr | None = None
     model: StrictStr | None = None
+
+
+# -- what the OpenAPI document says (``openapi_docs``) ------------------------------------------
+# The routes read bodies by hand (exact integers, no copy); these models describe the same
+# contract for /openapi.json: the request fields above, typed in full, and every response.
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ContentPart(BaseModel):
+    """A content part: ``{"type": "text", "text": ...}``, an image, audio ... (any object with
+    a type; parts other than text render as the template's placeholder)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: StrictStr
+    text: StrictStr | None = None
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: StrictStr | None = None
+    type: StrictStr | None = None
+    function: dict[str, Any] | None = None
+
+
+class ChatMessage(BaseModel):
+    """A chat message; the leading run of system/developer messages is the static prefix."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: Role
+    content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(BaseModel):
+    """A tool as the chat templates render it (OpenAI's function-tool shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionRequest(ChatRequest):
+    """``POST /v1/chat/completions``: an OpenAI chat body. Fields not listed pass through to
+    the upstream unchanged."""
+
+    # The same fields, typed in full for the document (the route checks them as plain dicts).
+    messages: list[ChatMessage] = Field(min_length=1)  # type: ignore[assignment]
+    tools: list[Tool] | None = None  # type: ignore[assignment]
+
+
+class PrefixBoundaryRequest(ChatCompletionRequest):
+    """``POST /v1/prefix/boundary``: a chat body, optionally asking for the prompt ids."""
+
+    return_prompt_ids: StrictBool = False
+
+
+class BoundaryResponse(BaseModel):
+    specprefill_system_end: int = Field(ge=0, description="token index where the static "
+                                        "system/tool prefix ends")
+    prompt_tokens: int = Field(ge=0)
+    cache: Literal["hit", "miss", "none"]
+    key: str = Field(description="<prefix>:<tenant>:<model>:<hash>; empty when cache is none")
+    prompt_ids: list[int] | None = Field(default=None, description="with return_prompt_ids")
+
+
+class ChatCompletion(BaseModel):
+    """A ``chat.completion`` (the upstream's, relayed as it is, or the in-process engine's)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str | None = None
+    object: str | None = None
+    created: int | None = None
+    model: str | None = None
+    choices: list[dict[str, Any]]
+    usage: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    message: str
+    type: str
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, for every error (an upstream's own error keeps its fields)."""
+
+    error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Anthropic's error shape: every error under ``/v1/messages``."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+
+
+class CountTokensRequest(MessagesConversation):
+    """``POST /v1/messages/count_tokens``: a Messages conversation and the model it is for."""
+
+    model: StrictStr | None = None
+
+
+class HealthStatus(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadyReport(BaseModel):
+    """The status for anyone; the details with a metrics or admin key (or on an unlocked
+    service)."""
+
+    status: Literal["ready", "not_ready"]
+    store: dict[str, Any] | None = None
+    upstreams: dict[str, dict[str, Any]] | None = None
+    engines: dict[str, dict[str, Any]] | None = None
+
+
+class PurgeResponse(BaseModel):
+    purged: int = Field(ge=0)
+    pattern: str
+
+
+class AdminStats(BaseModel):
+    cache: dict[str, Any]
+    store: dict[str, Any]
+    tenants: list[str]
+    models: list[str]
+
+
+class DashboardStats(BaseModel):
+    """What the dashboard page draws."""
+
+    model_config = ConfigDict(extra="allow")
+
+    metrics: dict[str, Any]
+    store_backend: str
+    store_health: dict[str, Any]
+    models: list[str]
+    engines: list[dict[str, Any]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.config
 import os
 import sys
 from collections.abc import Mapping
@@ -17,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..http.logs import uvicorn_log_config
+from ..multiprocess import clear_multiprocess_dir
 from .app import create_app, open_backing_store
 from .models import ModelRegistry, load_model_specs
 from .settings import ServiceSettings, check_renamed_env
@@ -55,6 +57,8 @@ def serve(overrides: Mapping[str, Any]) -> int:
 
     try:
         settings = make_settings(overrides)
+        # Before any metric exists: what an earlier run left would count as this one's.
+        cleared = clear_multiprocess_dir()
         keyring = KeyRing.from_settings(settings)
         registry = ModelRegistry.from_specs(load_model_specs(settings))
         if settings.workers == 1:
@@ -62,9 +66,14 @@ def serve(overrides: Mapping[str, Any]) -> int:
         else:  # each worker builds its own; check here that the store opens, so errors exit 2
             app = None
             open_backing_store(settings, len(keyring.tenants)).close()
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"prefix-cache serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
+    # The servers' logging from the first line on (JSON lines with --log-format json).
+    log_config = uvicorn_log_config(settings.log_level, log_format=settings.log_format)
+    logging.config.dictConfig(log_config)
+    if cleared:
+        log.info("removed %d metric files an earlier run left in the multiprocess folder", cleared)
     for warning in startup_warnings(settings):
         log.warning(warning)
     log.info("serving %s; %s; %s store", ", ".join(m.name for m in registry),
@@ -72,8 +81,10 @@ def serve(overrides: Mapping[str, Any]) -> int:
              "memory" if settings.uses_memory_store else "redis")
     common: dict[str, Any] = {
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
-        "log_config": uvicorn_log_config(settings.log_level), "server_header": False,
-        "timeout_graceful_shutdown": 10,
+        "log_config": log_config,
+        "server_header": False,
+        # SIGTERM drains first (prefix_cache.http.shutdown); this bounds SIGINT's shutdown.
+        "timeout_graceful_shutdown": settings.shutdown_grace_s,
     }
     # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: after a clean stop, exit 0.
     try:

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from ..prompt_tokens import DEFAULT_CHECK_RATE
 
 ENV_PREFIX = "PREFIX_CACHE_"
 UpstreamKind = Literal["openai", "specprefill"]
+AgentApi = Literal["messages", "responses"]
 # Names an earlier release read; set, they stop the service with the name to use instead.
 RENAMED_ENV = {"PREFIX_CACHE_REDIS": "PREFIX_CACHE_REDIS_URL"}
 
@@ -87,6 +91,13 @@ class ServiceSettings(BaseSettings):
                                        "(default: the client's)")
     upstream_api_key: str | None = Field(default=None,
                                          description="bearer key the sidecar sends upstream")
+    upstream_apis: Annotated[list[AgentApi] | None, NoDecode] = Field(
+        default=None, description="agent APIs the upstream serves itself, sent there as they "
+        "are: messages, responses (comma-separated or JSON; default: both for kind "
+        "specprefill, none for openai, whose agent requests go as chat completions)")
+    responses_store_bytes: int = Field(
+        default=32 << 20, gt=0, description="bytes of recent /v1/responses one tenant's "
+        "previous_response_id can refer to (in-process)")
     engine: str | None = Field(
         default=None, description="run completions in-process on this engine instead of "
         "--upstream (mlx: the batched MLX engine; it needs --workers 1)",
@@ -103,14 +114,31 @@ class ServiceSettings(BaseSettings):
         default=None, description="shared store: redis://, rediss://, unix://, "
         "redis+cluster:// (default: in-process memory)",
         json_schema_extra=_flag("--redis", "URL"))
+    redis_timeout_s: float = Field(
+        default=0.05, gt=0, description="longest wait for Redis (a connection, then an answer) "
+        "before a lookup is computed instead; a timeout opens the circuit breaker")
     keys_file: Path | None = Field(default=None, description="YAML/JSON {tenants: {KEY: "
-                                   "tenant}, admin_keys: [...]}")
+                                   "tenant}, admin_keys: [...], metrics_keys: [...], "
+                                   "tenant_limits: {tenant: {max_concurrency, max_queue, "
+                                   "max_prompt_bytes}}}")
     api_keys: dict[str, str] = Field(default_factory=dict, description="JSON {KEY: tenant}; "
                                      "no keys anywhere: open service, namespace 'default'")
     admin_keys: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="JSON list (or comma-separated) of admin keys")
+    metrics_keys: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="JSON list (or comma-separated) of keys that may "
+        "read /metrics and /readyz details (admin keys may too); needed once any key exists")
     max_body_bytes: int = Field(default=8 << 20, gt=0,
                                 description="request body limit; larger gets a 413")
+    max_prompt_bytes: int = Field(default=2 << 20, gt=0, description="text one request gives "
+                                  "the template (messages without media data, tools, kwargs, "
+                                  "as JSON); larger gets a 413")
+    tenant_max_concurrency: int = Field(default=2, gt=0, description="requests of one tenant "
+                                        "prepared at once per worker (body to boundary)")
+    tenant_max_queue: int = Field(default=128, ge=0, description="requests of one tenant "
+                                  "waiting for a slot; more get a 429 with Retry-After")
+    tenant_queue_timeout_s: float = Field(default=10.0, gt=0, description="longest wait for a "
+                                          "slot; then a 429 with Retry-After")
     tenant_max_entries: int = Field(default=4096, gt=0,
                                     description="cache entries one tenant may hold")
     tenant_max_bytes: int = Field(default=64 << 20, gt=0,
@@ -123,8 +151,18 @@ class ServiceSettings(BaseSettings):
                                    description="per-check timeout of GET /readyz")
     metrics_max_tenants: int = Field(default=20, gt=0, description="tenants with their own "
                                      "metrics label; the rest are folded into 'other'")
+    tokenize_check_rate: float = Field(
+        default=DEFAULT_CHECK_RATE, ge=0.0, le=1.0, description="fraction of prompts tokenized "
+        "from a stored split that are re-tokenized in full and compared (a mismatch turns the "
+        "fast path off for that tokenizer)", json_schema_extra=_flag("--tokenize-check-rate", "RATE"))
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         default="info", description="log level")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="text | json (one JSON object per line, with the request id)",
+        json_schema_extra=_flag("--log-format", "FORMAT"))
+    shutdown_grace_s: float = Field(
+        default=10.0, gt=0, description="on SIGTERM, how long requests in flight (streams "
+        "included) may run on while new ones get 503")
 
     @field_validator("model_dirs", mode="before")
     @classmethod
@@ -136,9 +174,14 @@ class ServiceSettings(BaseSettings):
     def _engine_options(cls, value: Any) -> Any:
         return parse_key_values(value)
 
-    @field_validator("admin_keys", mode="before")
+    @field_validator("admin_keys", "metrics_keys", mode="before")
     @classmethod
-    def _admin_keys(cls, value: Any) -> Any:
+    def _key_lists(cls, value: Any) -> Any:
+        return _split_list(value, ",")
+
+    @field_validator("upstream_apis", mode="before")
+    @classmethod
+    def _upstream_apis(cls, value: Any) -> Any:
         return _split_list(value, ",")
 
     @field_validator("upstream", "redis_url", "upstream_model", "upstream_api_key", "engine")
@@ -160,3 +203,19 @@ def check_renamed_env(environ: dict[str, str] | None = None) -> None:
     for old, new in RENAMED_ENV.items():
         if env.get(old):
             raise ValueError(f"{old} is not read: set {new} instead")
+
+
+def setting_from_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting as ``serve`` reads it (its one variable, checked by the model's field), for
+    the other commands that take it; its default when the variable is unset. ValueError (a
+    pydantic ValidationError) names a bad value."""
+    env = os.environ if environ is None else environ
+    info = ServiceSettings.model_fields[name]
+    raw = env.get(env_name(name))
+    if not raw:
+        return info.get_default(call_default_factory=True)
+    try:
+        return TypeAdapter(Annotated[info.annotation, info]).validate_python(raw)
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"] for e in exc.errors())
+        raise ValueError(f"{env_name(name)}={raw!r}: {problems}") from None

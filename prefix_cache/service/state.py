@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..cache import StaticPrefixCache
+from ..chat.responses_store import ResponseStore
+from ..http.shutdown import Drain
 from ..metrics import Metrics
+from .limits import TenantLimits
 from .models import ModelRegistry
 from .quota import TenantQuotaStore
 from .settings import ServiceSettings
@@ -25,6 +28,9 @@ class ServiceState:
     store: TenantQuotaStore
     cache: StaticPrefixCache
     metrics: Metrics
+    limits: TenantLimits
+    drain: Drain
+    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
     client: httpx.AsyncClient | None = None  # opened by the app's lifespan, on its event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 

@@ -1,8 +1,11 @@
-"""Tenants: API keys mapped to cache namespaces, server-side, and admin keys apart from them.
+"""Tenants: API keys mapped to cache namespaces, server-side; admin and metrics keys apart.
 
 With no tenant keys configured the service is open and every request is in namespace
-"default". Keys are held as SHA-256 digests: the lookup compares digests, so neither a timing
-side channel nor a memory dump gives the keys themselves away.
+"default". What is public is decided here (docs/security.md): ``/healthz`` and ``/readyz``'s
+status always; with no key of any kind configured everything else too; once any key exists,
+``/metrics`` and ``/readyz``'s details need a metrics or admin key and the dashboard an admin
+key. Keys are held as SHA-256 digests: the lookup compares digests, so neither a timing side
+channel nor a memory dump gives the keys themselves away.
 """
 
 from __future__ import annotations
@@ -10,13 +13,17 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from ..http.auth import basic_password, bearer_key
 from ..http.errors import Forbidden, Unauthorized
 from ..keys import validate_label
 from .config_files import read_config_file
+from .limits import TenantLimitOverride
 from .settings import ServiceSettings
 
 OPEN_NAMESPACE = "default"
@@ -27,28 +34,23 @@ def _digest(key: str) -> bytes:
 
 
 class KeyRing:
-    """Who a request is: its tenant (namespace) and whether it may use ``/admin/``."""
+    """Who a request is: its tenant (namespace), and whether it may use ``/admin/`` or read
+    operational data (``/metrics``, ``/readyz``'s report)."""
 
-    def __init__(self, tenant_keys: Mapping[str, str], admin_keys: Iterable[str] = ()) -> None:
+    def __init__(self, tenant_keys: Mapping[str, str], admin_keys: Iterable[str] = (),
+                 metrics_keys: Iterable[str] = ()) -> None:
         self._tenants: dict[bytes, str] = {}
         for key, tenant in tenant_keys.items():
             if not key:
                 raise ValueError("an API key may not be empty")
             self._tenants[_digest(key)] = validate_label(tenant, "tenant")
         self._admins = {_digest(k) for k in admin_keys if k}
+        self._observers = {_digest(k) for k in metrics_keys if k} | self._admins
 
     @classmethod
     def from_settings(cls, settings: ServiceSettings) -> KeyRing:
-        """Keys from the keys file, then from ``api_keys``/``admin_keys`` (which win)."""
-        tenants: dict[str, str] = {}
-        admins: list[str] = []
-        if settings.keys_file is not None:
-            file_tenants, file_admins = _read_keys_file(settings.keys_file)
-            tenants.update(file_tenants)
-            admins.extend(file_admins)
-        tenants.update(settings.api_keys)
-        admins.extend(settings.admin_keys)
-        return cls(tenants, admins)
+        """Keys from the keys file, then from the settings (whose tenant keys win)."""
+        return KeysConfig.load(settings).keyring()
 
     @property
     def is_open(self) -> bool:
@@ -74,6 +76,36 @@ class KeyRing:
         if digest in self._admins:
             raise Forbidden("this is an admin key, which has no tenant: use a tenant's key for /v1",
                             code="admin_key_has_no_tenant")
+        raise Unauthorized("invalid API key")
+
+    @property
+    def is_unlocked(self) -> bool:
+        """No key of any kind: a service on a trusted network, every endpoint open."""
+        return not (self._tenants or self._observers)
+
+    def may_observe(self, authorization: str | None) -> bool:
+        """Whether the caller may read operational data (``/metrics``, ``/readyz`` details):
+        anyone on an unlocked service, else the holder of a metrics or admin key."""
+        if self.is_unlocked:
+            return True
+        key = bearer_key(authorization)
+        return key is not None and _digest(key) in self._observers
+
+    def require_observer(self, authorization: str | None) -> None:
+        """Pass when ``may_observe``; else Unauthorized (no or unknown key) or Forbidden."""
+        if self.may_observe(authorization):
+            return
+        if not self._observers:
+            raise Forbidden("metrics are disabled: tenants' names and traffic are not public "
+                            "once keys exist; configure a metrics key (PREFIX_CACHE_METRICS_KEYS"
+                            " or metrics_keys in the keys file) or an admin key",
+                            code="metrics_disabled")
+        key = bearer_key(authorization)
+        if key is None:
+            raise Unauthorized("missing metrics key: send it as 'Authorization: Bearer KEY'")
+        if _digest(key) in self._tenants:
+            raise Forbidden("a tenant key cannot read metrics: use a metrics or admin key",
+                            code="metrics_key_required")
         raise Unauthorized("invalid API key")
 
     def require_admin(self, authorization: str | None) -> None:
@@ -105,9 +137,9 @@ class KeyRing:
         return hmac.new(digest, b"prefix-cache-dashboard", hashlib.sha256).hexdigest()
 
     def dashboard_allowed(self, authorization: str | None, cookie: str | None) -> bool:
-        """Open when no admin key is configured; else an admin key as Bearer, as the Basic-auth
+        """Open on an unlocked service; else an admin key as Bearer, as the Basic-auth
         password (what a browser's login prompt sends), or the dashboard cookie."""
-        if not self._admins:
+        if self.is_unlocked:
             return True
         if cookie:
             for digest in self._admins:
@@ -118,18 +150,63 @@ class KeyRing:
         return key is not None and _digest(key) in self._admins
 
 
-def _read_keys_file(path: Path) -> tuple[dict[str, str], list[str]]:
+KEYS_FILE_FIELDS = ("tenants", "admin_keys", "metrics_keys", "tenant_limits")
+
+
+@dataclass
+class KeysConfig:
+    """Everything about callers: keys by kind and per-tenant limits, from the keys file and the
+    settings (whose ``api_keys`` win over the file's tenants; key lists add up)."""
+
+    tenants: dict[str, str] = field(default_factory=dict)
+    admin_keys: list[str] = field(default_factory=list)
+    metrics_keys: list[str] = field(default_factory=list)
+    tenant_limits: dict[str, TenantLimitOverride] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, settings: ServiceSettings) -> KeysConfig:
+        config = cls() if settings.keys_file is None else _read_keys_file(settings.keys_file)
+        config.tenants.update(settings.api_keys)
+        config.admin_keys.extend(settings.admin_keys)
+        config.metrics_keys.extend(settings.metrics_keys)
+        known = set(config.tenants.values()) or {OPEN_NAMESPACE}
+        unknown = sorted(set(config.tenant_limits) - known)
+        if unknown:
+            raise ValueError(f"tenant_limits names {unknown}, which no API key maps to "
+                             f"(tenants: {sorted(known)})")
+        return config
+
+    def keyring(self) -> KeyRing:
+        return KeyRing(self.tenants, self.admin_keys, self.metrics_keys)
+
+
+def _read_keys_file(path: Path) -> KeysConfig:
     data = read_config_file(path, "keys file")
-    unknown = set(data) - {"tenants", "admin_keys"}
+    where = f"keys file {str(path)!r}"
+    unknown = set(data) - set(KEYS_FILE_FIELDS)
     if unknown:
-        raise ValueError(f"keys file {str(path)!r}: unknown fields {sorted(unknown)}; "
-                         "expected 'tenants' and 'admin_keys'")
+        raise ValueError(f"{where}: unknown fields {sorted(unknown)}; expected "
+                         + ", ".join(repr(f) for f in KEYS_FILE_FIELDS))
     tenants: Any = data.get("tenants") or {}
-    admins: Any = data.get("admin_keys") or []
     if not isinstance(tenants, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in tenants.items()
     ):
-        raise ValueError(f"keys file {str(path)!r}: 'tenants' must map API keys to tenant names")
-    if not isinstance(admins, list) or not all(isinstance(k, str) for k in admins):
-        raise ValueError(f"keys file {str(path)!r}: 'admin_keys' must be a list of keys")
-    return tenants, admins
+        raise ValueError(f"{where}: 'tenants' must map API keys to tenant names")
+    lists = {}
+    for name in ("admin_keys", "metrics_keys"):
+        keys: Any = data.get(name) or []
+        if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+            raise ValueError(f"{where}: {name!r} must be a list of keys")
+        lists[name] = keys
+    limits: Any = data.get("tenant_limits") or {}
+    if not isinstance(limits, dict):
+        raise ValueError(f"{where}: 'tenant_limits' must map tenant names to their limits")
+    overrides = {}
+    for tenant, entry in limits.items():
+        try:
+            overrides[str(tenant)] = TenantLimitOverride.model_validate(entry)
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'limits'}: {e['msg']}"
+                                 for e in exc.errors())
+            raise ValueError(f"{where}: tenant_limits of {tenant!r}: {problems}") from None
+    return KeysConfig(dict(tenants), lists["admin_keys"], lists["metrics_keys"], overrides)

@@ -1,4 +1,9 @@
-"""Upstreams: the OpenAI-compatible servers chat completions are forwarded to, by kind.
+"""Upstreams: the OpenAI-compatible servers requests are forwarded to, by kind.
+
+Chat completions go to every upstream. The agent APIs (Anthropic ``messages``, OpenAI
+``responses``) go as they are to an upstream that serves them (``apis``: by default our own
+engine's server, kind ``specprefill``, which serves both); to any other the sidecar sends the
+conversation as a chat completion and converts the answer back.
 
 What is attached to the forwarded body depends on the upstream's kind:
 
@@ -24,12 +29,22 @@ import httpx
 
 from .. import json_io
 from ..cache import PrefixResult
-from ..http.errors import UpstreamStatusError, UpstreamTimeout, UpstreamUnavailable
+from ..http.errors import (
+    UpstreamBadStatus,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from ..http.relay import relays_status
+from ..http.request_id import HEADER as REQUEST_ID_HEADER
+from ..http.request_id import current_request_id
 from .settings import UpstreamKind
 
 log = logging.getLogger("prefix_cache.service")
 
 KINDS: tuple[str, ...] = ("openai", "specprefill")
+AGENT_APIS: tuple[str, ...] = ("messages", "responses")
+API_PATHS = {"chat": "/chat/completions", "messages": "/messages", "responses": "/responses"}
 DEFAULT_HEALTH_PATH = "/health"
 MAX_RELAYED_ERROR_BYTES = 64 * 1024  # an upstream error body is relayed, never hoarded
 
@@ -52,15 +67,31 @@ class Upstream:
     model: str | None = None          # the model name sent upstream; None: the client's
     api_key: str | None = None        # the sidecar's own key for the upstream, never the client's
     health_path: str = DEFAULT_HEALTH_PATH
+    apis: tuple[str, ...] | None = None  # agent APIs served as they are; None: by kind
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"upstream kind {self.kind!r} is not one of {', '.join(KINDS)}")
         object.__setattr__(self, "base_url", normalize_base_url(self.base_url))
+        apis = self.apis
+        if apis is None:
+            apis = AGENT_APIS if self.kind == "specprefill" else ()
+        unknown = [api for api in apis if api not in AGENT_APIS]
+        if unknown:
+            raise ValueError(f"upstream APIs {unknown} are not among {', '.join(AGENT_APIS)}")
+        object.__setattr__(self, "apis", tuple(apis))
 
     @property
     def chat_url(self) -> str:
-        return f"{self.base_url}/chat/completions"
+        return self.url("chat")
+
+    def url(self, api: str) -> str:
+        """Where the upstream serves ``api`` ("chat", "messages", "responses")."""
+        return self.base_url + API_PATHS[api]
+
+    def speaks(self, api: str) -> bool:
+        """Whether ``api`` goes to this upstream as it is (else as a chat completion)."""
+        return api == "chat" or api in (self.apis or ())
 
     @property
     def health_url(self) -> str:
@@ -90,25 +121,35 @@ class Upstream:
         }
         if self.api_key:
             headers["authorization"] = f"Bearer {self.api_key}"
+        request_id = current_request_id.get()
+        if request_id is not None:  # the upstream's logs line up with ours
+            headers[REQUEST_ID_HEADER] = request_id
         return headers
 
-    async def open(self, client: httpx.AsyncClient, content: bytes) -> httpx.Response:
-        """Send a chat completion; the response is open (streaming) and 2xx, else raised.
+    async def open(self, client: httpx.AsyncClient, content: bytes,
+                   api: str = "chat") -> httpx.Response:
+        """Send a request of ``api``; the response is open (streaming) and 2xx, else raised.
 
         The caller owns the returned response and must close it.
         """
-        request = client.build_request("POST", self.chat_url, content=content,
-                                       headers=self.headers())
+        url = self.url(api)
+        request = client.build_request("POST", url, content=content, headers=self.headers())
         # Clients see what went wrong, not where: upstream addresses stay in the operator's log.
         try:
             response = await client.send(request, stream=True)
         except httpx.TimeoutException as exc:
-            log.warning("upstream %s timed out: %r", self.chat_url, exc)
+            log.warning("upstream %s timed out: %r", url, exc)
             raise UpstreamTimeout("the upstream did not answer in time") from exc
         except httpx.HTTPError as exc:
-            log.warning("upstream %s failed: %r", self.chat_url, exc)
+            log.warning("upstream %s failed: %r", url, exc)
             raise UpstreamUnavailable(
                 f"the upstream is unreachable ({type(exc).__name__})") from exc
+        if not relays_status(response.status_code):
+            await response.aclose()
+            log.warning("upstream %s answered %d: not relayed", url, response.status_code)
+            raise UpstreamBadStatus(
+                f"the upstream answered with HTTP status {response.status_code}, which is "
+                "not relayed: the sidecar passes on 2xx answers and 4xx/5xx errors only")
         if response.status_code >= 400:
             try:
                 body = await _read_capped(response, MAX_RELAYED_ERROR_BYTES)

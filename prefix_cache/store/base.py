@@ -1,10 +1,12 @@
 """The store interface every backend implements, and the contract the cache relies on.
 
 Four operations. Backends raise ``StoreUnavailableError`` and nothing else for any failure of
-their own (down, slow, full), so the cache has one thing to catch and turn into a miss. The two
-calls made on the event loop (a request's lookup, an admin purge) have async forms; they default
-to the sync ones, which is right for a store that never blocks (memory), and network stores
-override them. ``stats()`` is one typed record for every backend.
+their own (down, slow, full), so the cache has one thing to catch and turn into a miss. The
+calls made on the event loop (a request's lookup, an admin purge or delete, readiness) have
+async forms; they default to the sync ones, which is right for a store that never blocks
+(memory), and network stores override them, so no call on a loop ever blocks it. ``ping`` is
+readiness: does the backend answer now, whatever a circuit breaker remembers. ``stats()`` is
+one typed record for every backend.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class RemoteStats:
     calls: int              # calls that reached the network
     errors: int
     skipped: int            # calls refused while the breaker was open
+    busy: int = 0           # calls that waited for a connection in vain (not an outage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,7 @@ class QuotaStats:
     max_bytes: int
     evictions: int
     tenants: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    pending_deletes: int = 0    # evicted entries whose delete the store has not confirmed yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +71,9 @@ class StoreStats:
         if self.quota is not None:
             out.update(tenant_max_entries=self.quota.max_entries,
                        tenant_max_bytes=self.quota.max_bytes,
-                       quota_evictions=self.quota.evictions, tenants=dict(self.quota.tenants))
+                       quota_evictions=self.quota.evictions,
+                       quota_pending_deletes=self.quota.pending_deletes,
+                       tenants=dict(self.quota.tenants))
         return out
 
 
@@ -93,8 +99,18 @@ class Store(ABC):
     async def aget(self, key: str) -> bytes | None:
         return self.get(key)
 
+    async def adelete(self, key: str) -> bool:
+        return self.delete(key)
+
     async def apurge(self, pattern: str) -> int:
         return self.purge(pattern)
+
+    def ping(self) -> bool:
+        """True if the backend answers now (an in-process store always does)."""
+        return True
+
+    async def aping(self) -> bool:
+        return self.ping()
 
     def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
         """(key, value bytes) for every key matching ``pattern``, for inventories; may be slow."""
@@ -107,3 +123,7 @@ class Store(ABC):
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op for stores without resources
         """Release connections; the store is not used afterwards."""
+
+    async def aclose(self) -> None:
+        """``close``, also closing connections that belong to the running event loop."""
+        self.close()

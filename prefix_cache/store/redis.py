@@ -7,9 +7,12 @@ converted to ``StoreUnavailableError`` in one place (``_guard``), and a circuit 
 calls while the server is known to be down, so a dead Redis costs one timeout per probe window,
 not one per request. It reconnects by itself: the half-open probe is an ordinary call.
 
-The sync client serves ``get``/``put`` (used from render threads and sync callers), the asyncio
-client serves ``aget`` (a request's lookup on the event loop); both share one breaker, since both
-talk to the same server.
+The sync client serves ``get``/``put``/``delete`` (used from render threads and sync callers),
+the asyncio client serves ``aget``/``adelete``/``apurge``/``aping`` (what runs on the event loop:
+a request's lookup, an admin purge of any size, readiness), so nothing here blocks a loop. Both
+share one breaker, since both talk to the same server. Each client has its ``ConnectionGate``:
+more concurrent calls than connections wait briefly for one instead of failing, and a wait that
+runs out costs that call a recompute without opening the breaker (only an outage does).
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
-from ..errors import StoreUnavailableError
+from ..errors import StoreBusyError, StoreUnavailableError
 from .base import RemoteStats, Store, StoreStats
-from .breaker import CircuitBreaker, ExponentialBackoff
+from .breaker import OPEN, CircuitBreaker, ExponentialBackoff
+from .gate import ConnectionGate
 
 T = TypeVar("T")
 
@@ -35,10 +39,15 @@ DELETE_BATCH = 500
 
 
 def _is_outage(exc: BaseException) -> bool:
-    """Connection loss and timeouts mean the server is unreachable; an error reply does not."""
+    """Connection loss and timeouts mean the server is unreachable; an error reply does not, and
+    neither does a client out of connections (a Redis Cluster node's pool: the gate bounds the
+    total, not each node's share)."""
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import MaxConnectionsError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
+    if isinstance(exc, MaxConnectionsError):
+        return False
     return isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError))
 
 
@@ -54,6 +63,7 @@ class RedisStore(Store):
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
         connect_timeout_seconds: float | None = None,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        pool_wait_seconds: float | None = None,
         breaker: CircuitBreaker | None = None,
     ) -> None:
         if timeout_seconds <= 0:
@@ -62,6 +72,8 @@ class RedisStore(Store):
             raise ValueError(f"ttl_seconds must be positive or None, got {ttl_seconds}")
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
+        if pool_wait_seconds is not None and pool_wait_seconds <= 0:
+            raise ValueError(f"pool_wait_seconds must be positive or None, got {pool_wait_seconds}")
         self.url = url
         self.cluster = cluster
         self.ttl_seconds = ttl_seconds
@@ -71,10 +83,15 @@ class RedisStore(Store):
             "socket_connect_timeout": connect_timeout_seconds or timeout_seconds,
             "max_connections": max_connections,
         }
+        self.timeout_seconds = timeout_seconds
+        # A call waits for a connection at most as long as it may wait for the answer.
+        self.pool_wait_seconds = pool_wait_seconds or timeout_seconds
         self._sync: Any = None
-        # One asyncio client per event loop: a client's connections belong to the loop they
-        # were made on.
-        self._async: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        self._gate = ConnectionGate(max_connections, self.pool_wait_seconds)
+        # One asyncio client (and its gate) per event loop: a client's connections belong to
+        # the loop they were made on.
+        self._async: weakref.WeakKeyDictionary[Any, tuple[Any, ConnectionGate]] = \
+            weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
         self.calls = 0          # calls that reached the network (for tests and stats)
         self.errors = 0
@@ -89,12 +106,18 @@ class RedisStore(Store):
                     self._sync = self._make_client(asyncio_client=False)
         return self._sync
 
-    def _aclient(self) -> Any:
+    def _aclient(self) -> tuple[Any, ConnectionGate]:
         loop = asyncio.get_running_loop()
-        client = self._async.get(loop)
-        if client is None:
-            client = self._async[loop] = self._make_client(asyncio_client=True)
-        return client
+        pair = self._async.get(loop)
+        if pair is None:
+            gate = ConnectionGate(int(self._options["max_connections"]), self.pool_wait_seconds)
+            pair = self._async[loop] = (self._make_client(asyncio_client=True), gate)
+        return pair
+
+    @property
+    def busy(self) -> int:
+        """Calls that found every connection busy for the whole wait (no breaker involved)."""
+        return self._gate.busy + sum(gate.busy for _, gate in list(self._async.values()))
 
     def _make_client(self, asyncio_client: bool) -> Any:
         from redis.backoff import NoBackoff
@@ -129,21 +152,26 @@ class RedisStore(Store):
             self.breaker.record_success()  # the server answered; it is up, just refusing
         return StoreUnavailableError(f"redis: {type(exc).__name__}: {exc}")
 
+    # A connection first, then the breaker: a half-open probe must not be claimed by a caller
+    # that then gives up waiting for a connection.
     def _call(self, fn: Callable[[Any], T]) -> T:
-        self._admit()
-        try:
-            result = fn(self._client())
-        except Exception as exc:
-            raise self._failed(exc) from exc
+        with self._gate.hold():
+            self._admit()
+            try:
+                result = fn(self._client())
+            except Exception as exc:
+                raise self._failed(exc) from exc
         self.breaker.record_success()
         return result
 
     async def _acall(self, fn: Callable[[Any], Awaitable[T]]) -> T:
-        self._admit()
-        try:
-            result = await fn(self._aclient())
-        except Exception as exc:
-            raise self._failed(exc) from exc
+        client, gate = self._aclient()
+        async with gate.ahold():
+            self._admit()
+            try:
+                result = await fn(client)
+            except Exception as exc:
+                raise self._failed(exc) from exc
         self.breaker.record_success()
         return result
 
@@ -176,6 +204,21 @@ class RedisStore(Store):
             return removed
         return self._call(run)
 
+    async def apurge(self, pattern: str) -> int:
+        """``purge`` on the event loop's client: each SCAN page and each DEL batch is its own
+        round trip, so the loop serves other requests between them, however many keys match."""
+        async def run(r: Any) -> int:
+            removed, batch = 0, []
+            async for key in r.scan_iter(match=pattern, count=SCAN_COUNT):
+                batch.append(key)
+                if len(batch) >= DELETE_BATCH:
+                    removed += await r.delete(*batch)
+                    batch = []
+            if batch:
+                removed += await r.delete(*batch)
+            return int(removed)
+        return await self._acall(run)
+
     def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
         def run(r: Any) -> list[tuple[str, int]]:
             out: list[tuple[str, int]] = []
@@ -200,25 +243,47 @@ class RedisStore(Store):
     async def aget(self, key: str) -> bytes | None:
         return await self._acall(lambda r: r.get(key))
 
-    async def apurge(self, pattern: str) -> int:
-        return await asyncio.to_thread(self.purge, pattern)
+    async def adelete(self, key: str) -> bool:
+        return bool(await self._acall(lambda r: r.delete(key)))
 
     def memory_usage(self, key: str) -> int | None:
         """Bytes Redis spends on one key (MEMORY USAGE), for the benchmark."""
         return self._call(lambda r: r.memory_usage(key))
 
+    # Readiness wants the truth now, so pings ignore the breaker (and never move it).
     def ping(self) -> bool:
-        """True if the server answers now (ignores the breaker: readiness wants the truth)."""
+        """True if the server answers now."""
         try:
-            return bool(self._client().ping())
+            with self._gate.hold():
+                return bool(self._client().ping())
+        except StoreBusyError:
+            return self.breaker.state != OPEN  # every connection busy: trust the last calls
+        except Exception:
+            return False
+
+    async def aping(self) -> bool:
+        """``ping`` on the event loop's client."""
+        try:
+            client, gate = self._aclient()
+            async with gate.ahold():
+                return bool(await client.ping())
+        except StoreBusyError:
+            return self.breaker.state != OPEN
         except Exception:
             return False
 
     def stats(self) -> StoreStats:
         remote = RemoteStats(url=_redact(self.url), breaker=self.breaker.state,
                              breaker_opened=self.breaker.times_opened, calls=self.calls,
-                             errors=self.errors, skipped=self.skipped)
+                             errors=self.errors, skipped=self.skipped, busy=self.busy)
         return StoreStats("redis-cluster" if self.cluster else "redis", remote=remote)
+
+    async def aclose(self) -> None:
+        """Close the running loop's connections (on the loop that made them), then the rest."""
+        pair = self._async.pop(asyncio.get_running_loop(), None)
+        if pair is not None:
+            await pair[0].aclose()
+        self.close()
 
     def close(self) -> None:
         if self._sync is not None:

@@ -6,7 +6,11 @@ in redis-py works only for the sync, non-cluster client with protocol 3, and thi
 asyncio client and Redis Cluster too; one mechanism that works for every client is simpler to
 trust. A stale memory entry is never wrong (entries are immutable functions of their key and
 verified on read); the TTL only bounds how long a purged entry can still be served locally.
-Purges and deletes through this store clear memory at once.
+
+Purges and deletes through this store go to Redis first and clear memory only once Redis has
+answered: a purge refused by a Redis outage changes nothing (all or nothing from this process's
+view), so an operator can retry it, and the memory tier never claims a purge Redis did not do.
+Their async forms run on the event loop's Redis client, so a purge of any size never blocks it.
 """
 
 from __future__ import annotations
@@ -55,12 +59,26 @@ class TieredStore(Store):
         self.remote.put(key, value, ttl_seconds)
 
     def delete(self, key: str) -> bool:
-        in_local = self.local.delete(key)
-        return self.remote.delete(key) or in_local
+        in_remote = self.remote.delete(key)
+        return self.local.delete(key) or in_remote
+
+    async def adelete(self, key: str) -> bool:
+        in_remote = await self.remote.adelete(key)
+        return self.local.delete(key) or in_remote
 
     def purge(self, pattern: str) -> int:
-        local = self.local.purge(pattern)
-        return max(self.remote.purge(pattern), local)
+        remote = self.remote.purge(pattern)
+        return max(remote, self.local.purge(pattern))
+
+    async def apurge(self, pattern: str) -> int:
+        remote = await self.remote.apurge(pattern)
+        return max(remote, self.local.purge(pattern))
+
+    def ping(self) -> bool:
+        return self.remote.ping()
+
+    async def aping(self) -> bool:
+        return await self.remote.aping()
 
     def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
         return self.remote.scan(pattern)  # the shared tier is the inventory
@@ -72,3 +90,7 @@ class TieredStore(Store):
     def close(self) -> None:
         self.local.close()
         self.remote.close()
+
+    async def aclose(self) -> None:
+        self.local.close()
+        await self.remote.aclose()

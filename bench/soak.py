@@ -1,0 +1,339 @@
+"""Soak test of the sidecar (loopback only, bounded: it stops by itself after --duration).
+
+    python bench/soak.py [--duration 600] [--clients 8] [--tenants 4] [--agents 200]
+                         [--hit-rate 0.85] [--workers 2] [--redis auto|none|URL]
+                         [--output docs/reliability-soak.table.md] [--json]
+
+Processes on this machine: a minimal OpenAI-compatible upstream (answers at once, plain and
+streamed, so what is measured is the sidecar), a redis-server on a free port (``--redis auto``,
+when installed), ``prefix-cache serve --workers N --redis URL --upstream ...`` with one API key
+per tenant, and this client. Many agents (a system prompt and 1-16 tools each, spread over the
+tenants) send chat completions, a quarter of them streamed; a share of the requests comes from
+agents never seen before, so the hit rate settles near ``--hit-rate``. Every request is sent
+both straight to the upstream and through the sidecar, in a random order, so the added latency
+is measured side by side on the same machine at the same moment.
+
+Reported: requests, errors (any non-200 or transport error: the target is 0), boundary
+mismatches (a later answer for the same agent and turn that differs from the first: 0), hit
+rate, p50/p99 of the upstream alone, of the sidecar and their difference, and the RSS of the
+sidecar's processes after the warm-up and at the end (and the highest seen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from load import UPSTREAM_APP, free_port, pct, wait_ready  # noqa: E402
+
+from prefix_cache.demo import DEMO_NAME  # noqa: E402
+from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name  # noqa: E402
+
+RSS_SAMPLE_S = 5.0
+STREAM_SHARE = 0.25
+ADMIN_KEY = "sk-soak-admin"
+HARD_STOP_EXTRA_S = 120.0  # the whole run ends by then, whatever happens
+
+
+@dataclass
+class Stats:
+    direct: list[float] = field(default_factory=list)
+    sidecar: list[float] = field(default_factory=list)
+    hits: int = 0
+    misses: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    mismatches: int = 0
+    boundaries: dict[tuple[str, int], int] = field(default_factory=dict)
+
+    def error(self, what: str) -> None:
+        self.errors[what] = self.errors.get(what, 0) + 1
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of ``pid`` and all its descendants."""
+    total, pending = 0, [pid]
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    while pending:
+        p = pending.pop()
+        pending.extend(parents.get(p, []))
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total
+
+
+class Agents:
+    """The population: agents seen before (their requests can hit) and new ones arriving (their
+    first request is a miss). ``warming`` agents are sent once each before measuring."""
+
+    def __init__(self, tenants: list[str], initial: int, hit_rate: float, seed: int = 7) -> None:
+        self.tenants = tenants
+        self.hit_rate = hit_rate
+        self.rng = random.Random(seed)
+        self.known: list[tuple[str, str, int]] = []   # (agent id, tenant key, tools), seen
+        self.warming = [self._make(i) for i in range(initial)]
+
+    def _make(self, n: int) -> tuple[str, str, int]:
+        return (f"agent-{n}-{self.rng.getrandbits(32):08x}", self.tenants[n % len(self.tenants)],
+                1 + n % 16)
+
+    def pick(self) -> tuple[str, str, int]:
+        if self.warming:
+            agent = self.warming.pop()
+        elif self.known and self.rng.random() < self.hit_rate:
+            return self.rng.choice(self.known)
+        else:
+            agent = self._make(len(self.known))
+        self.known.append(agent)
+        return agent
+
+
+def body(agent: str, tools: int, turn: int, stream: bool) -> bytes:
+    return json.dumps({
+        "model": DEMO_NAME, "max_tokens": 8, "stream": stream, "tools": bench_tools(tools),
+        "messages": [{"role": "system", "content": f"{SYSTEM_PROMPT} You are {agent}."},
+                     {"role": "user", "content": f"Turn {turn}: fix module_{turn}.py"}],
+    }).encode()
+
+
+async def client_loop(stop_at: float, agents: Agents, stats: Stats, sidecar: httpx.AsyncClient,
+                      direct: httpx.AsyncClient, rng: random.Random, measure: bool) -> None:
+    while time.monotonic() < stop_at and (measure or agents.warming):
+        agent, key, tools = agents.pick()
+        turn = rng.randrange(3)
+        stream = rng.random() < STREAM_SHARE
+        payload = body(agent, tools, turn, stream)
+        order = ("direct", "sidecar") if rng.random() < 0.5 else ("sidecar", "direct")
+        for target in order:
+            client = direct if target == "direct" else sidecar
+            headers = {"content-type": "application/json", "authorization": f"Bearer {key}"}
+            started = time.perf_counter()
+            try:
+                async with client.stream("POST", "/v1/chat/completions", content=payload,
+                                         headers=headers) as r:
+                    content = await r.aread()
+            except httpx.HTTPError as exc:
+                stats.error(f"{target}: {type(exc).__name__}")
+                continue
+            elapsed = time.perf_counter() - started
+            if r.status_code != 200 or (stream and not content.rstrip().endswith(b"[DONE]")):
+                stats.error(f"{target}: HTTP {r.status_code} {content[:120]!r}")
+                continue
+            if target == "direct":
+                if measure:
+                    stats.direct.append(elapsed)
+                continue
+            if measure:
+                stats.sidecar.append(elapsed)
+                if r.headers.get("x-prefix-cache") == "hit":
+                    stats.hits += 1
+                else:
+                    stats.misses += 1
+            end = int(r.headers["x-specprefill-system-end"])
+            first = stats.boundaries.setdefault((agent, turn), end)
+            if first != end:
+                stats.mismatches += 1
+
+
+async def drive(args: argparse.Namespace, side_url: str, up_url: str, tenants: list[str],
+                serve_pid: int) -> tuple[Stats, dict[str, Any]]:
+    agents = Agents(tenants, args.agents, args.hit_rate)
+    stats = Stats()
+    limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
+    async with httpx.AsyncClient(base_url=side_url, trust_env=False, timeout=60.0,
+                                 limits=limits) as sidecar, \
+            httpx.AsyncClient(base_url=up_url, trust_env=False, timeout=60.0, limits=limits) as direct:
+        # Warm-up, not measured: every initial agent once (a miss each), bounded in time.
+        warm = Stats()
+        warm_until = time.monotonic() + args.duration
+        rngs = [random.Random(1000 + i) for i in range(args.clients)]
+        await asyncio.gather(*(client_loop(warm_until, agents, warm, sidecar, direct, rngs[i], False)
+                               for i in range(args.clients)))
+        stats.boundaries = warm.boundaries
+        stats.mismatches = warm.mismatches
+        stats.errors = dict(warm.errors)
+        rss = {"start": rss_bytes(serve_pid)}
+        rss["max"] = rss["start"]
+        stop_at = time.monotonic() + args.duration
+
+        async def sample_rss() -> None:
+            while time.monotonic() < stop_at:
+                await asyncio.sleep(min(RSS_SAMPLE_S, max(0.0, stop_at - time.monotonic())))
+                rss["max"] = max(rss["max"], rss_bytes(serve_pid))
+
+        started = time.monotonic()
+        await asyncio.gather(sample_rss(), *(client_loop(stop_at, agents, stats, sidecar, direct,
+                                                         rngs[i], True)
+                                             for i in range(args.clients)))
+        rss["end"] = rss_bytes(serve_pid)
+        scrape = await sidecar.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        rss["store_errors"] = (  # every worker's, summed; None if the scrape is refused
+            int(sum(float(line.rsplit(" ", 1)[1]) for line in scrape.text.splitlines()
+                    if line.startswith("prefix_cache_store_errors_total{")))
+            if scrape.status_code == 200 else None)
+        rss["max"] = max(rss["max"], rss["end"])
+        rss["wall_s"] = time.monotonic() - started
+        rss["agents"] = len(agents.known)
+    return stats, rss
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port),
+                             "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def summarize(args: argparse.Namespace, stats: Stats, rss: dict[str, Any], redis_url: str | None,
+              load: tuple[float, float]) -> dict[str, Any]:
+    looked = stats.hits + stats.misses
+    out: dict[str, Any] = {
+        "duration_s": round(rss["wall_s"], 1), "clients": args.clients, "workers": args.workers,
+        "tenants": args.tenants, "agents_seen": rss["agents"],
+        "store": "redis" if redis_url else "memory",
+        "requests": len(stats.sidecar), "requests_per_s": round(len(stats.sidecar) / rss["wall_s"], 1),
+        "errors": sum(stats.errors.values()), "error_kinds": stats.errors,
+        "boundary_mismatches": stats.mismatches,
+        "store_errors": rss["store_errors"],  # lookups and writes that had to do without Redis
+        "hit_rate": round(stats.hits / looked, 3) if looked else 0.0,
+        "rss_start_mb": round(rss["start"] / 2**20, 1), "rss_end_mb": round(rss["end"] / 2**20, 1),
+        "rss_max_mb": round(rss["max"] / 2**20, 1),
+        "load_average_start_end": [round(load[0], 2), round(load[1], 2)],
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores",
+    }
+    for name, values in (("direct", stats.direct), ("sidecar", stats.sidecar)):
+        for q in (0.5, 0.99):
+            out[f"{name}_p{int(q * 100)}_ms"] = round(pct(values, q) * 1e3, 2) if values else None
+    for q in ("p50", "p99"):
+        if out[f"sidecar_{q}_ms"] is not None and out[f"direct_{q}_ms"] is not None:
+            out[f"added_{q}_ms"] = round(out[f"sidecar_{q}_ms"] - out[f"direct_{q}_ms"], 2)
+    return out
+
+
+def table(args: argparse.Namespace, s: dict[str, Any]) -> str:
+    command = (f"python bench/soak.py --duration {args.duration:g} --clients {args.clients} "
+               f"--tenants {args.tenants} --agents {args.agents} --hit-rate {args.hit_rate} "
+               f"--workers {args.workers} --redis {args.redis}")
+    return "\n".join([
+        f"Machine: {s['machine']}, shared with other work (load average {s['load_average_start_end'][0]}"
+        f" at the start, {s['load_average_start_end'][1]} at the end); client, upstream, Redis and "
+        f"sidecar on the same cores. Command: `{command}`",
+        "",
+        "| duration | requests | req/s | errors | boundary mismatches | hit rate | store errors | agents | "
+        "direct p50 | sidecar p50 | added p50 | direct p99 | sidecar p99 | added p99 | "
+        "RSS start | RSS end | RSS max |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| {s['duration_s']} s | {s['requests']} | {s['requests_per_s']} | {s['errors']} | "
+        f"{s['boundary_mismatches']} | {s['hit_rate']:.1%} | {s['store_errors']} | {s['agents_seen']} | "
+        f"{s['direct_p50_ms']} ms | {s['sidecar_p50_ms']} ms | {s.get('added_p50_ms')} ms | "
+        f"{s['direct_p99_ms']} ms | {s['sidecar_p99_ms']} ms | {s.get('added_p99_ms')} ms | "
+        f"{s['rss_start_mb']} MB | {s['rss_end_mb']} MB | {s['rss_max_mb']} MB |",
+        "",
+    ])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=600.0, help="measured seconds")
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--agents", type=int, default=200,
+                        help="agents sent once each before measuring (more arrive during the run)")
+    parser.add_argument("--hit-rate", type=float, default=0.85,
+                        help="share of requests from known agents")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--redis", default="auto", help="auto (start one if installed), none, or a URL")
+    parser.add_argument("--redis-timeout", type=float, default=None,
+                        help="the sidecar's Redis timeout in seconds (default: its own)")
+    parser.add_argument("--output", help="write the markdown table here")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="prefix-cache-soak-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    # A hard stop: whatever hangs, the run ends (and takes its processes with it).
+    signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(TimeoutError("soak overran")))
+    signal.alarm(int(2 * args.duration + HARD_STOP_EXTRA_S))
+    try:
+        redis_url = None
+        if args.redis == "auto" and shutil.which("redis-server"):
+            redis_proc, redis_url = start_redis(workdir)
+            procs.append(redis_proc)
+        elif args.redis not in ("auto", "none"):
+            redis_url = args.redis
+        tenants = [f"sk-soak-{i}" for i in range(args.tenants)]
+        keys = workdir / "keys.json"
+        keys.write_text(json.dumps({"tenants": {k: f"tenant{i}" for i, k in enumerate(tenants)},
+                                    "admin_keys": [ADMIN_KEY]}))
+        (workdir / "upstream_app.py").write_text(UPSTREAM_APP)
+        up_port, side_port = free_port(), free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "upstream_app:app", "--port", str(up_port),
+             "--log-level", "warning", "--no-access-log"], cwd=workdir, env=env))
+        serve = [sys.executable, "-m", "prefix_cache.cli", "serve", "--port", str(side_port),
+                 "--workers", str(args.workers), "--upstream", f"http://127.0.0.1:{up_port}/v1"]
+        if redis_url:
+            serve += ["--redis", redis_url]
+        sidecar = subprocess.Popen(serve, cwd=ROOT, env={
+            **env, "PREFIX_CACHE_LOG_LEVEL": "warning", "PREFIX_CACHE_KEYS_FILE": str(keys),
+            "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
+            **({"PREFIX_CACHE_REDIS_TIMEOUT_S": str(args.redis_timeout)} if args.redis_timeout else {})})
+        procs.append(sidecar)
+        up_url, side_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{side_port}"
+        wait_ready(f"{up_url}/health")
+        wait_ready(f"{side_url}/healthz")
+        load_start = os.getloadavg()[0]
+        stats, rss = asyncio.run(drive(args, side_url, up_url, tenants, sidecar.pid))
+        summary = summarize(args, stats, rss, redis_url, (load_start, os.getloadavg()[0]))
+    finally:
+        signal.alarm(0)
+        for p in reversed(procs):
+            p.terminate()
+        for p in reversed(procs):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(summary), flush=True)
+    else:
+        print(table(args, summary))
+    if args.output:
+        Path(args.output).write_text(table(args, summary), encoding="utf-8")
+    return 0 if summary["errors"] == 0 and summary["boundary_mismatches"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""Tool calls out of generated text, with the model family's own parser (mlx-lm's).
+
+mlx-lm's ``TokenizerWrapper`` knows, per template family, the markers a model writes a tool call
+between (``<tool_call>`` ... ``</tool_call>`` for Qwen/Hermes, ``[TOOL_CALLS]`` to the end for
+Mistral, ...) and a parser for what is inside. ``ToolCallSplitter`` cuts a stream of text deltas
+at those markers: text outside them passes on (a partial marker at the end of a delta is held
+until the next one tells), each complete call becomes a ``ToolCall``. A call the parser cannot
+read, or one cut off by ``max_tokens``, passes on as the text it was, markers included, so
+nothing the model wrote is lost. Calls are parsed only for requests that give tools.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from prefix_cache.chat.backend import ToolCall
+
+log = logging.getLogger("engine_adapter.tool_calls")
+
+Parser = Callable[[str, Any], Any]
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+class ToolCallSplitter:
+    """Text deltas in; text and tool calls out, in order."""
+
+    def __init__(self, start: str, end: str, parse: Parser,
+                 tools: Sequence[Mapping[str, Any]] | None) -> None:
+        self.start, self.end, self.parse, self.tools = start, end, parse, tools
+        self._pending = ""
+        self._in_call = False
+        self.calls = 0
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer: Any,
+                      tools: Sequence[Mapping[str, Any]] | None) -> ToolCallSplitter | None:
+        """The splitter of the tokenizer's family, or None when it has no tool-call parser or
+        the request gives no tools."""
+        start = getattr(tokenizer, "tool_call_start", None)
+        parse = getattr(tokenizer, "tool_parser", None)
+        end = getattr(tokenizer, "tool_call_end", None)
+        if not tools or not start or parse is None or end is None:
+            return None
+        return cls(start, end, parse, tools)
+
+    def feed(self, text: str, final: bool = False) -> list[str | ToolCall]:
+        """What can be passed on now; at ``final`` everything held is released."""
+        out: list[str | ToolCall] = []
+        buffer = self._pending + text
+        self._pending = ""
+        while buffer:
+            if not self._in_call:
+                cut = buffer.find(self.start)
+                if cut < 0:
+                    keep = 0 if final else _partial_suffix(buffer, self.start)
+                    out.append(buffer[:len(buffer) - keep])
+                    self._pending = buffer[len(buffer) - keep:]
+                    break
+                out.append(buffer[:cut])
+                buffer = buffer[cut + len(self.start):]
+                self._in_call = True
+                continue
+            cut = buffer.find(self.end) if self.end else -1
+            if cut < 0:
+                if final:
+                    out += self._call(buffer, closed=not self.end)
+                else:
+                    self._pending = buffer
+                break
+            out += self._call(buffer[:cut], closed=True)
+            buffer = buffer[cut + len(self.end):]
+        if final and self._in_call:  # a call still open at the end, with nothing after it
+            out += self._call("", closed=not self.end)
+        return [piece for piece in out if piece != ""]
+
+    def _call(self, body: str, closed: bool) -> list[str | ToolCall]:
+        self._in_call = False
+        raw = self.start + body + (self.end if closed else "")
+        if not closed:
+            return [raw]
+        try:
+            parsed = self.parse(body, self.tools)
+        except Exception as exc:  # a model's malformed call is its text, not an error
+            log.info("a tool call could not be parsed (%s); returned as text", exc)
+            return [raw]
+        calls = parsed if isinstance(parsed, list) else [parsed]
+        out: list[str | ToolCall] = []
+        for call in calls:
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return [raw]
+            arguments = call.get("arguments", {})
+            if not isinstance(arguments, str):
+                arguments = json.dumps(arguments, ensure_ascii=False)
+            call_id = call.get("id")
+            out.append(ToolCall(call_id if isinstance(call_id, str) and call_id
+                                else new_call_id(), call["name"], arguments))
+        self.calls += len(out)
+        return out
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of ``text`` that ``marker`` starts with."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0

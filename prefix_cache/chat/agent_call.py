@@ -1,0 +1,70 @@
+"""An agent API request in neutral terms: its conversation and how to generate, whichever API
+it came in (Anthropic Messages, OpenAI Responses), and the same request as a chat completion
+for an upstream that speaks only that."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import InvalidRequestError
+from .backend import BackendRequest, SamplingParams, SpecPrefillParams
+from .conversation import Conversation, chat_wire_messages
+from .fields import UNSUPPORTED
+
+
+@dataclass(frozen=True, slots=True)
+class AgentCall:
+    """One request of an agent API, parsed and checked."""
+
+    model: str | None
+    conversation: Conversation
+    sampling: SamplingParams
+    specprefill: SpecPrefillParams = SpecPrefillParams()
+    stream: bool = False
+    # Fields of the chat completion an upstream that speaks only chat completions is sent
+    # (tool_choice, parallel_tool_calls, top_k ...), in that API's terms.
+    chat_options: Mapping[str, Any] = field(default_factory=dict)
+    # Why the in-process engine cannot run this request as asked (a parameter it does not
+    # honour), or None.
+    engine_refusal: str | None = None
+
+    def check_engine_support(self) -> None:
+        """InvalidRequestError (a 400) if an in-process engine cannot honour this request."""
+        if self.engine_refusal is not None:
+            raise InvalidRequestError(self.engine_refusal, code=UNSUPPORTED)
+
+    def backend_request(self, prompt_ids: Sequence[int], specprefill_system_end: int,
+                        namespace: str) -> BackendRequest:
+        """The engine's request for this call over a prompt and its boundary."""
+        self.check_engine_support()
+        return BackendRequest(prompt_ids=prompt_ids,
+                              specprefill_system_end=specprefill_system_end,
+                              namespace=namespace, sampling=self.sampling,
+                              specprefill=self.specprefill, tools=self.conversation.tools)
+
+    def chat_body(self, model: str) -> dict[str, Any]:
+        """This request as an OpenAI chat completion body (usage asked for when streamed)."""
+        conversation, sampling = self.conversation, self.sampling
+        body: dict[str, Any] = {"model": model,
+                                "messages": chat_wire_messages(conversation.messages)}
+        if conversation.tools is not None:
+            body["tools"] = conversation.tools
+        if conversation.chat_template_kwargs is not None:
+            body["chat_template_kwargs"] = conversation.chat_template_kwargs
+        if sampling.max_tokens is not None:
+            body["max_tokens"] = sampling.max_tokens
+        body["temperature"] = sampling.temperature
+        body["top_p"] = sampling.top_p
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
+        body.update(self.chat_options)
+        knobs = (("specprefill", self.specprefill.enabled),
+                 ("specprefill_keep_pct", self.specprefill.keep_pct),
+                 ("specprefill_threshold", self.specprefill.threshold))
+        body.update({name: value for name, value in knobs if value is not None})
+        if self.stream:
+            body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
+        return body

@@ -1,0 +1,127 @@
+"""The chat-template conversation every API is converted to, and the pieces the converters share.
+
+A ``Conversation`` is exactly what a chat template is given -- ``messages``, ``tools``,
+``chat_template_kwargs`` -- so the boundary is cut in the render of this and nothing else. The
+shapes follow the OpenAI chat convention that the templates are written for (and that
+``/v1/chat/completions`` passes through as sent):
+
+- a tool is ``{"type": "function", "function": {"name", "description"?, "parameters"}}``;
+- an assistant's tool calls are ``tool_calls: [{"id", "type": "function", "function":
+  {"name", "arguments"}}]`` with ``arguments`` the JSON object itself (transformers' convention:
+  nearly every template prints it with ``tojson``; a string would be quoted twice by many) and
+  ``content`` ``""`` when the turn has no text (``None`` breaks Qwen3, gpt-oss, Phi-3.5 ...);
+- a tool result is ``{"role": "tool", "tool_call_id", "content"}`` with its text; its images
+  follow as a user turn;
+- text-only content is one string; content with images is a list of ``{"type": "text"}`` and
+  ``{"type": "image_url", "image_url": {"url"}}`` parts.
+
+For an upstream that speaks only chat completions, ``chat_wire_messages`` gives the same
+messages in the wire format (``arguments`` as a JSON string, as OpenAI's API sends them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .. import json_io
+
+MessageDict = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """What the chat template renders."""
+
+    messages: list[MessageDict]
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, Any]:
+    """A tool in the template's shape; a missing description or parameters schema is left
+    out, as chat clients leave it out."""
+    function: dict[str, Any] = {"name": name}
+    if description is not None:
+        function["description"] = description
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+def tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def arguments_object(arguments: str) -> Any:
+    """Tool-call arguments sent as JSON text, as the template is given them: the object they
+    encode, or the text itself when it is not a JSON object (a model's malformed call)."""
+    try:
+        value = json_io.loads(arguments)
+    except ValueError:
+        return arguments
+    return value if isinstance(value, dict) else arguments
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "text", "text": text}
+
+
+def content_of(parts: Sequence[dict[str, Any]], separator: str = "\n") -> str | list[Any]:
+    """Message content from text and image parts: one string when all are text (joined with
+    ``separator``), else the list of parts."""
+    if all(p["type"] == "text" for p in parts):
+        return separator.join(p["text"] for p in parts)
+    return list(parts)
+
+
+def assistant_message(content: str | list[Any], calls: Sequence[dict[str, Any]]) -> MessageDict:
+    message: MessageDict = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = list(calls)
+    return message
+
+
+def tool_result(call_id: str, parts: Sequence[dict[str, Any]]) -> list[MessageDict]:
+    """A tool's result: a "tool" message with its text (templates render a tool result as
+    text), then its images, if any, as a user turn (as vLLM does)."""
+    texts = [p for p in parts if p["type"] == "text"]
+    images = [p for p in parts if p["type"] != "text"]
+    messages: list[MessageDict] = [{"role": "tool", "tool_call_id": call_id,
+                                    "content": content_of(texts)}]
+    if images:
+        messages.append({"role": "user", "content": images})
+    return messages
+
+
+def append_call(messages: list[MessageDict], call: dict[str, Any]) -> None:
+    """Add a tool call to the assistant turn just before it, or open a turn with no text."""
+    last = messages[-1] if messages else None
+    if last is not None and last["role"] == "assistant":
+        last.setdefault("tool_calls", []).append(call)
+    else:
+        messages.append(assistant_message("", [call]))
+
+
+def chat_wire_messages(messages: Sequence[MessageDict]) -> list[MessageDict]:
+    """The messages as an OpenAI chat body carries them: tool-call arguments as JSON text."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if calls:
+            message = {**message, "tool_calls": [_wire_call(c) for c in calls]}
+        out.append(message)
+    return out
+
+
+def _wire_call(call: dict[str, Any]) -> dict[str, Any]:
+    arguments = call["function"]["arguments"]
+    if not isinstance(arguments, str):
+        arguments = json_io.dumps(arguments).decode()
+    return {**call, "function": {**call["function"], "arguments": arguments}}
+

@@ -1,0 +1,247 @@
+"""An OpenAI Responses body, checked, as the chat-template conversation and a neutral call.
+
+The mapping (docs/agent-apis.md has it with examples):
+
+    instructions                                  -> one leading "system" message
+    the items of previous_response_id             -> the messages before this input (that
+                                                     response's instructions are not carried
+                                                     over, as in OpenAI's API)
+    input string                                  -> one "user" message
+    message items (role system, developer, user, assistant; content string or parts)
+                                                  -> messages of that role; input_text,
+                                                     output_text and refusal parts joined
+                                                     with "\\n"; input_image -> image_url parts
+    function_call items                           -> tool_calls of the assistant turn before
+                                                     them (arguments: the JSON object they encode)
+    function_call_output items                    -> "tool" messages
+    tools [{type: function, name, description, parameters}]
+                                                  -> function tools {name, description, parameters}
+
+Not rendered: reasoning items, ``reasoning``, ``metadata``, ``truncation``, ``user``. Refused
+with a 400: tools other than function tools (built-in tools run on OpenAI's side), item types
+other than those above (item_reference, built-in tool calls), input_file and file_id images,
+``background``, ``conversation``, ``prompt``; on the in-process engine, a ``text.format`` other
+than plain text (it has no structured outputs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+from ..errors import InvalidRequestError
+from ..http.errors import BadRequest
+from .agent_call import AgentCall
+from .backend import SamplingParams
+from .conversation import (
+    Conversation,
+    MessageDict,
+    append_call,
+    arguments_object,
+    content_of,
+    function_tool,
+    image_part,
+    text_part,
+    tool_call,
+    tool_result,
+)
+from .fields import specprefill_params
+
+ROLES = ("system", "developer", "user", "assistant")
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+NOT_SUPPORTED = ("background", "conversation", "prompt")
+
+
+class ResponsesRequest(BaseModel):
+    """``POST /v1/responses``: the fields read, typed (input items are checked below, with
+    messages that name the item)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    max_output_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
+    stream: StrictBool | None = None
+    store: StrictBool | None = None
+    previous_response_id: StrictStr | None = None
+    metadata: dict[str, Any] | None = None
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    user: StrictStr | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResponsesCall:
+    """A Responses request: the neutral call, the request as typed (its fields are echoed in
+    the response), and the items this turn adds to the conversation."""
+
+    call: AgentCall
+    request: ResponsesRequest
+    history: list[Any]          # the items of previous_response_id's conversation
+    input_items: list[Any]      # this request's input, as items
+
+    @property
+    def store(self) -> bool:
+        return self.request.store is not False
+
+    def echo(self) -> dict[str, Any]:
+        """The request's fields as a response object repeats them (OpenAI's defaults where
+        the request left them out)."""
+        req = self.request
+        return {
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata or {}, "parallel_tool_calls": req.parallel_tool_calls
+            is not False, "previous_response_id": req.previous_response_id,
+            "reasoning": req.reasoning, "store": self.store,
+            "temperature": self.call.sampling.temperature,
+            "text": req.text or {"format": {"type": "text"}},
+            "tool_choice": req.tool_choice or "auto", "tools": req.tools or [],
+            "top_p": self.call.sampling.top_p, "truncation": req.truncation or "disabled",
+            "user": req.user,
+        }
+
+    def conversation_items(self, response: Mapping[str, Any]) -> list[Any]:
+        """The items a later ``previous_response_id`` continues from: the earlier turns, this
+        input and ``response``'s output."""
+        return [*self.history, *self.input_items, *response.get("output", [])]
+
+
+def parse_responses_body(body: Mapping[str, Any],
+                         history_of: Callable[[str], list[Any] | None]) -> ResponsesCall:
+    """The call a Responses body asks for. ``history_of(id)`` gives a stored response's items
+    (None: unknown to this tenant: a 400 ``previous_response_not_found``, OpenAI's answer)."""
+    req = ResponsesRequest.model_validate(body)
+    for name in NOT_SUPPORTED:
+        if body.get(name) not in (None, False):
+            raise InvalidRequestError(f"{name} is not supported by this server",
+                                      code="unsupported_parameter")
+    history: list[Any] = []
+    if req.previous_response_id is not None:
+        found = history_of(req.previous_response_id)
+        if found is None:
+            raise BadRequest(f"Previous response with id {req.previous_response_id!r} not "
+                             "found.", code="previous_response_not_found",
+                             param="previous_response_id")
+        history = found
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) \
+        else list(req.input)
+    messages: list[MessageDict] = []
+    if req.instructions:
+        messages.append({"role": "system", "content": req.instructions})
+    for i, item in enumerate(history):
+        _item(item, f"the items of {req.previous_response_id}[{i}]", messages)
+    for i, item in enumerate(items):
+        _item(item, f"input[{i}]", messages)
+    if not messages:
+        raise InvalidRequestError("input must not be empty")
+    tools = None if req.tools is None else [_tool(t, f"tools[{i}]") for i, t in
+                                            enumerate(req.tools)]
+    sampling = SamplingParams(
+        max_tokens=req.max_output_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+    )
+    options: dict[str, Any] = {}
+    if req.tool_choice is not None:
+        options["tool_choice"] = _tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        options["parallel_tool_calls"] = req.parallel_tool_calls
+    call = AgentCall(model=req.model, conversation=Conversation(messages, tools,
+                                                                req.chat_template_kwargs),
+                     sampling=sampling, specprefill=specprefill_params(body),
+                     stream=bool(req.stream), chat_options=options,
+                     engine_refusal=_format_refusal(req.text))
+    return ResponsesCall(call, req, history, items)
+
+
+def _item(item: Any, where: str, out: list[MessageDict]) -> None:
+    if not isinstance(item, dict):
+        raise InvalidRequestError(f"{where} must be an object")
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role, content = item.get("role"), item.get("content")
+        if role not in ROLES:
+            raise InvalidRequestError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
+        out.append({"role": role, "content": _content(content, f"{where}.content")})
+    elif kind == "function_call":
+        call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+        if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
+                and isinstance(arguments, str)):
+            raise InvalidRequestError(f"{where}: a function_call needs string call_id, name "
+                                      "and arguments")
+        append_call(out, tool_call(call_id, name, arguments_object(arguments)))
+    elif kind == "function_call_output":
+        call_id, output = item.get("call_id"), item.get("output")
+        if not isinstance(call_id, str) or not call_id:
+            raise InvalidRequestError(f"{where}.call_id must be a non-empty string")
+        out.extend(tool_result(call_id, _parts(output, f"{where}.output")))
+    elif kind != "reasoning":  # earlier reasoning is not rendered
+        raise InvalidRequestError(f"{where}: items of type {kind!r} are not supported (message, "
+                                  "function_call, function_call_output and reasoning are)")
+
+
+def _content(content: Any, where: str) -> str | list[Any]:
+    return content if isinstance(content, str) else content_of(_parts(content, where))
+
+
+def _parts(content: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [text_part(content)]
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"{where} must be a string or a list of content parts")
+    parts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PARTS and isinstance(part.get(TEXT_PARTS[kind]), str):
+            parts.append(text_part(part[TEXT_PARTS[kind]]))
+        elif kind == "input_image" and isinstance(part.get("image_url"), str):
+            parts.append(image_part(part["image_url"]))
+        else:
+            raise InvalidRequestError(f"{where}[{j}]: only input_text, output_text, refusal and "
+                                      "input_image (with an image_url) parts are supported")
+    return parts
+
+
+def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    kind = tool.get("type")
+    if kind != "function":
+        raise InvalidRequestError(f"{where}: the tool type {kind!r} is not supported; only "
+                                  "function tools are")
+    name, description, parameters = tool.get("name"), tool.get("description"), \
+        tool.get("parameters")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequestError(f"{where}.name must be a non-empty string")
+    if description is not None and not isinstance(description, str):
+        raise InvalidRequestError(f"{where}.description must be a string")
+    if parameters is not None and not isinstance(parameters, dict):
+        raise InvalidRequestError(f"{where}.parameters must be a JSON schema object")
+    return function_tool(name, description, parameters)
+
+
+def _tool_choice(choice: str | dict[str, Any]) -> Any:
+    """tool_choice in chat completions' terms."""
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidRequestError("tool_choice must be \"auto\", \"none\", \"required\" or "
+                              "{\"type\": \"function\", \"name\": ...}")
+
+
+def _format_refusal(text: dict[str, Any] | None) -> str | None:
+    fmt = (text or {}).get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    return "text.format other than {\"type\": \"text\"} is not supported by this engine"

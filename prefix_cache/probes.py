@@ -1,0 +1,70 @@
+"""The miss: the probe renders of one static prefix, and what they tell.
+
+Two probes give the scaffold (``boundary``: the common prefix of their ids), two multi-turn
+probes the cap, and the first two probes' texts the safe split for tokenizing prompts
+(``split.find_split``). Each probe is rendered to text and tokenized the way the renderer's own
+``apply`` does it, so its ids are exactly the render's. All probes of one computation render
+with the same ``tools`` argument: the request's, or for a request without tools whose probes
+fail on ``None``, ``[]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from . import boundary
+from .errors import TemplateRenderError
+from .render import TemplateRenderer, tool_choices
+from .split import StaticSplit, find_split, split_rule
+
+NO_SPLIT_HERE = "no safe split in this static text"
+
+
+@dataclass(frozen=True, slots=True)
+class Probed:
+    """What the probes of one static prefix found."""
+
+    ids: list[int]              # the scaffold
+    cap: int                    # where a multi-turn layout puts the first user text
+    empty_tools: bool           # rendered with the tools=[] fallback
+    renders: int                # probe renders run
+    split: StaticSplit | None   # where prompts may be cut for tokenization
+    split_off: str | None       # why there is no split
+
+
+def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
+          tools: list[dict[str, Any]] | None, kwargs: Mapping[str, Any],
+          memo_key: tuple[str, int] | None = None) -> Probed:
+    """Run the probes of ``static`` (four renders; two more tail tokenizations per split
+    candidate verified). ``static``, ``tools`` and ``kwargs`` are the key's plain data;
+    ``memo_key`` names it (``direct_render``)."""
+    count = 0
+    choices = tool_choices(tools)
+    for i, choice in enumerate(choices):
+        def render(conv: list[boundary.Message], choice: Any = choice) -> list[int]:
+            nonlocal count
+            count += 1
+            return renderer.apply(conv, choice, kwargs)
+        try:
+            conv_a, conv_b = boundary.probe_conversations(static)
+            count += 2
+            text_a = renderer.render_text(conv_a, choice, kwargs, plain=True, memo_key=memo_key)
+            text_b = renderer.render_text(conv_b, choice, kwargs, plain=True, memo_key=memo_key)
+        except TemplateRenderError:
+            if i == len(choices) - 1:
+                raise
+            continue
+        ids_a, ids_b = renderer.tokenize(text_a), renderer.tokenize(text_b)
+        ids = ids_a[: boundary.common_prefix_len(ids_a, ids_b)]
+        try:
+            cap = boundary.text_start_cap(render, static)
+        except TemplateRenderError:
+            cap = 0  # no multi-turn layout known: every other shape is checked on its own
+        rule = split_rule(renderer.tokenizer, renderer.tokenizer_digest)
+        split = None if rule.off else find_split(rule, renderer.tokenize, text_a, ids_a,
+                                                 text_b, ids_b, len(ids))
+        off = rule.off if rule.off else (None if split else NO_SPLIT_HERE)
+        return Probed(ids, cap, tools is None and choice is not None, count, split, off)
+    raise AssertionError("tool_choices is never empty")  # pragma: no cover

@@ -1,0 +1,120 @@
+"""Prefix-aware tokenization of a rendered prompt: the stored static ids up to the entry's safe
+split, then the tokenization of the rest of the text only.
+
+    prompt text starts with split.text  ->  stored[:index] + tokenize(text[anchor:])
+    otherwise (or no split, or off)     ->  tokenize(text)
+
+Both give the ids of a full tokenization (``split`` says why); at a sampled rate the fast path
+is checked against a full tokenization, and a mismatch turns it off for that tokenizer (logged
+once, counted), that request getting the full tokenization's ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable
+
+from .entry import Entry
+from .observer import CacheObserver
+from .render import TemplateRenderer
+from .token_ids import TokenIds, pack_ids, unpack_ids
+
+log = logging.getLogger("prefix_cache")
+
+DEFAULT_CHECK_RATE = 0.01
+
+# Why a prompt was tokenized whole (the ``reason`` of a full tokenization).
+NO_STATIC = "no_static"        # no static part, so no entry
+NO_SPLIT = "no_split"          # the entry has no safe split (tokenizer or static text)
+TEXT_DIFFERS = "text_differs"  # the prompt's text does not start with the static text
+OFF = "off"                    # turned off for this tokenizer by a failed check
+ANCHOR = "anchor"              # the text after the split did not start with the split token
+REASONS = (NO_STATIC, NO_SPLIT, TEXT_DIFFERS, OFF, ANCHOR)
+
+
+def validate_check_rate(rate: float) -> float:
+    """A sampling rate in [0, 1]; ValueError naming the value otherwise."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0:
+        raise ValueError(f"tokenize check rate must be a number in [0, 1], got {rate!r}")
+    return float(rate)
+
+
+class PromptTokenizer:
+    """Tokenizes rendered prompts, from an entry's split when it can; checks itself at
+    ``check_rate`` (a fraction of fast tokenizations re-done in full and compared)."""
+
+    def __init__(self, events: CacheObserver, check_rate: float = DEFAULT_CHECK_RATE,
+                 rng: random.Random | None = None) -> None:
+        self.check_rate = validate_check_rate(check_rate)
+        self._events = events
+        self._rng = rng or random.Random()
+        self._off: dict[bytes, str] = {}   # tokenizer fingerprint -> why the fast path is off
+        self._lock = threading.Lock()
+
+    def tokenize(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
+                 model: str, official: Callable[[], str] | None = None) -> TokenIds:
+        """The prompt's ids, equal to ``renderer.tokenize(text)``. ``official``: the prompt
+        rendered through ``apply_chat_template`` itself, for a sampled check of a direct render
+        (``direct_render``) along with the tokenization."""
+        ids, reason = self._fast(renderer, text, entry)
+        direct = official is not None and renderer.renders_direct
+        if (ids is None and not direct) or not self._sampled():
+            if ids is None:
+                self._events.tokenized(model=model, fast=False, reason=reason)
+                return TokenIds.of_rendered(renderer.tokenize(text))
+            self._events.tokenized(model=model, fast=True, reason="")
+            return ids
+        # The sampled check: the official render, tokenized whole, against what we made.
+        reference = official() if official is not None and direct else text
+        if ids is None:  # only the render to check
+            mismatch = reference != text
+            full = renderer.tokenize(reference)
+        else:
+            full = renderer.tokenize(reference)
+            mismatch = full != ids.ids
+        self._events.tokenize_checked(model=model, mismatch=mismatch)
+        if mismatch and reference != text:
+            renderer.direct_off("a sampled check found that its render differs")
+        elif mismatch and ids is not None:
+            self._turn_off(renderer, model, full, ids.ids)
+        if ids is not None and not mismatch:
+            self._events.tokenized(model=model, fast=True, reason="")
+            return ids
+        self._events.tokenized(model=model, fast=False, reason=reason or OFF)
+        return TokenIds.of_rendered(full)
+
+    def _sampled(self) -> bool:
+        return bool(self.check_rate) and self._rng.random() < self.check_rate
+
+    def _fast(self, renderer: TemplateRenderer, text: str, entry: Entry | None
+              ) -> tuple[TokenIds | None, str]:
+        if entry is None:
+            return None, NO_STATIC
+        split = entry.split
+        if split is None:
+            return None, NO_SPLIT
+        if renderer.tokenizer_digest in self._off:
+            return None, OFF
+        if not text.startswith(split.text):
+            return None, TEXT_DIFFERS
+        tail = renderer.tokenize(text[split.anchor:])
+        head = entry.packed_ids[: 4 * split.index]
+        # The tail starts with the token the split was verified at: a cheap guard, not a proof.
+        if not tail or entry.packed_ids[4 * split.index: 4 * split.index + 4] != pack_ids(tail[:1]):
+            return None, ANCHOR
+        return TokenIds(unpack_ids(head) + tail, head + pack_ids(tail)), ""
+
+    def _turn_off(self, renderer: TemplateRenderer, model: str, full: list[int],
+                  fast: list[int]) -> None:
+        at = next((i for i, (a, b) in enumerate(zip(full, fast, strict=False)) if a != b),
+                  min(len(full), len(fast)))
+        reason = f"a sampled check found a mismatch at token {at}"
+        with self._lock:
+            first = renderer.tokenizer_digest not in self._off
+            self._off.setdefault(renderer.tokenizer_digest, reason)
+        if first:  # logged once per tokenizer
+            log.warning("fast prompt tokenization is off for %s: %s (full tokenization from "
+                        "now on; please report this tokenizer)", model, reason)
+            self._events.fast_path_off(model=model, reason=reason)

@@ -1,0 +1,415 @@
+"""The agent APIs through the sidecar to a recording upstream, with the real ``anthropic`` and
+``openai`` SDKs as clients: what is forwarded (the body unchanged to an upstream that serves
+the API, plus the boundary fields for ``specprefill`` ones; a chat completion to one that does
+not), what comes back (relayed, or converted back to the API's shape), the boundary (the one
+``/v1/prefix/boundary`` gives for the same conversation written as a chat body by hand), and
+``previous_response_id`` kept per tenant."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from prefix_cache.service import ServiceSettings, create_app
+from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.upstream import Upstream
+
+from .agent_upstream import AgentRecorder, agent_upstream
+from .service_helpers import ServerThread, local_client, openai_client, served, unique_system
+
+anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
+openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
+pytest_plugins = ["tests.service_fixtures"]
+
+KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
+READ = {"name": "read_file", "description": "Read a file of the workspace.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                         "required": ["path"]}}
+READ_CHAT = {"type": "function", "function": {"name": "read_file",
+                                              "description": READ["description"],
+                                              "parameters": READ["input_schema"]}}
+READ_RESPONSES = {"type": "function", "name": "read_file", "description": READ["description"],
+                  "parameters": READ["input_schema"]}
+
+
+@pytest.fixture(scope="module")
+def rec_server() -> Iterator[tuple[AgentRecorder, str]]:
+    rec = AgentRecorder()
+    with ServerThread(agent_upstream(rec), log_level="critical") as url:
+        yield rec, url
+
+
+@pytest.fixture
+def rec(rec_server: tuple[AgentRecorder, str]) -> AgentRecorder:
+    rec_server[0].reset()
+    return rec_server[0]
+
+
+@pytest.fixture(scope="module")
+def base(rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> Iterator[str]:
+    url = rec_server[1]
+    models = ModelRegistry([
+        served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
+        served("native-spec", demo_tokenizer, Upstream(url, "specprefill")),
+        served("chat-only", demo_tokenizer, Upstream(url)),
+        served("chat-only-spec", demo_tokenizer, Upstream(url, "specprefill", apis=())),
+        served("boundary-only", demo_tokenizer),
+    ])
+    app = create_app(ServiceSettings(api_keys=KEYS), models=models)
+    with ServerThread(app) as url:
+        yield url
+
+
+def claude(base: str, key: str = "sk-acme") -> Any:
+    """The Anthropic SDK; its key goes as x-api-key, as Claude clients send it."""
+    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=30.0)
+
+
+def chat_boundary(base: str, body: dict[str, Any], key: str = "sk-acme") -> dict[str, Any]:
+    with local_client(base_url=base, headers={"authorization": f"Bearer {key}"}) as http:
+        r = http.post("/v1/prefix/boundary", json={**body, "return_prompt_ids": True})
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def agent_turns(system_text: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """An Anthropic agent's second turn (a tool round trip) and the same conversation as a
+    chat body's messages, written by hand from the documented mapping."""
+    anthropic_messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Read a.txt,"},
+                                     {"type": "text", "text": "then summarize it."}]},
+        {"role": "assistant", "content": [
+            {"type": "text", "text": "Reading it."},
+            {"type": "tool_use", "id": "toolu_1", "name": "read_file",
+             "input": {"path": "a.txt"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "hello world"},
+            {"type": "text", "text": "Go on."}]},
+    ]
+    chat_messages = [
+        {"role": "system", "content": system_text},
+        {"role": "user", "content": "Read a.txt,\nthen summarize it."},
+        {"role": "assistant", "content": "Reading it.", "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "read_file", "arguments": {"path": "a.txt"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "hello world"},
+        {"role": "user", "content": "Go on."},
+    ]
+    return anthropic_messages, chat_messages
+
+
+# -- Anthropic Messages ---------------------------------------------------------------------
+
+
+def test_messages_go_unchanged_to_an_upstream_that_serves_them(base: str,
+                                                               rec: AgentRecorder) -> None:
+    sdk = claude(base)
+    system = unique_system()["content"]
+    blocks = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"},
+              {"type": "text", "text": system[:10], "cache_control": {"type": "ephemeral"}},
+              {"type": "text", "text": system[10:]}]
+    raw = json.dumps({"model": "native", "max_tokens": 8, "system": blocks, "tools": [READ],
+                      "messages": [{"role": "user", "content": "Read a.txt."}],
+                      "metadata": {"user_id": "u1"}}, indent=1).encode()
+    with local_client(base_url=base, headers={"x-api-key": "sk-acme"}) as http:
+        first = http.post("/v1/messages", content=raw,
+                          headers={"content-type": "application/json"})
+    assert first.status_code == 200 and first.headers["x-prefix-cache"] == "miss"
+    assert rec.last("messages").raw == raw  # byte for byte
+    assert first.json()["content"] == [{"type": "text", "text": "recorded"}]
+    turns, chat_messages = agent_turns(system)
+    second = sdk.messages.with_raw_response.create(
+        model="native", max_tokens=8, tools=[READ], messages=turns,
+        system=[{**blocks[0], "text": blocks[0]["text"].replace("abc", "xyz")}, *blocks[1:]])
+    assert second.headers["x-prefix-cache"] == "hit"  # the billing header is not rendered
+    expected = chat_boundary(base, {"model": "native", "messages": chat_messages,
+                                    "tools": [READ_CHAT]})
+    assert second.headers["x-specprefill-system-end"] == str(expected["specprefill_system_end"])
+    assert expected["specprefill_system_end"] > 0 and expected["cache"] == "hit"
+
+
+def test_a_specprefill_upstream_gets_the_boundary_and_the_prompt_ids(base: str,
+                                                                    rec: AgentRecorder) -> None:
+    system = unique_system()["content"]
+    turns, chat_messages = agent_turns(system)
+    with claude(base).messages.stream(model="native-spec", max_tokens=8, system=system,
+                                      tools=[READ], messages=turns) as stream:
+        assert "".join(stream.text_stream) == "recorded"
+    sent = rec.last("messages").body
+    expected = chat_boundary(base, {"model": "native-spec", "messages": chat_messages,
+                                    "tools": [READ_CHAT]})
+    assert sent["specprefill_system_end"] == expected["specprefill_system_end"] > 0
+    assert sent["prompt_token_ids"] == expected["prompt_ids"]
+    assert sent["specprefill_namespace"] == "acme" and sent["messages"] == turns
+
+
+def test_messages_become_a_chat_completion_for_a_chat_only_upstream(base: str,
+                                                                    rec: AgentRecorder) -> None:
+    system = unique_system()["content"]
+    turns, chat_messages = agent_turns(system)
+    rec.tool_call = ("call_9", "read_file", {"path": "b.txt", "n": 2**70})
+    raw = claude(base).messages.with_raw_response.create(
+        model="chat-only", max_tokens=8, system=system, tools=[READ], messages=turns,
+        extra_body={"temperature": 0.5}, stop_sequences=["END"], tool_choice={"type": "any"})
+    message = raw.parse()
+    sent = rec.last("chat").body
+    wire = [dict(m) for m in chat_messages]
+    wire[2] = {**wire[2], "tool_calls": [{**wire[2]["tool_calls"][0], "function": {
+        "name": "read_file", "arguments": json.dumps({"path": "a.txt"}, separators=(",", ":"))}}]}
+    assert sent == {"model": "chat-only", "messages": wire, "tools": [READ_CHAT],
+                    "max_tokens": 8, "temperature": 0.5, "top_p": 1.0, "stop": ["END"],
+                    "tool_choice": "required"}
+    assert [b.type for b in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "recorded"
+    call = message.content[1]
+    assert (call.id, call.name, call.input) == ("call_9", "read_file",
+                                               {"path": "b.txt", "n": 2**70})
+    assert message.stop_reason == "tool_use"
+    assert (message.usage.input_tokens, message.usage.cache_read_input_tokens,
+            message.usage.output_tokens) == (7, 4, 3)
+    expected = chat_boundary(base, {"model": "chat-only", "messages": chat_messages,
+                                    "tools": [READ_CHAT]})
+    assert raw.headers["x-specprefill-system-end"] == str(expected["specprefill_system_end"])
+
+
+def test_a_streamed_chat_completion_comes_back_as_anthropic_events(base: str,
+                                                                   rec: AgentRecorder) -> None:
+    rec.tool_call = ("call_7", "read_file", {"path": "c.txt"})
+    with claude(base).messages.stream(
+            model="chat-only-spec", max_tokens=8, system=unique_system()["content"],
+            tools=[READ], messages=[{"role": "user", "content": "Read c.txt."}]) as stream:
+        kinds = [event.type for event in stream]
+        message = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert [b.type for b in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "recorded" and message.content[1].input == {"path": "c.txt"}
+    assert message.stop_reason == "tool_use" and message.usage.output_tokens == 3
+    sent = rec.last("chat").body
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert sent["specprefill_system_end"] > 0 and sent["specprefill_namespace"] == "acme"
+
+
+def test_count_tokens_counts_the_prompt_the_conversation_renders_to(base: str) -> None:
+    system = unique_system()["content"]
+    turns, chat_messages = agent_turns(system)
+    count = claude(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
+                                               messages=turns)
+    expected = chat_boundary(base, {"model": "chat-only", "messages": chat_messages,
+                                    "tools": [READ_CHAT]})
+    assert count.input_tokens == expected["prompt_tokens"] and expected["cache"] == "hit"
+
+
+def test_bad_messages_are_anthropic_400s_before_anything_is_resolved(base: str,
+                                                                     rec: AgentRecorder) -> None:
+    sdk = claude(base)
+    cases = [
+        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role: 'system'"),
+        ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
+         "'document' block is not supported"),
+        ({"messages": [{"role": "user", "content": "x"}],
+          "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+         "server tool 'web_search_20250305'"),
+        ({"messages": [{"role": "user", "content": "x"},
+                       {"role": "assistant", "content": "The answer is"}]}, "prefill"),
+    ]
+    for fields, fragment in cases:
+        with pytest.raises(anthropic.BadRequestError, match=re.escape(fragment)) as info:
+            sdk.messages.create(model="native", max_tokens=4, **fields)
+        assert info.value.body["type"] == "error"
+        assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert rec.requests == []
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        sdk.messages.create(model="claude-nope", max_tokens=4,
+                            messages=[{"role": "user", "content": "x"}])
+    assert missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.AuthenticationError) as unauthorized:
+        claude(base, "sk-wrong").messages.create(model="native", max_tokens=4,
+                                                 messages=[{"role": "user", "content": "x"}])
+    assert unauthorized.value.body["type"] == "error"
+
+
+def test_upstream_errors_keep_the_api_shape(base: str, rec: AgentRecorder) -> None:
+    rec.error = (429, {"error": {"message": "slow down", "type": "rate_limit",
+                                 "code": "rate_limited"}})
+    with pytest.raises(anthropic.RateLimitError, match="slow down") as info:
+        claude(base).messages.create(model="chat-only", max_tokens=4,
+                                     messages=[{"role": "user", "content": "x"}])
+    assert info.value.body == {"type": "error", "error": {"type": "rate_limit_error",
+                                                          "message": "slow down"}}
+    anthropic_error = {"type": "error", "error": {"type": "overloaded_error",
+                                                  "message": "busy"}}
+    rec.error = (529, anthropic_error)
+    with pytest.raises(anthropic.APIStatusError) as native:
+        claude(base).messages.create(model="native", max_tokens=4,
+                                     messages=[{"role": "user", "content": "x"}])
+    assert native.value.status_code == 529 and native.value.body == anthropic_error
+    with pytest.raises(openai.RateLimitError):
+        rec.error = (429, anthropic_error)
+        openai_client(base, "sk-acme").responses.create(model="chat-only", input="x")
+
+
+def test_a_relayed_stream_that_breaks_ends_with_an_anthropic_error_event(
+        base: str, rec: AgentRecorder) -> None:
+    rec.break_stream = True
+    with local_client(base_url=base, headers={"x-api-key": "sk-acme"}) as http:
+        with http.stream("POST", "/v1/messages", json={
+                "model": "native", "max_tokens": 4, "stream": True,
+                "messages": [{"role": "user", "content": "x"}]}) as response:
+            lines = [line for line in response.iter_lines() if line]
+    assert lines[0] == "event: message_start"
+    assert lines[-2] == "event: error"
+    error = json.loads(lines[-1].removeprefix("data: "))
+    assert error["type"] == "error" and "mid-stream" in error["error"]["message"]
+
+
+def test_a_model_without_upstream_or_engine_refuses_agent_requests(base: str) -> None:
+    with pytest.raises(anthropic.BadRequestError, match="no upstream and no engine"):
+        claude(base).messages.create(model="boundary-only", max_tokens=4,
+                                     messages=[{"role": "user", "content": "x"}])
+
+
+# -- OpenAI Responses -----------------------------------------------------------------------
+
+
+def test_responses_go_unchanged_and_previous_response_id_follows_the_upstream(
+        base: str, rec: AgentRecorder) -> None:
+    sdk = openai_client(base, "sk-acme")
+    system = unique_system()["content"]
+    first = sdk.responses.create(model="native-spec", instructions=system,
+                                 input="Read a.txt.", tools=[READ_RESPONSES])
+    assert first.id.startswith("resp_rec_") and first.output_text == "recorded"
+    sent = rec.last("responses").body
+    assert {k: sent[k] for k in ("model", "instructions", "input", "tools")} == {
+        "model": "native-spec", "instructions": system, "input": "Read a.txt.",
+        "tools": [READ_RESPONSES]}
+    assert sent["specprefill_namespace"] == "acme" and sent["specprefill_system_end"] > 0
+    with sdk.responses.with_streaming_response.create(
+            model="native-spec", instructions=system, input="And b.txt?",
+            previous_response_id=first.id, tools=[READ_RESPONSES], stream=True) as response:
+        assert response.headers["x-prefix-cache"] == "hit"
+        events = list(response.parse())
+    second_id = events[-1].response.id
+    chat_messages = [{"role": "system", "content": system},
+                     {"role": "user", "content": "Read a.txt."},
+                     {"role": "assistant", "content": "recorded"},
+                     {"role": "user", "content": "And b.txt?"}]
+    expected = chat_boundary(base, {"model": "native-spec", "messages": chat_messages,
+                                    "tools": [READ_CHAT]})
+    sent = rec.last("responses").body
+    assert sent["previous_response_id"] == first.id
+    assert sent["prompt_token_ids"] == expected["prompt_ids"]
+    assert sent["specprefill_system_end"] == expected["specprefill_system_end"] > 0
+    # The relayed stream was kept too: a third turn continues from it.
+    third = sdk.responses.with_raw_response.create(
+        model="native-spec", instructions=system, input="Thanks.",
+        previous_response_id=second_id, tools=[READ_RESPONSES])
+    assert third.headers["x-prefix-cache"] == "hit"
+    expected = chat_boundary(base, {"model": "native-spec", "messages": [
+        *chat_messages, {"role": "assistant", "content": "recorded"},
+        {"role": "user", "content": "Thanks."}], "tools": [READ_CHAT]})
+    assert rec.last("responses").body["prompt_token_ids"] == expected["prompt_ids"]
+
+
+def test_responses_become_chat_completions_with_function_calls(base: str,
+                                                               rec: AgentRecorder) -> None:
+    sdk = openai_client(base, "sk-acme")
+    system = unique_system()["content"]
+    rec.tool_call = ("call_3", "read_file", {"path": "a.txt"})
+    first = sdk.responses.create(model="chat-only", instructions=system, input="Read a.txt.",
+                                 tools=[READ_RESPONSES], max_output_tokens=16, temperature=0.2)
+    assert [item.type for item in first.output] == ["message", "function_call"]
+    call = first.output[1]
+    assert (call.call_id, call.name, json.loads(call.arguments)) == ("call_3", "read_file",
+                                                                    {"path": "a.txt"})
+    assert first.status == "completed" and first.usage.input_tokens_details.cached_tokens == 4
+    sent = rec.last("chat").body
+    assert sent == {"model": "chat-only", "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "Read a.txt."}],
+        "tools": [READ_CHAT], "max_tokens": 16, "temperature": 0.2, "top_p": 1.0}
+    rec.tool_call = None
+    with sdk.responses.stream(model="chat-only", instructions=system,
+                              previous_response_id=first.id, tools=[READ_RESPONSES],
+                              input=[{"type": "function_call_output", "call_id": "call_3",
+                                      "output": "hello"}]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed" and final.output_text == "recorded"
+    assert rec.last("chat").body["messages"][2:] == [
+        {"role": "assistant", "content": "recorded", "tool_calls": [
+            {"id": "call_3", "type": "function",
+             "function": {"name": "read_file", "arguments": '{"path":"a.txt"}'}}]},
+        {"role": "tool", "tool_call_id": "call_3", "content": "hello"}]
+
+
+def test_a_streamed_function_call_comes_back_as_responses_events(base: str,
+                                                                 rec: AgentRecorder) -> None:
+    rec.tool_call = ("call_5", "read_file", {"path": "d.txt"})
+    with openai_client(base, "sk-acme").responses.stream(
+            model="chat-only", input="Read d.txt.", tools=[READ_RESPONSES]) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.function_call_arguments.delta" in kinds
+    assert kinds.index("response.output_text.done") < kinds.index(
+        "response.function_call_arguments.done") < kinds.index("response.completed")
+    assert [item.type for item in final.output] == ["message", "function_call"]
+    call = final.output[1]
+    assert (call.call_id, call.name, json.loads(call.arguments)) == ("call_5", "read_file",
+                                                                    {"path": "d.txt"})
+    assert final.usage.output_tokens == 3 and final.status == "completed"
+
+
+def test_response_ids_belong_to_their_tenant(base: str, rec: AgentRecorder) -> None:
+    acme, globex = openai_client(base, "sk-acme"), openai_client(base, "sk-globex")
+    first = acme.responses.create(model="chat-only", input="Remember 42.")
+    with pytest.raises(openai.BadRequestError) as info:
+        globex.responses.create(model="chat-only", input="What was it?",
+                                previous_response_id=first.id)
+    assert info.value.body["code"] == "previous_response_not_found"
+    assert info.value.body["param"] == "previous_response_id"
+    assert acme.responses.create(model="chat-only", input="What was it?",
+                                 previous_response_id=first.id).status == "completed"
+    # store=false keeps nothing
+    unstored = acme.responses.create(model="chat-only", input="Forget me.", store=False)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        acme.responses.create(model="chat-only", input="x", previous_response_id=unstored.id)
+
+
+def test_bad_responses_are_openai_400s(base: str, rec: AgentRecorder) -> None:
+    sdk = openai_client(base, "sk-acme")
+    cases = [
+        ({"input": [{"role": "critic", "content": "x"}]}, "'critic' is not one of"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tool type 'web_search'"),
+        ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "'item_reference'"),
+        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+         "input_file|only input_text"),
+        ({"input": "x", "background": True}, "background is not supported"),
+    ]
+    for fields, fragment in cases:
+        with pytest.raises(openai.BadRequestError, match=fragment) as info:
+            sdk.responses.create(model="chat-only", **fields)
+        assert set(info.value.body) >= {"message", "type", "code"}
+    assert rec.requests == []
+
+
+def test_upstream_apis_come_from_the_models_file(tmp_path: Any, demo_folder: Any) -> None:
+    from prefix_cache.service.models import load_model, load_model_specs
+
+    models = tmp_path / "models.yaml"
+    models.write_text(
+        f"vllm:\n  folder: {demo_folder}\n  upstream: http://h:1/v1\n"
+        f"  upstream_apis: [messages]\n"
+        f"ours:\n  folder: {demo_folder}\n  upstream: http://h:2/v1\n"
+        f"  upstream_kind: specprefill\n"
+        f"plain:\n  folder: {demo_folder}\n  upstream: http://h:3/v1\n")
+    specs = load_model_specs(ServiceSettings(models_file=models, keys_file=None))
+    upstreams = [load_model(s, loader=lambda *_: None).upstream for s in specs]
+    assert [u.apis for u in upstreams if u] == [("messages",), ("messages", "responses"), ()]
+    models.write_text(f"bad:\n  folder: {demo_folder}\n  upstream: http://h:1/v1\n"
+                      f"  upstream_apis: [completions]\n")
+    with pytest.raises(ValueError, match="upstream_apis"):
+        load_model_specs(ServiceSettings(models_file=models, keys_file=None))
