@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(p for p, _ in runs["float32"])
     base_decode = statistics.median(d for _, d in runs["float32"])
     command = "bash bench/demo_dtype.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    lines = [f"Machine: {machine()}; shared with other engineers' jobs while it ran.",
+    lines = [f"Machine: {machine()}.",
              f"Command: `{command}`. Prefill of {args.prompt_tokens} tokens in one chunk, then "
              f"{args.decode_tokens} decode steps; median of {args.reps} interleaved reps.", "",
              "| dtype | weights | prefill | vs float32 | decode, per token | vs float32 |",

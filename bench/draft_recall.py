@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             ranks[n].append(1 + sum(m > means[needle // CHUNK] for m in means))
         mx.clear_cache()
     command = "bash bench/draft_recall.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    lines = [f"Machine: {machine()}; shared with other engineers' jobs while it ran.",
+    lines = [f"Machine: {machine()}.",
              f"Command: `{command}`. {args.prompts} turns, ~{len(means)} chunks of {CHUNK} "
              f"scored per turn, {KEEP:.0%} kept (the last {TAIL} tokens always).", "",
              "| draft | answer kept | answer chunk's rank (median; each turn) | scoring time "

