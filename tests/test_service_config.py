@@ -296,9 +296,11 @@ def test_deploy_examples_are_valid() -> None:
     deploy = REPO / "deploy"
     specs = load_model_specs(ServiceSettings(models_file=deploy / "models.example.yaml"))
     assert [(s.name, s.upstream_kind, s.upstream is not None) for s in specs] == [
-        ("qwen3-8b", "openai", True), ("qwen3-8b-specprefill", "specprefill", True),
+        ("qwen3-8b", "openai", True), ("qwen3-8b-vllm", "openai", True),
+        ("qwen3-8b-specprefill", "specprefill", True),
         ("boundaries-only", "openai", False), ("qwen3-8b-in-process", "openai", False)]
     assert specs[-1].engine == "mlx" and specs[-1].engine_options["kv_bytes"] == "8GiB"
+    assert [s.upstream_apis for s in specs[:3]] == [None, ["messages", "responses"], None]
     ring = KeyRing.from_settings(ServiceSettings(keys_file=deploy / "keys.example.yaml"))
     assert ring.tenants == ["acme", "globex"]
     ring.require_admin("Bearer sk-admin-CHANGE-ME")
