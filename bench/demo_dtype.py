@@ -12,7 +12,6 @@ folder. Each rep times, for each dtype in turn (the order alternating), a prefil
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -25,7 +24,7 @@ ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
-from engine import machine  # noqa: E402
+from engine import machine, update_docs  # noqa: E402
 
 DOCS = ROOT / "docs" / "engine.md"
 MARK_START, MARK_END = "<!-- bench:dtype:start -->", "<!-- bench:dtype:end -->"
@@ -95,12 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.update_docs:
-        doc = DOCS.read_text(encoding="utf-8")
-        pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
-        if not pattern.search(doc):
-            raise SystemExit(f"{DOCS} has no {MARK_START} ... {MARK_END} block")
-        DOCS.write_text(pattern.sub(lambda _m: f"{MARK_START}\n{text}\n{MARK_END}", doc),
-                        encoding="utf-8")
+        update_docs(text, MARK_START, MARK_END, DOCS)
     return 0
 
 

@@ -14,7 +14,6 @@ draft's top choice), and the median scoring time.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 from agent_workload import agent_prompt  # noqa: E402
-from engine import machine  # noqa: E402
+from engine import machine, update_docs  # noqa: E402
 
 DOCS = ROOT / "docs" / "engine.md"
 MARK_START, MARK_END = "<!-- bench:recall:start -->", "<!-- bench:recall:end -->"
@@ -104,12 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.update_docs:
-        doc = DOCS.read_text(encoding="utf-8")
-        pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
-        if not pattern.search(doc):
-            raise SystemExit(f"{DOCS} has no {MARK_START} ... {MARK_END} block")
-        DOCS.write_text(pattern.sub(lambda _m: f"{MARK_START}\n{text}\n{MARK_END}", doc),
-                        encoding="utf-8")
+        update_docs(text, MARK_START, MARK_END, DOCS)
     return 0
 
 

@@ -373,13 +373,14 @@ def prefill_paths(infos: list[dict[str, Any]]) -> str:
     return "; ".join(f"{path} ({n} of {len(infos)} runs)" for path, n in counts.items())
 
 
-def update_docs(text: str) -> None:
-    doc = DOCS.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
+def update_docs(text: str, start: str = MARK_START, end: str = MARK_END,
+                path: Path = DOCS) -> None:
+    """Replace what lies between the markers ``start`` and ``end`` in ``path`` with ``text``."""
+    doc = path.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pattern.search(doc):
-        raise SystemExit(f"{DOCS} has no {MARK_START} ... {MARK_END} block")
-    DOCS.write_text(pattern.sub(lambda _m: f"{MARK_START}\n{text}\n{MARK_END}", doc),
-                    encoding="utf-8")
+        raise SystemExit(f"{path} has no {start} ... {end} block")
+    path.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", doc), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

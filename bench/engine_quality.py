@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -52,7 +51,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(BENCH))
 
 from agent_workload import agent_prompt  # noqa: E402
-from engine import machine, naive_boundary, start_server, timed  # noqa: E402
+from engine import machine, naive_boundary, start_server, timed, update_docs  # noqa: E402
 
 DOCS = ROOT / "docs" / "engine.md"
 MARK_START, MARK_END = "<!-- bench:quality:start -->", "<!-- bench:quality:end -->"
@@ -240,15 +239,6 @@ def _describe(path: dict[str, Any]) -> str:
     return text + (f" ({path['kept']} kept after the boundary)" if path["kept"] else "")
 
 
-def update_docs(text: str) -> None:
-    doc = DOCS.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(MARK_START) + ".*?" + re.escape(MARK_END), re.S)
-    if not pattern.search(doc):
-        raise SystemExit(f"{DOCS} has no {MARK_START} ... {MARK_END} block")
-    DOCS.write_text(pattern.sub(lambda _m: f"{MARK_START}\n{text}\n{MARK_END}", doc),
-                    encoding="utf-8")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=20, help="agent turns (default 20)")
@@ -272,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
     if args.update_docs:
-        update_docs(text)
+        update_docs(text, MARK_START, MARK_END, DOCS)
     return 0
 
 

@@ -244,8 +244,9 @@ def table(args: argparse.Namespace, s: dict[str, Any]) -> str:
                f"--tenants {args.tenants} --agents {args.agents} --hit-rate {args.hit_rate} "
                f"--workers {args.workers} --redis {args.redis}")
     return "\n".join([
-        f"Machine: {s['machine']}, shared with other work (load average {s['load_average_start_end'][0]}"
-        f" at the start, {s['load_average_start_end'][1]} at the end); client, upstream, Redis and "
+        f"Machine: {s['machine']} (load average {s['load_average_start_end'][0]} at the start, "
+        f"{s['load_average_start_end'][1]} at the end, the soak's own processes included); "
+        f"client, upstream, Redis and "
         f"sidecar on the same cores. Command: `{command}`",
         "",
         "| duration | requests | req/s | errors | boundary mismatches | hit rate | store errors | agents | "

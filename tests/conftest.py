@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Helper modules whose asserts test modules call: rewrite them for pytest's assert messages.
 pytest.register_assert_rewrite("tests.engine_fixtures")
+
+
+@pytest.fixture
+def redis(tmp_path: Path) -> Iterator[Any]:
+    """A redis-server of this test's own, for tests that kill, pause or fill it."""
+    from .redis_server import RedisServer
+
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
 
 
 def make_tools(n: int, seed: int = 0) -> list[dict[str, Any]]:

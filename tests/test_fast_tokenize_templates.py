@@ -20,7 +20,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefix_cache import StaticPrefixCache
-from prefix_cache.testing.offline_tokenizers import NAMES, TEMPLATE_TOKENIZER, load_offline_tokenizer
+from prefix_cache.testing.offline_tokenizers import (
+    NAMES,
+    TEMPLATE_TOKENIZER,
+    load_offline_tokenizer,
+)
 
 from . import reference
 from .conftest import SHARED_TEMPLATES, make_tools

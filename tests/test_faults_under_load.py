@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,13 +42,6 @@ PHASE_REQUESTS = 24      # answers to wait for in each phase of a fault sequence
 SLACK_TASKS = 2          # tasks the loop may run beyond its idle count (a timer, a probe)
 UPSTREAM_ERROR = ('{"error": {"message": "the engine is overloaded", "type": "server_error", '
                   '"code": "overloaded"}}')
-
-
-@pytest.fixture
-def redis(tmp_path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -88,13 +87,6 @@ def leave_an_earlier_run(folder: Path) -> None:
         """)
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(folder)}
     subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, check=True, timeout=60)
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Any:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 def test_two_workers_one_killed_under_load(tmp_path: Path, redis: RedisServer, demo_folder: Path,

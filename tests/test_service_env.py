@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -44,13 +43,6 @@ def _no_service_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model_dir(tmp_path_factory.mktemp("models") / "folder-model", "qwen3",
                           DEMO_TEMPLATE)
-
-
-@pytest.fixture
-def redis(tmp_path: Path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 @needs_redis

@@ -7,7 +7,6 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,13 +26,6 @@ pytest_plugins = ["tests.service_fixtures"]
 ACME, ADMIN = "sk-acme-1", "sk-admin-1"
 BOUNDED_S = 30.0      # the longest any wait here may take; never a timing assertion
 PURGED_KEYS = 150_000
-
-
-@pytest.fixture
-def redis(tmp_path) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path / "redis").start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture
