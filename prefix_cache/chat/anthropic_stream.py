@@ -28,6 +28,7 @@ from .events import (
     OutputEvent,
     TextDelta,
     ToolCallDelta,
+    TurnEnd,
     collect,
     new_call_id,
 )
@@ -120,13 +121,10 @@ async def message_stream(meta: MessageMeta,
         "usage": {"input_tokens": meta.input_tokens, "output_tokens": 0}})
     yield _event("ping")
     blocks = _Blocks()
-    finish = Finish("length")
+    end = TurnEnd()
     try:
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, Finish):
-                    finish = event
-                    continue
+        async with aclosing(end.content(events)) as content:  # closed with this stream
+            async for event in content:
                 for chunk in blocks.add(event):
                     yield chunk
     except BackendError as exc:  # the status is long sent: end the stream with the reason
@@ -136,9 +134,9 @@ async def message_stream(meta: MessageMeta,
         return
     for chunk in blocks.close():
         yield chunk
-    reason, sequence = stop_reason(finish)
+    reason, sequence = stop_reason(end.finish)
     yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                 usage=anthropic_usage(finish.usage))
+                 usage=anthropic_usage(end.finish.usage))
     yield _event("message_stop")
 
 

@@ -68,6 +68,23 @@ async def backend_events(backend: ChatBackend,
 
 
 @dataclass
+class TurnEnd:
+    """How a streamed turn finished, noted while its content events pass through ``content``
+    (a turn that ends without a ``Finish`` reads as cut at its length)."""
+
+    finish: Finish = Finish("length")
+
+    async def content(self, events: AsyncGenerator[OutputEvent, None]
+                      ) -> AsyncGenerator[TextDelta | ToolCallDelta, None]:
+        async with aclosing(events):
+            async for event in events:
+                if isinstance(event, Finish):
+                    self.finish = event
+                else:
+                    yield event
+
+
+@dataclass
 class CollectedCall:
     id: str
     name: str

@@ -26,7 +26,16 @@ from pydantic import BaseModel, ConfigDict
 from .. import json_io
 from ..http.sse import SSEDecoder, sse_event
 from .backend import BackendError, Usage
-from .events import Collected, Finish, OutputEvent, TextDelta, ToolCallDelta, collect, new_call_id
+from .events import (
+    Collected,
+    Finish,
+    OutputEvent,
+    TextDelta,
+    ToolCallDelta,
+    TurnEnd,
+    collect,
+    new_call_id,
+)
 
 log = logging.getLogger("prefix_cache.service")
 
@@ -123,13 +132,10 @@ async def response_stream(meta: ResponseMeta, events: AsyncGenerator[OutputEvent
     out = _Items()
     yield out.event("response.created", response=response_object(meta, "in_progress", []))
     yield out.event("response.in_progress", response=response_object(meta, "in_progress", []))
-    finish = Finish("length")
+    end = TurnEnd()
     try:
-        async with aclosing(events):
-            async for event in events:
-                if isinstance(event, Finish):
-                    finish = event
-                    continue
+        async with aclosing(end.content(events)) as content:  # closed with this stream
+            async for event in content:
                 for chunk in out.add(event):
                     yield chunk
     except BackendError as exc:  # the status is long sent: end the stream with the reason
@@ -137,10 +143,10 @@ async def response_stream(meta: ResponseMeta, events: AsyncGenerator[OutputEvent
         yield out.event("response.failed", response=response_object(
             meta, "failed", out.items, error=error))
         return
-    for chunk in out.close(_status(finish)):
+    status = _status(end.finish)
+    for chunk in out.close(status):
         yield chunk
-    status = _status(finish)
-    response = response_object(meta, status, out.items, finish.usage)
+    response = response_object(meta, status, out.items, end.finish.usage)
     done(response)
     kind = "response.incomplete" if status == "incomplete" else "response.completed"
     yield out.event(kind, response=response)
