@@ -19,6 +19,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .service_helpers import Recorded
 
+# One tool in each API's shape: Anthropic's (input_schema), chat's and Responses' function.
+READ = {"name": "read_file", "description": "Read a file of the workspace.",
+        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
+                         "required": ["path"]}}
+READ_CHAT = {"type": "function", "function": {"name": "read_file",
+                                              "description": READ["description"],
+                                              "parameters": READ["input_schema"]}}
+READ_RESPONSES = {"type": "function", "name": "read_file", "description": READ["description"],
+                  "parameters": READ["input_schema"]}
+
 
 @dataclass
 class AgentRecorder:

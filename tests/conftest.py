@@ -10,12 +10,27 @@ from typing import Any
 import pytest
 
 SHARED_TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "chat_templates"
+# The real chat templates the template suites run over (../shared, or PREFIX_CACHE_TEMPLATES);
+# none there, and those suites skip themselves.
+TEMPLATES_DIR = Path(os.environ.get("PREFIX_CACHE_TEMPLATES", SHARED_TEMPLATES))
+TEMPLATE_STEMS = (sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
+                  if TEMPLATES_DIR.is_dir() else [])
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Helper modules whose asserts test modules call: rewrite them for pytest's assert messages.
 pytest.register_assert_rewrite("tests.engine_fixtures")
+
+
+class Clock:
+    """A monotonic clock the test moves by hand (circuit breakers, TTLs)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture

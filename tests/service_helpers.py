@@ -41,6 +41,21 @@ EVENT_TIMEOUT_S = 10.0     # how long a test waits for something the upstream re
 HOLD_S = 15.0              # how long the recorder holds a request that should be cancelled first
 
 
+def wait_until(condition: Any, what: str | None = None, timeout: float = EVENT_TIMEOUT_S,
+               interval: float = 0.02) -> bool:
+    """Poll ``condition`` until it holds, for at most ``timeout`` seconds (a bound, never a
+    timing assertion). With ``what``, running out is an AssertionError naming what was awaited;
+    without, the answer is whether it held."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            if what is not None:
+                raise AssertionError(f"timed out waiting for {what}")
+            return False
+        time.sleep(interval)
+    return True
+
+
 def unique_system(tag: str = "") -> dict[str, str]:
     """A system message no other test sends: a guaranteed miss on first use."""
     return {"role": "system", "content": f"You are agent {tag}{uuid.uuid4().hex}."}

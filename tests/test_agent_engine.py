@@ -5,7 +5,6 @@ checked is plumbing, counts, boundaries and KV reuse, never text)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,12 +25,13 @@ from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
 from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
+from .agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
 from .service_helpers import (  # noqa: E402
-    EVENT_TIMEOUT_S,
     ServerThread,
     openai_client,
     served,
     unique_system,
+    wait_until,
 )
 from .test_engine_serving import ScriptedEngine  # noqa: E402
 
@@ -39,27 +39,10 @@ pytest_plugins = ["tests.service_fixtures"]
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 MODEL = "tiny-qwen3"  # the session tiny model's folder name: the sidecar's model name
-READ = {"name": "read_file", "description": "Read a file of the workspace.",
-        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
-                         "required": ["path"]}}
-READ_CHAT = {"type": "function", "function": {"name": "read_file",
-                                              "description": READ["description"],
-                                              "parameters": READ["input_schema"]}}
-READ_RESPONSES = {"type": "function", "name": "read_file", "description": READ["description"],
-                  "parameters": READ["input_schema"]}
 
 
 def claude(base: str, key: str = "sk-acme") -> Any:
     return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=60.0)
-
-
-def wait_until(condition: Any, timeout: float = EVENT_TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():  # bounded poll of the engine's counters
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 @pytest.fixture(scope="module")

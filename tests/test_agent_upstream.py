@@ -18,7 +18,7 @@ from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
-from .agent_upstream import AgentRecorder, agent_upstream
+from .agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
 from .service_helpers import ServerThread, local_client, openai_client, served, unique_system
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
@@ -26,14 +26,6 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 pytest_plugins = ["tests.service_fixtures"]
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
-READ = {"name": "read_file", "description": "Read a file of the workspace.",
-        "input_schema": {"type": "object", "properties": {"path": {"type": "string"}},
-                         "required": ["path"]}}
-READ_CHAT = {"type": "function", "function": {"name": "read_file",
-                                              "description": READ["description"],
-                                              "parameters": READ["input_schema"]}}
-READ_RESPONSES = {"type": "function", "name": "read_file", "description": READ["description"],
-                  "parameters": READ["input_schema"]}
 
 
 @pytest.fixture(scope="module")

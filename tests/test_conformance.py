@@ -11,7 +11,6 @@ multi-turn prompts whose first user text starts like the system text or like the
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +24,9 @@ from prefix_cache.testing.offline_tokenizers import (
 )
 
 from . import reference
-from .conftest import SHARED_TEMPLATES, make_tools
+from .conftest import TEMPLATE_STEMS, TEMPLATES_DIR, make_tools
 
-TEMPLATES_DIR = Path(os.environ.get("PREFIX_CACHE_TEMPLATES", SHARED_TEMPLATES))
-STEMS = sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")) if TEMPLATES_DIR.is_dir() else []
+STEMS = TEMPLATE_STEMS
 
 pytestmark = pytest.mark.skipif(not STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from .service_helpers import (  # noqa: E402
     ARTIFACTS,
     CHROMEDRIVER,
     CHROMIUM,
-    EVENT_TIMEOUT_S,
     ServeProcess,
     ServerThread,
     browser_errors,
@@ -50,6 +48,7 @@ from .service_helpers import (  # noqa: E402
     served,
     unique_system,
     wait_for_js,
+    wait_until,
 )
 from .test_grafana import queried_metrics  # noqa: E402
 
@@ -63,15 +62,6 @@ MODEL = "tiny-qwen3"  # the session tiny model's folder name: the sidecar's mode
 
 def chat(system: dict[str, str], user: str) -> list[dict[str, str]]:
     return [system, {"role": "user", "content": user}]
-
-
-def wait_until(condition: Any, timeout: float = EVENT_TIMEOUT_S) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():  # bounded poll of the engine's counters
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 # -- the OpenAI layer on a scripted engine ----------------------------------------------------

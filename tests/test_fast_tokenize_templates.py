@@ -10,9 +10,7 @@ own, never replaced by a sampled full tokenization. The reference is the indepen
 
 from __future__ import annotations
 
-import os
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,11 +25,10 @@ from prefix_cache.testing.offline_tokenizers import (
 )
 
 from . import reference
-from .conftest import SHARED_TEMPLATES, make_tools
+from .conftest import TEMPLATE_STEMS, TEMPLATES_DIR, make_tools
 from .templates import BEHAVIOURS
 
-TEMPLATES_DIR = Path(os.environ.get("PREFIX_CACHE_TEMPLATES", SHARED_TEMPLATES))
-STEMS = sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja")) if TEMPLATES_DIR.is_dir() else []
+STEMS = TEMPLATE_STEMS
 needs_templates = pytest.mark.skipif(not STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")
 
 SYSTEM = {"role": "system", "content": "You are the on-call agent.\nKeep answers short."}

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from .load_client import LoadThread, Truth, make_agents, report
 from .redis_server import RedisServer, needs_redis
-from .service_helpers import REPO, ServeProcess, local_client
+from .service_helpers import REPO, ServeProcess, local_client, wait_until
 
 pytestmark = needs_redis
 pytest_plugins = ["tests.service_fixtures"]
@@ -66,15 +65,6 @@ def children(pid: int) -> set[int]:
     return found
 
 
-def wait_until(predicate: Any, what: str, timeout: float = BOUNDED_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def leave_an_earlier_run(folder: Path) -> None:
     """What a worker of an earlier run leaves when it is killed: its breaker open, its counts."""
     code = textwrap.dedent("""
@@ -103,7 +93,7 @@ def test_two_workers_one_killed_under_load(tmp_path: Path, redis: RedisServer, d
             assert samples(text, "prefix_cache_circuit_breaker_open") == 0   # not the old run's
             assert samples(text, "prefix_cache_requests_total") == 0
             wait_until(lambda: len(live_gauge_pids(folder) & children(serve.proc.pid)) == 2,
-                       "both workers' gauges")
+                       "both workers' gauges", timeout=BOUNDED_S, interval=0.1)
             truth = Truth(demo_tokenizer)
             agents = make_agents(16, "mp")
             # New connections each time, so both workers take requests.
@@ -112,7 +102,8 @@ def test_two_workers_one_killed_under_load(tmp_path: Path, redis: RedisServer, d
                 load.wait_for(48)
                 workers = sorted(live_gauge_pids(folder) & children(serve.proc.pid))
                 wait_until(lambda: all(process_entries(folder, p, tmp_path / "one") > 0
-                                       for p in workers), "entries in both workers")
+                                       for p in workers), "entries in both workers",
+                           timeout=BOUNDED_S, interval=0.1)
                 victim = max(workers, key=lambda p: process_entries(folder, p, tmp_path / "one"))
                 killed_entries = process_entries(folder, victim, tmp_path / "one")
                 os.kill(victim, signal.SIGKILL)
@@ -130,6 +121,7 @@ def test_two_workers_one_killed_under_load(tmp_path: Path, redis: RedisServer, d
                 expected = sum(process_entries(folder, p, tmp_path / "one") for p in live)
                 return (victim not in live_gauge_pids(folder)
                         and samples(text, "prefix_cache_store_entries") == expected)
-            wait_until(forgotten, "the killed worker to leave the sums")
+            wait_until(forgotten, "the killed worker to leave the sums", timeout=BOUNDED_S,
+                       interval=0.1)
     finally:
         serve.stop()

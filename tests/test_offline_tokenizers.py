@@ -19,6 +19,8 @@ import pytest
 from prefix_cache import tokenizer_folders
 from prefix_cache.testing import offline_tokenizers as ot
 
+from .conftest import TEMPLATES_DIR
+
 MIXED = "Hello, world! 你好 \n\n  def f(x): return x"
 # Texts for comparing against the packages' own encoders: scripts, digits, contractions,
 # whitespace runs, code, emoji, and a decomposed "é" (NFC matters for Qwen).
@@ -166,7 +168,7 @@ ADDS_BOS = {
     "qwen2.5": False, "qwen3": False, "qwen3.5": False, "deepseek": False, "gpt-oss": False,
 }  # fmt: skip
 
-TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "chat_templates"
+TEMPLATES = TEMPLATES_DIR
 
 
 def _has(module: str) -> bool:

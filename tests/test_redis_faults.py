@@ -22,27 +22,13 @@ from prefix_cache.store.breaker import CLOSED, OPEN, CircuitBreaker, Exponential
 from prefix_cache.store.redis import RedisStore
 
 from . import reference
-from .conftest import make_tools
-from .redis_server import RedisServer, needs_redis
+from .conftest import Clock, make_tools
+from .redis_server import needs_redis
 from .templates import BEHAVIOURS
 
 pytestmark = needs_redis
 TEMPLATE = BEHAVIOURS["default_system"]
 
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def server(tmp_path):
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.stop()
 
 
 def request(i: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -77,21 +63,21 @@ def test_breaker_states_and_backoff() -> None:
         ExponentialBackoff(0, 1)
 
 
-def test_killed_during_stream_then_restarted(qwen3, server) -> None:
+def test_killed_during_stream_then_restarted(qwen3, redis) -> None:
     clock = Clock()
-    store = RedisStore(server.url, breaker=CircuitBreaker(ExponentialBackoff(5.0, 60.0), timer=clock))
+    store = RedisStore(redis.url, breaker=CircuitBreaker(ExponentialBackoff(5.0, 60.0), timer=clock))
     cache = StaticPrefixCache(store)
     truth = {i: expected_end(qwen3, i) for i in range(3)}
     for i in range(60):
         if i == 20:
-            server.kill()
+            redis.kill()
             calls_at_kill = store.calls
         messages, tools = request(i)
         r = cache.resolve(qwen3, messages, tools, chat_template=TEMPLATE)
         assert r.specprefill_system_end == truth[i % 3]
     assert store.calls == calls_at_kill + 1  # the one call that found it dead; then the breaker
     assert store.breaker.state == OPEN and store.skipped > 0
-    server.start()
+    redis.start()
     clock.now += 5.0  # the probe window passes: the next call probes and closes the breaker
     for i in range(60, 66):
         messages, tools = request(i)
@@ -103,13 +89,13 @@ def test_killed_during_stream_then_restarted(qwen3, server) -> None:
     assert cache.stats.snapshot()["hits"] == hits_before + 1
 
 
-async def test_hung_redis_costs_one_timeout_then_nothing(qwen3, server) -> None:
-    store = RedisStore(server.url, timeout_seconds=0.05,
+async def test_hung_redis_costs_one_timeout_then_nothing(qwen3, redis) -> None:
+    store = RedisStore(redis.url, timeout_seconds=0.05,
                        breaker=CircuitBreaker(ExponentialBackoff(30.0, 60.0)))
     cache = StaticPrefixCache(store)
     messages, tools = request(0)
     await cache.aresolve(qwen3, messages, tools, chat_template=TEMPLATE)
-    server.pause()
+    redis.pause()
     try:
         started = time.perf_counter()
         for i in range(30):
@@ -121,18 +107,18 @@ async def test_hung_redis_costs_one_timeout_then_nothing(qwen3, server) -> None:
         assert store.errors == 1   # one timeout, then the breaker keeps every request off Redis
         assert elapsed < 5.0       # bounded by one 50 ms timeout, not 30 of them (plus renders)
     finally:
-        server.resume()
+        redis.resume()
 
 
-def test_resumed_redis_is_used_again(qwen3, server) -> None:
+def test_resumed_redis_is_used_again(qwen3, redis) -> None:
     clock = Clock()
-    store = RedisStore(server.url, timeout_seconds=0.05,
+    store = RedisStore(redis.url, timeout_seconds=0.05,
                        breaker=CircuitBreaker(ExponentialBackoff(1.0, 8.0), timer=clock))
     cache = StaticPrefixCache(store)
-    server.pause()
+    redis.pause()
     messages, tools = request(0)
     cache.resolve(qwen3, messages, tools, chat_template=TEMPLATE)
-    server.resume()
+    redis.resume()
     assert store.breaker.state == OPEN
     clock.now += 1.0
     cache.resolve(qwen3, messages, tools, chat_template=TEMPLATE)
@@ -141,8 +127,8 @@ def test_resumed_redis_is_used_again(qwen3, server) -> None:
 
 
 @pytest.mark.parametrize("damage", ["random", "truncated", "other_version", "empty"])
-def test_damaged_entry_is_detected_recomputed_and_replaced(qwen3, server, damage) -> None:
-    store = RedisStore(server.url)
+def test_damaged_entry_is_detected_recomputed_and_replaced(qwen3, redis, damage) -> None:
+    store = RedisStore(redis.url)
     cache = StaticPrefixCache(store)
     messages, tools = request(1)
     good = cache.resolve(qwen3, messages, tools, chat_template=TEMPLATE)
@@ -162,12 +148,12 @@ def test_damaged_entry_is_detected_recomputed_and_replaced(qwen3, server, damage
     assert cache.resolve(qwen3, messages, tools, chat_template=TEMPLATE).hit
 
 
-def test_maxmemory_noeviction_puts_fail_quietly(qwen3, server) -> None:
-    store = RedisStore(server.url)
+def test_maxmemory_noeviction_puts_fail_quietly(qwen3, redis) -> None:
+    store = RedisStore(redis.url)
     cache = StaticPrefixCache(store)
-    used = int(server.cli("info", "memory").split("used_memory:")[1].split()[0])
-    server.cli("config", "set", "maxmemory-policy", "noeviction")
-    server.cli("config", "set", "maxmemory", str(used + 1024))
+    used = int(redis.cli("info", "memory").split("used_memory:")[1].split()[0])
+    redis.cli("config", "set", "maxmemory-policy", "noeviction")
+    redis.cli("config", "set", "maxmemory", str(used + 1024))
     client = store._client()
     try:
         client.set("filler", b"x" * 4096)
@@ -180,10 +166,10 @@ def test_maxmemory_noeviction_puts_fail_quietly(qwen3, server) -> None:
     snap = cache.stats.snapshot()
     assert snap["store_errors"] >= 3 and snap["hits"] == 0
     assert store.breaker.state == CLOSED  # Redis answered (OOM): it is up, just full
-    server.cli("config", "set", "maxmemory", "0")
+    redis.cli("config", "set", "maxmemory", "0")
 
 
-def test_second_process_hits_what_the_first_computed(server, tmp_path) -> None:
+def test_second_process_hits_what_the_first_computed(redis, tmp_path) -> None:
     from prefix_cache.demo import demo_model_dir
 
     model = demo_model_dir(tmp_path / "models")
@@ -192,7 +178,7 @@ def test_second_process_hits_what_the_first_computed(server, tmp_path) -> None:
                                             {"role": "user", "content": "hi"}],
                                "tools": make_tools(8)}))
     cmd = [sys.executable, "-m", "prefix_cache.cli", "boundary", "--model", str(model),
-           "--request", str(req), "--redis", server.url]
+           "--request", str(req), "--redis", redis.url]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=True)
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, check=True)

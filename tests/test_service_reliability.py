@@ -18,7 +18,7 @@ from prefix_cache.store.breaker import CircuitBreaker, ExponentialBackoff
 
 from .conftest import make_tools
 from .redis_server import RedisServer, needs_redis
-from .service_helpers import ServerThread, local_client, served, unique_system
+from .service_helpers import ServerThread, local_client, served, unique_system, wait_until
 
 pytestmark = needs_redis
 pytest_plugins = ["tests.service_fixtures"]
@@ -52,15 +52,6 @@ def boundary(http: httpx.Client, system: dict[str, str]) -> httpx.Response:
 def remote_of(app: Any) -> Any:
     """The app's RedisStore (under its tenant quotas and memory tier)."""
     return app.state.service.store.inner.remote
-
-
-def wait_until(predicate: Any, what: str, timeout: float = BOUNDED_S) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def fill(redis: RedisServer, prefix: str, n: int) -> None:
@@ -140,7 +131,8 @@ def test_a_purge_during_a_redis_outage_is_a_503_that_changes_nothing(redis: Redi
         assert len(redis.cli("--scan", "--pattern", "spc:acme:*").split()) == 3
         # Once Redis answers again (the breaker's window passes), the purge goes through whole.
         wait_until(lambda: http.post("/admin/purge", headers=auth(ADMIN),
-                                     json={"tenant": "acme"}).status_code == 200, "the purge")
+                                     json={"tenant": "acme"}).status_code == 200, "the purge",
+                   timeout=BOUNDED_S)
         assert memory.keys() == [] and redis.cli("dbsize") == "0"
         assert state.store.tenant_usage()["acme"]["entries"] == 0
 

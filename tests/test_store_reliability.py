@@ -16,6 +16,7 @@ from prefix_cache.store.memory import MemoryStore
 from prefix_cache.store.redis import RedisStore
 from prefix_cache.store.tiered import TieredStore
 
+from .conftest import Clock
 from .redis_server import RedisServer, needs_redis
 
 pytestmark = needs_redis
@@ -24,34 +25,20 @@ pytestmark = needs_redis
 SLOW_OK_S = 2.0
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def server(tmp_path):
-    s = RedisServer(tmp_path / "redis").start()
-    yield s
-    s.stop()
-
 
 def key(ns: str, i: int) -> str:
     return f"spc:{ns}:m:{i:032x}"
 
 
-def redis_keys(server: RedisServer, ns: str) -> set[str]:
-    return set(server.cli("--scan", "--pattern", f"spc:{ns}:*").split())
+def redis_keys(redis: RedisServer, ns: str) -> set[str]:
+    return set(redis.cli("--scan", "--pattern", f"spc:{ns}:*").split())
 
 
 # -- 1. a full pool is a busy server, not a dead one ------------------------------------------------
 
 
-async def test_more_concurrent_reads_than_connections_wait_and_all_hit(server) -> None:
-    store = RedisStore(server.url, max_connections=4, timeout_seconds=SLOW_OK_S)
+async def test_more_concurrent_reads_than_connections_wait_and_all_hit(redis) -> None:
+    store = RedisStore(redis.url, max_connections=4, timeout_seconds=SLOW_OK_S)
     for i in range(100):
         store.put(key("t", i), b"v%d" % i)
     values = await asyncio.gather(*(store.aget(key("t", i)) for i in range(100)),
@@ -60,8 +47,8 @@ async def test_more_concurrent_reads_than_connections_wait_and_all_hit(server) -
     assert store.breaker.times_opened == 0 and store.errors == 0 and store.busy == 0
 
 
-def test_more_threads_than_connections_wait_and_all_hit(server) -> None:
-    store = RedisStore(server.url, max_connections=2, timeout_seconds=SLOW_OK_S)
+def test_more_threads_than_connections_wait_and_all_hit(redis) -> None:
+    store = RedisStore(redis.url, max_connections=2, timeout_seconds=SLOW_OK_S)
     for i in range(64):
         store.put(key("t", i), b"v%d" % i)
     def get(i: int) -> bytes | None | Exception:
@@ -76,10 +63,10 @@ def test_more_threads_than_connections_wait_and_all_hit(server) -> None:
     assert store.breaker.times_opened == 0 and store.errors == 0
 
 
-async def test_a_wait_that_runs_out_is_busy_not_an_outage(server) -> None:
+async def test_a_wait_that_runs_out_is_busy_not_an_outage(redis) -> None:
     from prefix_cache.errors import StoreBusyError
 
-    store = RedisStore(server.url, max_connections=1, timeout_seconds=SLOW_OK_S,
+    store = RedisStore(redis.url, max_connections=1, timeout_seconds=SLOW_OK_S,
                        pool_wait_seconds=0.05)
     # One call holds the only connection (a blocking pop that waits on the server)...
     holder = asyncio.ensure_future(store._acall(lambda r: r.blpop([key("t", 0)], timeout=1)))
@@ -127,13 +114,13 @@ async def test_a_dead_server_still_opens_the_breaker(tmp_path) -> None:
 # -- 11c. a purge in an outage changes nothing --------------------------------------------------
 
 
-async def test_a_purge_refused_by_an_outage_leaves_memory_as_it_was(server) -> None:
+async def test_a_purge_refused_by_an_outage_leaves_memory_as_it_was(redis) -> None:
     clock = Clock()
-    remote = RedisStore(server.url, breaker=CircuitBreaker(ExponentialBackoff(1.0, 1.0), timer=clock))
+    remote = RedisStore(redis.url, breaker=CircuitBreaker(ExponentialBackoff(1.0, 1.0), timer=clock))
     store = TieredStore(MemoryStore(), remote)
     for i in range(3):
         store.put(key("acme", i), b"v")
-    server.pause()
+    redis.pause()
     try:
         with pytest.raises(StoreUnavailableError):
             await store.apurge("spc:acme:*:*")
@@ -142,41 +129,41 @@ async def test_a_purge_refused_by_an_outage_leaves_memory_as_it_was(server) -> N
             store.delete(key("acme", 0))
         assert len(store.local) == 3
     finally:
-        server.resume()
-    assert len(redis_keys(server, "acme")) == 3
+        redis.resume()
+    assert len(redis_keys(redis, "acme")) == 3
     clock.now += 1.0
     assert await store.apurge("spc:acme:*:*") == 3
-    assert len(store.local) == 0 and redis_keys(server, "acme") == set()
+    assert len(store.local) == 0 and redis_keys(redis, "acme") == set()
 
 
 # -- 12. the tenant books never lose a stored key ----------------------------------------------
 
 
 @pytest.mark.parametrize("fault", ["hung", "killed"])
-def test_quota_books_hold_every_stored_key_through_an_outage(server, fault) -> None:
+def test_quota_books_hold_every_stored_key_through_an_outage(redis, fault) -> None:
     clock = Clock()
-    remote = RedisStore(server.url, breaker=CircuitBreaker(ExponentialBackoff(1.0, 1.0), timer=clock))
+    remote = RedisStore(redis.url, breaker=CircuitBreaker(ExponentialBackoff(1.0, 1.0), timer=clock))
     store = TenantQuotaStore(TieredStore(MemoryStore(), remote), max_entries=5, max_bytes=1 << 20)
     for i in range(5):
         store.put(key("acme", i), b"v")
     if fault == "hung":
-        server.pause()
+        redis.pause()
     else:  # killed, and back with its data: the redis-server restarts from a dump
-        server.cli("save")
-        server.kill()
+        redis.cli("save")
+        redis.kill()
     try:
         for i in range(5, 9):  # evictions whose deletes cannot reach Redis
             with pytest.raises(StoreUnavailableError):
                 store.put(key("acme", i), b"v")
     finally:
         if fault == "hung":
-            server.resume()
+            redis.resume()
         else:
-            server.start()
+            redis.start()
     clock.now += 1.0
     for i in range(9, 12):
         store.put(key("acme", i), b"v")
-    stored = redis_keys(server, "acme")
+    stored = redis_keys(redis, "acme")
     assert len(stored) <= 5                                   # the quota held
     assert store.tenant_usage()["acme"]["entries"] == len(stored)
     assert store.pending_deletes() == {}

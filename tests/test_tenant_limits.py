@@ -23,7 +23,14 @@ from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 
 from .conftest import make_tools
-from .service_helpers import EVENT_TIMEOUT_S, ServerThread, local_client, served, unique_system
+from .service_helpers import (
+    EVENT_TIMEOUT_S,
+    ServerThread,
+    local_client,
+    served,
+    unique_system,
+    wait_until,
+)
 
 pytest_plugins = ["tests.service_fixtures"]
 
@@ -60,15 +67,6 @@ def strict(demo_tokenizer: Any) -> Iterator[str]:
     app = create_app(settings, models=ModelRegistry([served("demo", demo_tokenizer)]))
     with ServerThread(app) as url:
         yield url
-
-
-def until(condition: Any) -> bool:
-    deadline = time.monotonic() + EVENT_TIMEOUT_S
-    while not condition():  # bounded poll
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def auth(key: str) -> dict[str, str]:
@@ -153,20 +151,20 @@ def test_waiters_are_served_in_turn_and_a_full_line_is_refused(app: Any, base: s
     limits = app.state.service.limits
     with local_client(base_url=base) as http, held_slot(base, INITECH) as held:
         # initech: one slot, one place in line. The held request takes the slot ...
-        assert until(lambda: "initech" in limits._gates and limits._gates["initech"].active == 1)
+        assert wait_until(lambda: "initech" in limits._gates and limits._gates["initech"].active == 1)
         waiting: list[Any] = []
         thread = threading.Thread(target=lambda: waiting.append(http.post(
             "/v1/prefix/boundary", json=chat(), headers=auth(INITECH))))
         thread.start()
         # ... a second request waits in line, and a third finds the line full.
-        assert until(lambda: len(limits._gates["initech"].waiters) == 1)
+        assert wait_until(lambda: len(limits._gates["initech"].waiters) == 1)
         third = http.post("/v1/prefix/boundary", json=chat(), headers=auth(INITECH))
         assert third.status_code == 429 and "1 are waiting" in third.json()["error"]["message"]
         assert finish(held).startswith(b"HTTP/1.1 200")
         thread.join(timeout=EVENT_TIMEOUT_S)
         assert waiting and waiting[0].status_code == 200   # served once the slot passed on
     gate = limits._gates["initech"]
-    assert until(lambda: gate.active == 0 and not gate.waiters)
+    assert wait_until(lambda: gate.active == 0 and not gate.waiters)
 
 
 def test_a_prompt_over_the_text_limit_is_a_413_before_any_render(base: str) -> None:
