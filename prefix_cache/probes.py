@@ -1,11 +1,14 @@
 """The miss: the probe renders of one static prefix, and what they tell.
 
-Two probes give the scaffold (``boundary``: the common prefix of their ids), two multi-turn
-probes the cap, and the first two probes' texts the safe split for tokenizing prompts
-(``split.find_split``). Each probe is rendered to text and tokenized the way the renderer's own
-``apply`` does it, so its ids are exactly the render's. All probes of one computation render
-with the same ``tools`` argument: the request's, or for a request without tools whose probes
-fail on ``None``, ``[]``.
+Two probes give the scaffold (``boundary``: the common prefix of their ids) and, from their
+texts, the safe split for tokenizing prompts (``split.find_split``); two multi-turn probes give
+the cap. Each probe is rendered to text and tokenized the way the renderer's own ``apply`` does
+it, so its ids are exactly the render's. The two scaffold probes are tokenized whole (they
+define the answer and verify the split); the multi-turn probes start with the same static text,
+so like any prompt they are tokenized from the split (the stored ids, then their own tail):
+two short tokenizations instead of two of the whole static prefix. All probes of one
+computation render with the same ``tools`` argument: the request's, or for a request without
+tools whose probes fail on ``None``, ``[]``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 from . import boundary
 from .errors import TemplateRenderError
 from .render import TemplateRenderer, tool_choices
-from .split import StaticSplit, find_split, split_rule
+from .split import StaticSplit, find_split, ids_from_split, split_rule
 
 NO_SPLIT_HERE = "no safe split in this static text"
 
@@ -43,10 +46,6 @@ def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
     count = 0
     choices = tool_choices(tools)
     for i, choice in enumerate(choices):
-        def render(conv: list[boundary.Message], choice: Any = choice) -> list[int]:
-            nonlocal count
-            count += 1
-            return renderer.apply(conv, choice, kwargs)
         try:
             conv_a, conv_b = boundary.probe_conversations(static)
             count += 2
@@ -58,13 +57,21 @@ def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
             continue
         ids_a, ids_b = renderer.tokenize(text_a), renderer.tokenize(text_b)
         ids = ids_a[: boundary.common_prefix_len(ids_a, ids_b)]
-        try:
-            cap = boundary.text_start_cap(render, static)
-        except TemplateRenderError:
-            cap = 0  # no multi-turn layout known: every other shape is checked on its own
         rule = split_rule(renderer.tokenizer, renderer.tokenizer_digest)
         split = None if rule.off else find_split(rule, renderer.tokenize, text_a, ids_a,
                                                  text_b, ids_b, len(ids))
         off = rule.off if rule.off else (None if split else NO_SPLIT_HERE)
+
+        def render(conv: list[boundary.Message], choice: Any = choice) -> list[int]:
+            nonlocal count
+            count += 1
+            text = renderer.render_text(conv, choice, kwargs, plain=True, memo_key=memo_key)
+            fast = None if split is None else ids_from_split(split, ids_a, renderer.tokenize,
+                                                             text)
+            return renderer.tokenize(text) if fast is None else fast
+        try:
+            cap = boundary.text_start_cap(render, static)
+        except TemplateRenderError:
+            cap = 0  # no multi-turn layout known: every other shape is checked on its own
         return Probed(ids, cap, tools is None and choice is not None, count, split, off)
     raise AssertionError("tool_choices is never empty")  # pragma: no cover

@@ -153,6 +153,19 @@ class SplitRule:
         return out
 
 
+def ids_from_split(split: StaticSplit, static_ids: list[int], tokenize: Tokenize,
+                   text: str) -> list[int] | None:
+    """The ids of ``text`` as the stored ``static_ids`` up to the split plus the tokenization
+    of the rest, when ``text`` starts with the split's static text and that rest starts with
+    the token the split was verified at (a cheap guard, not a proof); None otherwise."""
+    if not text.startswith(split.text):
+        return None
+    tail = tokenize(text[split.anchor:])
+    if not tail or split.index >= len(static_ids) or tail[0] != static_ids[split.index]:
+        return None
+    return static_ids[:split.index] + tail
+
+
 def find_split(rule: SplitRule, tokenize: Tokenize, text_a: str, ids_a: list[int],
                text_b: str, ids_b: list[int], n_static: int) -> StaticSplit | None:
     """The latest safe cut in the probes' common text whose anchored tokenization reproduces

@@ -17,7 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import StaticPrefixCache
+from prefix_cache import StaticPrefixCache, TemplateRenderError, boundary
+from prefix_cache.probes import probe
+from prefix_cache.render import get_renderer
 from prefix_cache.testing.offline_tokenizers import (
     NAMES,
     TEMPLATE_TOKENIZER,
@@ -64,7 +66,7 @@ def check(cache_: StaticPrefixCache, tok: Any, messages: list[dict[str, Any]],
     return True
 
 
-TOTALS = {"fast": 0, "full": 0}
+TOTALS = {"fast": 0, "full": 0, "caps checked": 0, "caps from a split": 0}
 
 
 @needs_templates
@@ -92,6 +94,50 @@ def test_the_fast_path_is_what_most_of_those_prompts_took() -> None:
     if not TOTALS["fast"] + TOTALS["full"]:
         pytest.skip("run together with test_fast_ids_equal_the_full_tokenization")
     assert TOTALS["fast"] > TOTALS["full"], TOTALS
+
+
+CAP_TAIL = [{"role": "assistant", "content": "OK."}, {"role": "user", "content": "Go on."}]
+
+
+def reference_cap(tok: Any, tools: list[dict[str, Any]] | None, template: str) -> int:
+    """Where two multi-turn conversations that differ in their first user text part, from
+    transformers' own render and tokenization of each (0 when the template refuses them)."""
+    convs = [[SYSTEM, {"role": "user", "content": probe}, *CAP_TAIL]
+             for probe in (boundary.PROBE_A, boundary.PROBE_B)]
+    try:
+        a, b = (list(reference.render(tok, c, tools, KWARGS, template)) for c in convs)
+    except Exception:
+        return 0
+    return reference.cpl(a, b)
+
+
+@needs_templates
+@pytest.mark.parametrize("stem", STEMS)
+def test_the_cap_from_the_split_equals_the_full_tokenization(stem: str) -> None:
+    """A miss tokenizes its two multi-turn probes from the split it just found: the cap it
+    stores equals the one from two whole renders and tokenizations, for every template with
+    every real tokenizer."""
+    template = template_text(stem)
+    for name in NAMES:
+        tok = load_offline_tokenizer(name)
+        for tools in (None, make_tools(3)):
+            renderer = get_renderer(tok, template, tools)
+            try:
+                probed = probe(renderer, [SYSTEM], tools, KWARGS)
+            except TemplateRenderError:
+                continue
+            rendered_with = [] if probed.empty_tools else tools
+            assert probed.cap == reference_cap(tok, rendered_with, template), (name, tools)
+            TOTALS["caps checked"] += 1
+            TOTALS["caps from a split"] += probed.split is not None
+
+
+@needs_templates
+def test_most_of_those_caps_came_from_a_split() -> None:
+    """Guards the cap check above the same way: it must use the split."""
+    if not TOTALS["caps checked"]:
+        pytest.skip("run together with test_the_cap_from_the_split_equals_the_full_tokenization")
+    assert TOTALS["caps from a split"] * 2 > TOTALS["caps checked"], TOTALS
 
 
 # -- random conversations -------------------------------------------------------------------------
