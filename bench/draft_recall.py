@@ -3,6 +3,10 @@
 
     bash bench/draft_recall.sh [--prompts 10] [--layers 4,6,10,16,24,30] [--update-docs]
 
+``--layers`` takes depths (``6``: a copy of the first 6 layers) and layer-skipping drafts
+(``0-4+26-30``: the target's layers 0-3 and 26-29 in one stack, its weights shared; the
+self-speculative drafts of Draft & Verify and LayerSkip, which keep the last layers).
+
 The agent turns of ``bench/engine_quality.py`` (a postmortem, a question on one fact of it). Per
 turn and draft, exactly what the engine does for the cached boundary (d): the draft's static
 prefix is in its cache, ``score_tokens`` scores what follows it (8 lookahead steps), and
@@ -14,6 +18,7 @@ draft's top choice), and the median scoring time.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -41,6 +46,32 @@ def answer_position(tok: Any, ids: list[int], answer: str) -> int:
     return next(i for i, (a, b) in enumerate(offsets) if a <= start < b)
 
 
+def layer_ranges(spec: str, full: int) -> list[int]:
+    """``0-4+26-30`` -> [0, 1, 2, 3, 26, 27, 28, 29] (half-open ranges, in order)."""
+    out: list[int] = []
+    for part in spec.split("+"):
+        lo, hi = (int(x) for x in part.split("-"))
+        if not 0 <= lo < hi <= full:
+            raise SystemExit(f"--layers: {part!r} is not a range of layers 0-{full}")
+        out += range(lo, hi)
+    if out != sorted(set(out)):
+        raise SystemExit(f"--layers: {spec!r} must list increasing, disjoint ranges")
+    return out
+
+
+def draft_name(spec: str, full: int) -> str:
+    parts = [f"{lo}-{int(hi) - 1}" for lo, hi in (p.split("-") for p in spec.split("+"))]
+    return f"layers {' and '.join(parts)} ({len(layer_ranges(spec, full))}, skipping the rest)"
+
+
+def layer_view(target: Any, indices: list[int]) -> Any:
+    """The target with only the layers at ``indices`` (shared weights, nothing copied)."""
+    view, inner = copy.copy(target), copy.copy(target.model)
+    inner.layers = [target.model.layers[i] for i in indices]
+    view.model = inner
+    return view
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=10)
@@ -61,15 +92,20 @@ def main(argv: list[str] | None = None) -> int:
 
     started = time.perf_counter()
     target, wrapper = load(str(demo_chat_model_dir()))[:2]
-    layers = [int(x) for x in args.layers.split(",")]
+    layers = args.layers.split(",")
     full = int(target.args.num_hidden_layers)
-    drafts = {n: target if n == full else load_model(demo_chat_model_dir(layers=n))[0]
-              for n in layers}
+
+    def draft_for(spec: str) -> Any:
+        if not spec.isdigit():
+            return layer_view(target, layer_ranges(spec, full))
+        return target if int(spec) == full else load_model(demo_chat_model_dir(layers=int(spec)))[0]
+
+    drafts = {n: draft_for(n) for n in layers}
     tok = unwrap_tokenizer(wrapper)
     cache = StaticPrefixCache()
-    kept: dict[int, int] = dict.fromkeys(layers, 0)
-    ranks: dict[int, list[int]] = {n: [] for n in layers}
-    seconds: dict[int, list[float]] = {n: [] for n in layers}
+    kept: dict[str, int] = dict.fromkeys(layers, 0)
+    ranks: dict[str, list[int]] = {n: [] for n in layers}
+    seconds: dict[str, list[float]] = {n: [] for n in layers}
     for turn in range(args.prompts):
         prompt = agent_prompt(turn)
         result = cache.resolve(tok, prompt.messages, prompt.tools)
@@ -95,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
              "| draft | answer kept | answer chunk's rank (median; each turn) | scoring time "
              "(median) |", "|---|---:|---|---:|"]
     for n in layers:
-        name = f"the whole model ({n} layers)" if n == full else f"first {n} layers"
+        name = (draft_name(n, full) if not n.isdigit() else
+                f"the whole model ({n} layers)" if int(n) == full else f"first {n} layers")
         lines.append(f"| {name} | {kept[n]}/{args.prompts} | {statistics.median(ranks[n]):.0f} "
                      f"({', '.join(map(str, ranks[n]))}) | "
                      f"{statistics.median(seconds[n]) * 1000:.0f} ms |")

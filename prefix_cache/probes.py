@@ -61,17 +61,34 @@ def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
         split = None if rule.off else find_split(rule, renderer.tokenize, text_a, ids_a,
                                                  text_b, ids_b, len(ids))
         off = rule.off if rule.off else (None if split else NO_SPLIT_HERE)
-
-        def render(conv: list[boundary.Message], choice: Any = choice) -> list[int]:
-            nonlocal count
-            count += 1
-            text = renderer.render_text(conv, choice, kwargs, plain=True, memo_key=memo_key)
-            fast = None if split is None else ids_from_split(split, ids_a, renderer.tokenize,
-                                                             text)
-            return renderer.tokenize(text) if fast is None else fast
+        render = _CapRender(renderer, choice, kwargs, memo_key, split, ids_a)
         try:
             cap = boundary.text_start_cap(render, static)
         except TemplateRenderError:
             cap = 0  # no multi-turn layout known: every other shape is checked on its own
-        return Probed(ids, cap, tools is None and choice is not None, count, split, off)
+        return Probed(ids, cap, tools is None and choice is not None, count + render.count,
+                      split, off)
     raise AssertionError("tool_choices is never empty")  # pragma: no cover
+
+
+@dataclass(slots=True)
+class _CapRender:
+    """Renders a multi-turn probe the way the scaffold probes were rendered and tokenizes it
+    from ``split`` (the stored ``ids`` up to it, then the probe's own tail) when its text
+    allows, whole otherwise; counts its renders."""
+
+    renderer: TemplateRenderer
+    tools: Any
+    kwargs: Mapping[str, Any]
+    memo_key: tuple[str, int] | None
+    split: StaticSplit | None
+    ids: list[int]
+    count: int = 0
+
+    def __call__(self, conv: list[boundary.Message]) -> list[int]:
+        self.count += 1
+        text = self.renderer.render_text(conv, self.tools, self.kwargs, plain=True,
+                                         memo_key=self.memo_key)
+        fast = (None if self.split is None
+                else ids_from_split(self.split, self.ids, self.renderer.tokenize, text))
+        return self.renderer.tokenize(text) if fast is None else fast
