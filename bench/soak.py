@@ -16,7 +16,8 @@ is measured side by side on the same machine at the same moment.
 Reported: requests, errors (any non-200 or transport error: the target is 0), boundary
 mismatches (a later answer for the same agent and turn that differs from the first: 0), hit
 rate, p50/p99 of the upstream alone, of the sidecar and their difference, and the RSS of the
-sidecar's processes after the warm-up and at the end (and the highest seen).
+sidecar's processes after the warm-up and at the end (and the highest seen), and at each tenth
+of the run (sampled every few seconds): whether it levels off.
 """
 
 from __future__ import annotations
@@ -183,10 +184,13 @@ async def drive(args: argparse.Namespace, side_url: str, up_url: str, tenants: l
         rss["max"] = rss["start"]
         stop_at = time.monotonic() + args.duration
 
+        trace: list[tuple[float, int]] = [(0.0, rss["start"])]
+
         async def sample_rss() -> None:
             while time.monotonic() < stop_at:
                 await asyncio.sleep(min(RSS_SAMPLE_S, max(0.0, stop_at - time.monotonic())))
-                rss["max"] = max(rss["max"], rss_bytes(serve_pid))
+                trace.append((time.monotonic() - started, rss_bytes(serve_pid)))
+                rss["max"] = max(rss["max"], trace[-1][1])
 
         started = time.monotonic()
         await asyncio.gather(sample_rss(), *(client_loop(stop_at, agents, stats, sidecar, direct,
@@ -201,7 +205,14 @@ async def drive(args: argparse.Namespace, side_url: str, up_url: str, tenants: l
         rss["max"] = max(rss["max"], rss["end"])
         rss["wall_s"] = time.monotonic() - started
         rss["agents"] = len(agents.known)
+        rss["trace"] = [*trace, (rss["wall_s"], rss["end"])]
     return stats, rss
+
+
+def by_tenths(trace: list[tuple[float, int]], wall_s: float) -> list[float]:
+    """RSS (MB) at the start and at the end of each tenth of the run (the sample nearest it)."""
+    marks = [wall_s * k / 10 for k in range(11)]
+    return [round(min(trace, key=lambda t: abs(t[0] - m))[1] / 2**20, 1) for m in marks]
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -227,6 +238,7 @@ def summarize(args: argparse.Namespace, stats: Stats, rss: dict[str, Any], redis
         "hit_rate": round(stats.hits / looked, 3) if looked else 0.0,
         "rss_start_mb": round(rss["start"] / 2**20, 1), "rss_end_mb": round(rss["end"] / 2**20, 1),
         "rss_max_mb": round(rss["max"] / 2**20, 1),
+        "rss_by_tenth_mb": by_tenths(rss["trace"], rss["wall_s"]),
         "load_average_start_end": [round(load[0], 2), round(load[1], 2)],
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
     }
@@ -258,6 +270,9 @@ def table(args: argparse.Namespace, s: dict[str, Any]) -> str:
         f"{s['direct_p50_ms']} ms | {s['sidecar_p50_ms']} ms | {s.get('added_p50_ms')} ms | "
         f"{s['direct_p99_ms']} ms | {s['sidecar_p99_ms']} ms | {s.get('added_p99_ms')} ms | "
         f"{s['rss_start_mb']} MB | {s['rss_end_mb']} MB | {s['rss_max_mb']} MB |",
+        "",
+        "RSS of the sidecar's processes at the start and after each tenth of the run (MB): "
+        + ", ".join(f"{mb:g}" for mb in s["rss_by_tenth_mb"]) + ".",
         "",
     ])
 

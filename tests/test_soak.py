@@ -31,5 +31,8 @@ def test_short_soak() -> None:
     assert summary["store"] == "redis" and summary["requests"] > 50
     assert 0.70 <= summary["hit_rate"] <= 0.95, summary
     assert 0 < summary["rss_start_mb"] and summary["rss_end_mb"] < 2 * summary["rss_start_mb"]
+    trace = summary["rss_by_tenth_mb"]
+    assert len(trace) == 11 and trace[0] == summary["rss_start_mb"]
+    assert max(trace) <= summary["rss_max_mb"]
     assert summary["sidecar_p50_ms"] is not None and summary["direct_p50_ms"] is not None
     assert proc.returncode == 0
