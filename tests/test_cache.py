@@ -53,7 +53,8 @@ class RenderSpy:
 
 
 def test_hit_runs_no_probe_render(qwen3, monkeypatch) -> None:
-    cache = StaticPrefixCache()
+    # Renders are counted: no sampled check (1% by default), whose official render would count.
+    cache = StaticPrefixCache(tokenize_check_rate=0)
     tools = make_tools(8)
     first = cache.resolve(qwen3, conv(), tools, chat_template=TEMPLATE)
     spy = RenderSpy(qwen3, monkeypatch)
@@ -288,7 +289,7 @@ class RecordingObserver:
 def test_observer_sees_every_event(qwen3) -> None:
     obs = RecordingObserver()
     store = MemoryStore()
-    cache = StaticPrefixCache(store, observer=obs)  # type: ignore[arg-type]
+    cache = StaticPrefixCache(store, observer=obs, tokenize_check_rate=0)  # type: ignore[arg-type]
     miss = cache.resolve(qwen3, conv(), chat_template=TEMPLATE, namespace="t1", model="m")
     cache.resolve(qwen3, conv(), chat_template=TEMPLATE, namespace="t1", model="m")
     cache.resolve(qwen3, [{"role": "user", "content": "x"}], chat_template=TEMPLATE, namespace="t1", model="m")
