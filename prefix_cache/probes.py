@@ -20,7 +20,7 @@ from typing import Any
 from . import boundary
 from .errors import TemplateRenderError
 from .render import TemplateRenderer, tool_choices
-from .split import StaticSplit, find_split, ids_from_split, split_rule
+from .split import StaticSplit, find_split, split_rule, tail_from_split
 
 NO_SPLIT_HERE = "no safe split in this static text"
 
@@ -89,6 +89,10 @@ class _CapRender:
         self.count += 1
         text = self.renderer.render_text(conv, self.tools, self.kwargs, plain=True,
                                          memo_key=self.memo_key)
-        fast = (None if self.split is None
-                else ids_from_split(self.split, self.ids, self.renderer.tokenize, text))
-        return self.renderer.tokenize(text) if fast is None else fast
+        if self.split is not None:
+            index = self.split.index
+            anchor_id = self.ids[index] if index < len(self.ids) else None
+            tail, _ = tail_from_split(self.split, anchor_id, self.renderer.tokenize, text)
+            if tail is not None:
+                return self.ids[:index] + tail
+        return self.renderer.tokenize(text)

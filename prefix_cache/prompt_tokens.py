@@ -19,6 +19,7 @@ from collections.abc import Callable
 from .entry import Entry
 from .observer import CacheObserver
 from .render import TemplateRenderer
+from .split import ANCHOR, TEXT_DIFFERS, tail_from_split
 from .token_ids import TokenIds, pack_ids, unpack_ids
 
 log = logging.getLogger("prefix_cache")
@@ -28,10 +29,8 @@ DEFAULT_CHECK_RATE = 0.01
 # Why a prompt was tokenized whole (the ``reason`` of a full tokenization).
 NO_STATIC = "no_static"        # no static part, so no entry
 NO_SPLIT = "no_split"          # the entry has no safe split (tokenizer or static text)
-TEXT_DIFFERS = "text_differs"  # the prompt's text does not start with the static text
 OFF = "off"                    # turned off for this tokenizer by a failed check
-ANCHOR = "anchor"              # the text after the split did not start with the split token
-REASONS = (NO_STATIC, NO_SPLIT, TEXT_DIFFERS, OFF, ANCHOR)
+REASONS = (NO_STATIC, NO_SPLIT, TEXT_DIFFERS, OFF, ANCHOR)  # TEXT_DIFFERS, ANCHOR: split's
 
 
 def validate_check_rate(rate: float) -> float:
@@ -97,13 +96,12 @@ class PromptTokenizer:
             return None, NO_SPLIT
         if renderer.tokenizer_digest in self._off:
             return None, OFF
-        if not text.startswith(split.text):
-            return None, TEXT_DIFFERS
-        tail = renderer.tokenize(text[split.anchor:])
+        at = entry.packed_ids[4 * split.index: 4 * split.index + 4]
+        tail, why = tail_from_split(split, unpack_ids(at)[0] if at else None, renderer.tokenize,
+                                    text)
+        if tail is None:
+            return None, why
         head = entry.packed_ids[: 4 * split.index]
-        # The tail starts with the token the split was verified at: a cheap guard, not a proof.
-        if not tail or entry.packed_ids[4 * split.index: 4 * split.index + 4] != pack_ids(tail[:1]):
-            return None, ANCHOR
         return TokenIds(unpack_ids(head) + tail, head + pack_ids(tail)), ""
 
     def _turn_off(self, renderer: TemplateRenderer, model: str, full: list[int],

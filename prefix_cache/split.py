@@ -153,17 +153,23 @@ class SplitRule:
         return out
 
 
-def ids_from_split(split: StaticSplit, static_ids: list[int], tokenize: Tokenize,
-                   text: str) -> list[int] | None:
-    """The ids of ``text`` as the stored ``static_ids`` up to the split plus the tokenization
-    of the rest, when ``text`` starts with the split's static text and that rest starts with
-    the token the split was verified at (a cheap guard, not a proof); None otherwise."""
+# Why a text was not tokenized from a split (``tail_from_split``).
+TEXT_DIFFERS = "text_differs"  # the text does not start with the split's static text
+ANCHOR = "anchor"              # the tail did not start with the token the split was verified at
+
+
+def tail_from_split(split: StaticSplit, anchor_id: int | None, tokenize: Tokenize,
+                    text: str) -> tuple[list[int] | None, str]:
+    """The tokenization of ``text`` from the split's anchor (its ids are then the stored ones
+    before ``split.index`` and these), and ``""``; or None and why not: ``text`` does not start
+    with the split's static text, or the tail does not start with ``anchor_id``, the stored id
+    at ``split.index`` (a cheap guard, not a proof; None when there is none)."""
     if not text.startswith(split.text):
-        return None
+        return None, TEXT_DIFFERS
     tail = tokenize(text[split.anchor:])
-    if not tail or split.index >= len(static_ids) or tail[0] != static_ids[split.index]:
-        return None
-    return static_ids[:split.index] + tail
+    if not tail or anchor_id is None or tail[0] != anchor_id:
+        return None, ANCHOR
+    return tail, ""
 
 
 def find_split(rule: SplitRule, tokenize: Tokenize, text_a: str, ids_a: list[int],
