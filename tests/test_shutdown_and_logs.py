@@ -107,6 +107,19 @@ def test_serve_writes_json_logs_with_request_ids(demo_folder: Path,
     assert ours and all(json.loads(ln)["message"] for ln in ours)   # every one of them JSON
 
 
+def test_serve_starts_clean_only_its_own_lines_and_uvicorns(demo_folder: Path) -> None:
+    """No library noise on start (transformers' "PyTorch was not found" read as a broken
+    install): every line is the project's or uvicorn's."""
+    serve = ServeProcess([], demo_folder.parent)
+    try:
+        serve.base_url()
+    finally:
+        serve.stop()
+    lines = [ln for ln in serve.output().splitlines() if ln.strip()]
+    assert lines and not [ln for ln in lines if "PyTorch" in ln or "torch" in ln.lower()]
+    assert all(re.match(r"(INFO|WARNING|ERROR):\s", ln) for ln in lines), lines
+
+
 # -- draining ---------------------------------------------------------------------------------
 
 
