@@ -60,7 +60,7 @@ from prefix_cache.chat.responses_params import parse_responses_body
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, ResponseStore
 from prefix_cache.chat.responses_stream import ResponseMeta, new_id, response_json, response_stream
 from prefix_cache.errors import InvalidRequestError
-from prefix_cache.http.auth import bearer_matches, client_authorization
+from prefix_cache.http.auth import bearer_matches, client_authorization, key_hint
 from prefix_cache.http.body import read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized, install_error_handlers
 from prefix_cache.keys import validate_label
@@ -169,7 +169,7 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         given = client_authorization(request.headers.get("authorization"),
                                      request.headers.get("x-api-key"))
         if not bearer_matches(given, api_key):
-            raise Unauthorized("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
+            raise Unauthorized(f"missing or wrong API key: send it as {key_hint(request.url.path)}")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

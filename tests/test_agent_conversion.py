@@ -140,7 +140,8 @@ def test_generation_fields_and_chat_options() -> None:
     assert call.stream and call.specprefill.keep_pct == 0.5
     assert call.chat_options == {"tool_choice": {"type": "function",
                                                  "function": {"name": "read"}},
-                                 "parallel_tool_calls": False, "top_k": 4}
+                                 "parallel_tool_calls": False, "top_k": 4,
+                                 "temperature": 0.3, "top_p": 0.9}
     assert call.engine_refusal is not None and "top_k" in call.engine_refusal
     body = call.chat_body("served")
     assert body["stream_options"] == {"include_usage": True} and body["top_k"] == 4
@@ -271,10 +272,21 @@ def test_responses_generation_fields() -> None:
         == (9, 1.5, 0.5)
     assert call.chat_options == {"tool_choice": {"type": "function",
                                                  "function": {"name": "read"}},
-                                 "parallel_tool_calls": False}
+                                 "parallel_tool_calls": False, "temperature": 1.5,
+                                 "top_p": 0.5}
     assert call.engine_refusal is None
-    assert responses({"input": "x", "text": {"format": {"type": "json_schema"}}}) \
-        .engine_refusal is not None
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    structured = responses({"input": "x", "reasoning": {"effort": "high", "summary": "auto"},
+                            "text": {"format": {"type": "json_schema", "name": "out",
+                                                "schema": schema, "strict": True}}})
+    assert structured.chat_options == {"reasoning_effort": "high", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "out", "schema": schema,
+                                               "strict": True}}}
+    assert "text.format" in (structured.engine_refusal or "")
+    effort = responses({"input": "x", "reasoning": {"effort": "low"}})
+    assert "reasoning.effort" in (effort.engine_refusal or "")
+    with pytest.raises(InvalidRequestError, match="text.format must be"):
+        responses({"input": "x", "text": {"format": {"type": "json_schema"}}})
 
 
 @pytest.mark.parametrize("body, fragment", [

@@ -125,6 +125,9 @@ def test_the_engine_refuses_what_it_cannot_honour(sidecar: tuple[str, MLXBackend
         openai_client(url, "sk-acme").responses.create(
             model=MODEL, input="x", text={"format": {"type": "json_object"}})
     assert refused.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
+        openai_client(url, "sk-acme").responses.create(model=MODEL, input="x",
+                                                       reasoning={"effort": "low"})
 
 
 def test_a_responses_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:

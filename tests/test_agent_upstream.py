@@ -153,8 +153,8 @@ def test_messages_become_a_chat_completion_for_a_chat_only_upstream(base: str,
     wire[2] = {**wire[2], "tool_calls": [{**wire[2]["tool_calls"][0], "function": {
         "name": "read_file", "arguments": json.dumps({"path": "a.txt"}, separators=(",", ":"))}}]}
     assert sent == {"model": "chat-only", "messages": wire, "tools": [READ_CHAT],
-                    "max_tokens": 8, "temperature": 0.5, "top_p": 1.0, "stop": ["END"],
-                    "tool_choice": "required"}
+                    "max_tokens": 8, "temperature": 0.5, "stop": ["END"],
+                    "tool_choice": "required"}  # no top_p: the client sent none
     assert [b.type for b in message.content] == ["text", "tool_use"]
     assert message.content[0].text == "recorded"
     call = message.content[1]
@@ -321,7 +321,7 @@ def test_responses_become_chat_completions_with_function_calls(base: str,
     sent = rec.last("chat").body
     assert sent == {"model": "chat-only", "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": "Read a.txt."}],
-        "tools": [READ_CHAT], "max_tokens": 16, "temperature": 0.2, "top_p": 1.0}
+        "tools": [READ_CHAT], "max_tokens": 16, "temperature": 0.2}
     rec.tool_call = None
     with sdk.responses.stream(model="chat-only", instructions=system,
                               previous_response_id=first.id, tools=[READ_RESPONSES],
@@ -405,3 +405,75 @@ def test_upstream_apis_come_from_the_models_file(tmp_path: Any, demo_folder: Any
                       f"  upstream_apis: [completions]\n")
     with pytest.raises(ValueError, match="upstream_apis"):
         load_model_specs(ServiceSettings(models_file=models, keys_file=None))
+
+
+# -- what goes upstream: only what the client sent, structured outputs included --------------
+
+
+def test_no_sampling_field_the_client_did_not_send_goes_upstream(base: str,
+                                                                 rec: AgentRecorder) -> None:
+    """vLLM applies the model's generation config only to the fields a request leaves out."""
+    claude(base).messages.create(model="chat-only", max_tokens=4,
+                                 messages=[{"role": "user", "content": "x"}])
+    with claude(base).messages.stream(model="chat-only", max_tokens=4,
+                                      messages=[{"role": "user", "content": "x"}]) as stream:
+        stream.until_done()
+    sdk = openai_client(base, "sk-acme")
+    sdk.responses.create(model="chat-only", input="x")
+    with sdk.responses.stream(model="chat-only", input="x") as events:
+        events.until_done()
+    sent = [r.body for p, r in rec.requests if p == "chat"]
+    assert len(sent) == 4
+    for body in sent:
+        assert not {"temperature", "top_p", "top_k", "seed"} & set(body), body
+    claude(base).messages.create(model="chat-only", max_tokens=4, extra_body={"top_p": 0.5},
+                                 messages=[{"role": "user", "content": "x"}])
+    assert rec.last("chat").body["top_p"] == 0.5 and "temperature" not in rec.last("chat").body
+
+
+def test_structured_outputs_reach_a_chat_only_upstream_as_response_format(
+        base: str, rec: AgentRecorder) -> None:
+    from pydantic import BaseModel
+
+    class Trip(BaseModel):
+        city: str
+        days: int
+
+    rec.text = '{"city": "Paris", "days": 3}'  # an upstream that honours the schema
+    sdk = openai_client(base, "sk-acme")
+    parsed = sdk.responses.parse(model="chat-only", input="Plan a trip.", text_format=Trip,
+                                 reasoning={"effort": "low"})
+    assert parsed.output_parsed == Trip(city="Paris", days=3)
+    sent = rec.last("chat").body
+    assert sent["response_format"]["type"] == "json_schema"
+    schema = sent["response_format"]["json_schema"]
+    assert schema["name"] == "Trip" and schema["strict"] is True
+    assert schema["schema"]["properties"] == {"city": {"title": "City", "type": "string"},
+                                              "days": {"title": "Days", "type": "integer"}}
+    assert sent["reasoning_effort"] == "low"
+    with sdk.responses.stream(model="chat-only", input="Plan it.", text_format=Trip) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == Trip(city="Paris", days=3)
+    assert rec.last("chat").body["response_format"]["json_schema"]["name"] == "Trip"
+    sdk.responses.create(model="chat-only", input="JSON please.",
+                         text={"format": {"type": "json_object"}, "verbosity": "low"})
+    assert rec.last("chat").body["response_format"] == {"type": "json_object"}
+    assert rec.last("chat").body["verbosity"] == "low"
+    # To an upstream that serves Responses itself, text goes as it was sent.
+    sdk.responses.parse(model="native", input="Plan a trip.", text_format=Trip)
+    assert rec.last("responses").body["text"]["format"]["name"] == "Trip"
+    with pytest.raises(openai.BadRequestError, match="text.format"):
+        sdk.responses.create(model="chat-only", input="x",
+                             text={"format": {"type": "json_schema"}})
+
+
+def test_a_missing_key_on_messages_is_a_401_that_names_x_api_key(base: str) -> None:
+    with local_client(base_url=base) as http:
+        messages = http.post("/v1/messages", json={
+            "model": "native", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
+        chat = http.post("/v1/chat/completions", json={
+            "model": "native", "messages": [{"role": "user", "content": "x"}]})
+    assert messages.status_code == 401
+    assert messages.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in messages.json()["error"]["message"]
+    assert chat.status_code == 401 and "Authorization: Bearer" in chat.json()["error"]["message"]

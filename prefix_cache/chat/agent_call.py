@@ -24,7 +24,9 @@ class AgentCall:
     specprefill: SpecPrefillParams = SpecPrefillParams()
     stream: bool = False
     # Fields of the chat completion an upstream that speaks only chat completions is sent
-    # (tool_choice, parallel_tool_calls, top_k ...), in that API's terms.
+    # (temperature and top_p when the client set them, tool_choice, parallel_tool_calls,
+    # top_k, response_format ...), in that API's terms. Only what the client sent: an upstream
+    # applies its model's defaults (vLLM: the generation config) to what is absent.
     chat_options: Mapping[str, Any] = field(default_factory=dict)
     # Why the in-process engine cannot run this request as asked (a parameter it does not
     # honour), or None.
@@ -55,8 +57,6 @@ class AgentCall:
             body["chat_template_kwargs"] = conversation.chat_template_kwargs
         if sampling.max_tokens is not None:
             body["max_tokens"] = sampling.max_tokens
-        body["temperature"] = sampling.temperature
-        body["top_p"] = sampling.top_p
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         body.update(self.chat_options)
@@ -68,3 +68,8 @@ class AgentCall:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return body
+
+
+def sent_options(**fields: Any) -> dict[str, Any]:
+    """The chat-completion fields a client set (None: not sent, so not forwarded)."""
+    return {name: value for name, value in fields.items() if value is not None}

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..errors import InvalidRequestError
-from .agent_call import AgentCall
+from .agent_call import AgentCall, sent_options
 from .backend import SamplingParams
 from .conversation import (
     Conversation,
@@ -107,7 +107,8 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=tuple(s for s in req.stop_sequences or () if s),
     )
-    options = _tool_choice(req.tool_choice)
+    options = {**sent_options(temperature=req.temperature, top_p=req.top_p),
+               **_tool_choice(req.tool_choice)}
     refusal = None
     if req.top_k is not None:
         options["top_k"] = req.top_k

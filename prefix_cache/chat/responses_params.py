@@ -17,11 +17,14 @@ The mapping (docs/agent-apis.md has it with examples):
     tools [{type: function, name, description, parameters}]
                                                   -> function tools {name, description, parameters}
 
-Not rendered: reasoning items, ``reasoning``, ``metadata``, ``truncation``, ``user``. Refused
-with a 400: tools other than function tools (built-in tools run on OpenAI's side), item types
-other than those above (item_reference, built-in tool calls), input_file and file_id images,
-``background``, ``conversation``, ``prompt``; on the in-process engine, a ``text.format`` other
-than plain text (it has no structured outputs).
+Not rendered: reasoning items, ``reasoning``, ``metadata``, ``truncation``, ``user``. To an
+upstream that speaks only chat completions: ``text.format`` as ``response_format``,
+``reasoning.effort`` as ``reasoning_effort``, ``text.verbosity`` as ``verbosity``, and the
+sampling fields only when sent. Refused with a 400: tools other than function tools (built-in
+tools run on OpenAI's side), item types other than those above (item_reference, built-in tool
+calls), input_file and file_id images, ``background``, ``conversation``, ``prompt``; on the
+in-process engine, ``text.format`` other than plain text (it has no structured outputs),
+``reasoning.effort`` and ``text.verbosity``.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..errors import InvalidRequestError
 from ..http.errors import BadRequest
-from .agent_call import AgentCall
+from .agent_call import AgentCall, sent_options
 from .backend import SamplingParams
 from .conversation import (
     Conversation,
@@ -152,7 +155,10 @@ def parse_responses_body(body: Mapping[str, Any],
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
     )
-    options: dict[str, Any] = {}
+    options = sent_options(temperature=req.temperature, top_p=req.top_p,
+                           response_format=_response_format(req.text),
+                           verbosity=(req.text or {}).get("verbosity"),
+                           reasoning_effort=_reasoning_effort(req.reasoning))
     if req.tool_choice is not None:
         options["tool_choice"] = _tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
@@ -161,7 +167,7 @@ def parse_responses_body(body: Mapping[str, Any],
                                                                 req.chat_template_kwargs),
                      sampling=sampling, specprefill=specprefill_params(body),
                      stream=bool(req.stream), chat_options=options,
-                     engine_refusal=_format_refusal(req.text))
+                     engine_refusal=_engine_refusal(options))
     return ResponsesCall(call, req, history, items)
 
 
@@ -240,8 +246,39 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
                               "{\"type\": \"function\", \"name\": ...}")
 
 
-def _format_refusal(text: dict[str, Any] | None) -> str | None:
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as a chat completion's ``response_format`` (None: plain text)."""
     fmt = (text or {}).get("format")
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
-    return "text.format other than {\"type\": \"text\"} is not supported by this engine"
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+            and isinstance(fmt.get("name"), str) and isinstance(fmt.get("schema"), dict)):
+        raise InvalidRequestError("text.format must be {\"type\": \"text\"}, {\"type\": "
+                                  "\"json_object\"} or {\"type\": \"json_schema\", \"name\", "
+                                  "\"schema\", \"strict\"?, \"description\"?}")
+    schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise InvalidRequestError("reasoning.effort must be a string")
+    return effort
+
+
+# Options an in-process engine cannot honour, by the Responses field the client named.
+ENGINE_REFUSED = {"response_format": "text.format other than {\"type\": \"text\"} (no "
+                                     "structured outputs)",
+                  "reasoning_effort": "reasoning.effort (no reasoning control; a template's "
+                                      "own switch goes in chat_template_kwargs)",
+                  "verbosity": "text.verbosity"}
+
+
+def _engine_refusal(options: Mapping[str, Any]) -> str | None:
+    for option, field in ENGINE_REFUSED.items():
+        if option in options:
+            return f"{field} is not supported by this engine"
+    return None
