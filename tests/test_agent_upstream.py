@@ -477,3 +477,82 @@ def test_a_missing_key_on_messages_is_a_401_that_names_x_api_key(base: str) -> N
     assert messages.json()["error"]["type"] == "authentication_error"
     assert "x-api-key" in messages.json()["error"]["message"]
     assert chat.status_code == 401 and "Authorization: Bearer" in chat.json()["error"]["message"]
+
+
+# -- stored responses: read, listed, deleted, per tenant --------------------------------------
+
+
+def test_stored_responses_are_retrieved_listed_and_deleted_by_their_tenant(
+        base: str, rec: AgentRecorder) -> None:
+    acme, globex = openai_client(base, "sk-acme"), openai_client(base, "sk-globex")
+    inputs = [{"role": "user", "content": "Read a.txt."},
+              {"type": "message", "role": "user",
+               "content": [{"type": "input_text", "text": "Then b.txt."}]},
+              {"role": "user", "content": "Then c.txt."}]
+    first = acme.responses.create(model="chat-only", instructions="Be brief.", input=inputs)
+    got = acme.responses.retrieve(first.id)
+    assert got.model_dump() == first.model_dump()
+    listed = list(acme.responses.input_items.list(first.id, limit=2))  # pages through
+    assert [item.content[0].text for item in listed] == ["Then c.txt.", "Then b.txt.",
+                                                         "Read a.txt."]
+    assert len({item.id for item in listed}) == 3
+    ascending = acme.responses.input_items.list(first.id, order="asc", limit=2)
+    assert [i.content[0].text for i in ascending.data] == ["Read a.txt.", "Then b.txt."]
+    assert ascending.has_more
+    # Another tenant: the id does not exist for it, to read or to delete.
+    for call in (lambda: globex.responses.retrieve(first.id),
+                 lambda: globex.responses.input_items.list(first.id),
+                 lambda: globex.responses.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    # A relayed response (the upstream serves Responses) is kept and read the same way.
+    relayed = acme.responses.create(model="native", input="Hi.")
+    assert acme.responses.retrieve(relayed.id).output_text == "recorded"
+    acme.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        acme.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        acme.responses.create(model="chat-only", input="x", previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        acme.responses.retrieve(relayed.id, stream=True)
+
+
+def test_an_unknown_previous_response_id_goes_to_an_upstream_that_keeps_responses(
+        rec_server: tuple[AgentRecorder, str], rec: AgentRecorder, demo_tokenizer: Any) -> None:
+    """After a sidecar restart (or on another worker or replica without the shared store) the
+    sidecar does not know the id: the upstream, which serves Responses, decides."""
+    url = rec_server[1]
+
+    def sidecar() -> ServerThread:
+        models = ModelRegistry([
+            served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
+            served("native-spec", demo_tokenizer, Upstream(url, "specprefill")),
+            served("chat-only", demo_tokenizer, Upstream(url))])
+        return ServerThread(create_app(ServiceSettings(api_keys=KEYS), models=models))
+
+    system = unique_system()["content"]
+    with sidecar() as before:
+        first = openai_client(before, "sk-acme").responses.create(
+            model="native-spec", instructions=system, input="One.")
+    with sidecar() as after:  # a fresh process's store: the id is unknown here
+        sdk = openai_client(after, "sk-acme")
+        second = sdk.responses.with_raw_response.create(
+            model="native-spec", instructions=system, input="Two.",
+            previous_response_id=first.id)
+        assert second.parse().output_text == "recorded"
+        sent = rec.last("responses").body
+        assert sent["previous_response_id"] == first.id and sent["input"] == "Two."
+        # The upstream renders the conversation it keeps; the static part's end still holds.
+        assert "prompt_token_ids" not in sent
+        assert sent["specprefill_system_end"] == int(second.headers["x-specprefill-system-end"])
+        assert sent["specprefill_system_end"] > 0
+        with sdk.responses.stream(model="native", input="Three.",
+                                  previous_response_id=second.parse().id) as stream:
+            assert stream.get_final_response().output_text == "recorded"
+        assert rec.last("responses").body["previous_response_id"] == second.parse().id
+        # A turn on an id the sidecar did not know is not kept here either: the upstream has it.
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(second.parse().id)
+        # Where the sidecar answers itself (chat-only upstream), unknown is still a 400.
+        with pytest.raises(openai.BadRequestError, match="not found"):
+            sdk.responses.create(model="chat-only", input="x", previous_response_id=first.id)

@@ -29,6 +29,7 @@ in-process engine, ``text.format`` other than plain text (it has no structured o
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,6 +53,7 @@ from .conversation import (
     tool_result,
 )
 from .fields import specprefill_params
+from .responses_store import StoredResponse
 
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
@@ -93,10 +95,13 @@ class ResponsesCall:
     request: ResponsesRequest
     history: list[Any]          # the items of previous_response_id's conversation
     input_items: list[Any]      # this request's input, as items
+    # False when previous_response_id is not known here and the request goes as it is to an
+    # upstream that keeps its own responses (it decides; this turn is not kept here).
+    previous_known: bool = True
 
     @property
     def store(self) -> bool:
-        return self.request.store is not False
+        return self.request.store is not False and self.previous_known
 
     def echo(self) -> dict[str, Any]:
         """The request's fields as a response object repeats them (OpenAI's defaults where
@@ -119,24 +124,39 @@ class ResponsesCall:
         input and ``response``'s output."""
         return [*self.history, *self.input_items, *response.get("output", [])]
 
+    def record(self, response: Mapping[str, Any]) -> StoredResponse:
+        """What is kept of this turn: ``response``, its conversation, its input items (each
+        given an id, which ``input_items`` lists and pages by)."""
+        inputs = [item if not isinstance(item, dict) or "id" in item
+                  else {"id": new_item_id(item), **item} for item in self.input_items]
+        start = len(self.history)
+        return StoredResponse(dict(response), [*self.history, *inputs,
+                                               *response.get("output", [])],
+                              start, start + len(inputs))
+
 
 def parse_responses_body(body: Mapping[str, Any],
-                         history_of: Callable[[str], list[Any] | None]) -> ResponsesCall:
+                         history_of: Callable[[str], list[Any] | None], *,
+                         forward_unknown: bool = False) -> ResponsesCall:
     """The call a Responses body asks for. ``history_of(id)`` gives a stored response's items
-    (None: unknown to this tenant: a 400 ``previous_response_not_found``, OpenAI's answer)."""
+    (None: unknown to this tenant: a 400 ``previous_response_not_found``, OpenAI's answer --
+    or, with ``forward_unknown``, a call without that history, for an upstream that keeps
+    responses itself to resolve)."""
     req = ResponsesRequest.model_validate(body)
     for name in NOT_SUPPORTED:
         if body.get(name) not in (None, False):
             raise InvalidRequestError(f"{name} is not supported by this server",
                                       code="unsupported_parameter")
     history: list[Any] = []
+    known = True
     if req.previous_response_id is not None:
         found = history_of(req.previous_response_id)
-        if found is None:
+        known = found is not None
+        if found is None and not forward_unknown:
             raise BadRequest(f"Previous response with id {req.previous_response_id!r} not "
                              "found.", code="previous_response_not_found",
                              param="previous_response_id")
-        history = found
+        history = found or []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) \
         else list(req.input)
     messages: list[MessageDict] = []
@@ -168,7 +188,13 @@ def parse_responses_body(body: Mapping[str, Any],
                      sampling=sampling, specprefill=specprefill_params(body),
                      stream=bool(req.stream), chat_options=options,
                      engine_refusal=_engine_refusal(options))
-    return ResponsesCall(call, req, history, items)
+    return ResponsesCall(call, req, history, items, known)
+
+
+def new_item_id(item: Mapping[str, Any]) -> str:
+    """An id for an input item that came without one, prefixed as OpenAI's are."""
+    prefix = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    return f"{prefix.get(item.get('type'), 'msg')}_{uuid.uuid4().hex}"
 
 
 def _item(item: Any, where: str, out: list[MessageDict]) -> None:

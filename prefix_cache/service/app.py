@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from ..cache import StaticPrefixCache
 from ..chat.anthropic_params import MessagesRequest
 from ..chat.responses_params import ResponsesRequest
-from ..chat.responses_store import ResponseStore
+from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
@@ -22,6 +22,7 @@ from ..multiprocess import mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
+from ..store.tiered import TieredStore
 from . import admin, agent_api, api, dashboard, health, openapi_docs
 from .limits import TenantLimits
 from .models import ModelRegistry, load_model_specs
@@ -58,6 +59,17 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
                          f"{exc}") from exc
 
 
+def open_response_store(settings: ServiceSettings, backing: Store) -> ResponseStore:
+    """Stored responses: in the shared store when there is one (any worker or replica finds
+    them; its Redis tier, never a worker's memory tier, so a delete holds everywhere), else
+    in this worker."""
+    if settings.uses_memory_store:
+        return MemoryResponses(settings.responses_store_bytes)
+    shared = backing.remote if isinstance(backing, TieredStore) else backing
+    return SharedResponses(shared, max_bytes=settings.responses_store_bytes,
+                           ttl_seconds=settings.responses_store_ttl_s)
+
+
 def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:
     """Everything a worker needs before it takes requests; ValueError on bad configuration."""
     callers = KeysConfig.load(settings)
@@ -67,8 +79,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
         # The first render of a tokenizer fingerprints its whole vocabulary (once, ~1 s for 150k
         # tokens) on the calling thread: do it now, not on the event loop of a first request.
         get_renderer(model.tokenizer)
-    store = TenantQuotaStore(open_backing_store(settings, len(keyring.tenants)),
-                             max_entries=settings.tenant_max_entries,
+    backing = open_backing_store(settings, len(keyring.tenants))
+    store = TenantQuotaStore(backing, max_entries=settings.tenant_max_entries,
                              max_bytes=settings.tenant_max_bytes)
     metrics = Metrics(max_tenants=settings.metrics_max_tenants)
     engines = [(m.name, m.engine) for m in registry if m.engine is not None]
@@ -79,7 +91,7 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     limits = TenantLimits.from_settings(settings, callers.tenant_limits)
     return ServiceState(settings, registry, keyring, store, cache, metrics, limits,
                         Drain(settings.shutdown_grace_s),
-                        responses=ResponseStore(settings.responses_store_bytes))
+                        responses=open_response_store(settings, backing))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
