@@ -54,6 +54,7 @@ from fastapi.responses import JSONResponse, Response
 from prefix_cache.chat.agent_call import AgentCall
 from prefix_cache.chat.anthropic_params import messages_conversation, parse_messages_body
 from prefix_cache.chat.anthropic_stream import MessageMeta, message_json, message_stream
+from prefix_cache.chat.backend import Usage
 from prefix_cache.chat.conversation import Conversation
 from prefix_cache.chat.events import backend_events
 from prefix_cache.chat.openai_params import parse_chat_params
@@ -221,7 +222,8 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         namespace = namespaces.of(body)
         ids, end = await prompt_of(chat, body, call)
         events = backend_events(chat, chat.check(call.backend_request(ids, end, namespace)))
-        meta = MessageMeta(new_id("msg"), call.model or chat.name, len(ids))
+        # The engine's own counts replace these once it has prefilled (events.Prefilled).
+        meta = MessageMeta(new_id("msg"), call.model or chat.name, Usage(len(ids), 0))
         if call.stream:
             return stream_response(message_stream(meta, events))
         return await json_response(request, message_json(meta, events))

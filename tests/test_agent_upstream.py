@@ -19,6 +19,7 @@ from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from .agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
+from .redis_server import needs_redis
 from .service_helpers import ServerThread, local_client, openai_client, served, unique_system
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
@@ -556,3 +557,111 @@ def test_an_unknown_previous_response_id_goes_to_an_upstream_that_keeps_response
         # Where the sidecar answers itself (chat-only upstream), unknown is still a 400.
         with pytest.raises(openai.BadRequestError, match="not found"):
             sdk.responses.create(model="chat-only", input="x", previous_response_id=first.id)
+
+
+@needs_redis
+def test_with_redis_every_worker_and_replica_finds_stored_responses(
+        rec_server: tuple[AgentRecorder, str], rec: AgentRecorder, demo_tokenizer: Any,
+        redis: Any) -> None:
+    """Two sidecars on one Redis (two workers, or two replicas): a response stored by one is
+    chained on, read, listed and deleted through the other, per tenant, with a TTL."""
+    url = rec_server[1]
+
+    def sidecar() -> ServerThread:
+        models = ModelRegistry([served("chat-only", demo_tokenizer, Upstream(url))])
+        settings = ServiceSettings(api_keys=KEYS, redis_url=redis.url,
+                                   responses_store_ttl_s=600.0)
+        return ServerThread(create_app(settings, models=models))
+
+    with sidecar() as one, sidecar() as two:
+        first = openai_client(one, "sk-acme").responses.create(
+            model="chat-only", instructions="Be brief.", input="Remember 42.")
+        other = openai_client(two, "sk-acme")
+        assert other.responses.retrieve(first.id).output_text == "recorded"
+        assert [i.content[0].text for i in other.responses.input_items.list(first.id)] \
+            == ["Remember 42."]
+        second = other.responses.create(model="chat-only", input="What was it?",
+                                         previous_response_id=first.id)
+        assert rec.last("chat").body["messages"] == [
+            {"role": "user", "content": "Remember 42."},
+            {"role": "assistant", "content": "recorded"},
+            {"role": "user", "content": "What was it?"}]
+        with pytest.raises(openai.NotFoundError):
+            openai_client(one, "sk-globex").responses.retrieve(first.id)
+        ttl = int(redis.cli("TTL", f"prefix-cache-responses:acme:{second.id}"))
+        assert 0 < ttl <= 600
+        other.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):  # gone for every worker at once
+            openai_client(one, "sk-acme").responses.retrieve(first.id)
+
+
+# -- what the model writes: malformed tool calls; the usage of a stream ----------------------
+
+
+def test_malformed_tool_call_arguments_come_back_as_text_never_a_5xx(
+        base: str, rec: AgentRecorder) -> None:
+    """A small model's ``{path: a.txt``: the turn comes back (200) with the call as the text
+    it was, streamed or not, and ends its turn; the SDK's final message is whole."""
+    rec.tool_call = ("call_1", "read_file", {})
+    rec.raw_arguments = "{path: a.txt"
+    as_text = 'recorded{"name": "read_file", "arguments": {path: a.txt}'
+    ask = {"model": "chat-only", "max_tokens": 8, "tools": [READ],
+           "messages": [{"role": "user", "content": "Read a.txt."}]}
+    message = claude(base).messages.create(**ask)
+    assert [(b.type, b.text) for b in message.content] == [("text", as_text)]
+    assert message.stop_reason == "end_turn"
+    with claude(base).messages.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", as_text)]
+    assert final.stop_reason == "end_turn" and "input_json" not in kinds
+    # A valid call is a tool_use block, held until whole and sent as one input_json_delta.
+    rec.raw_arguments = None
+    rec.tool_call = ("call_2", "read_file", {"path": "a.txt", "n": 2**70})
+    with claude(base).messages.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds.count("input_json") == 1 and final.stop_reason == "tool_use"
+    assert final.content[1].input == {"path": "a.txt", "n": 2**70}
+    # Responses carries arguments as text: they come back as they were.
+    rec.raw_arguments = "{path: a.txt"
+    response = openai_client(base, "sk-acme").responses.create(
+        model="chat-only", input="Read a.txt.", tools=[READ_RESPONSES])
+    assert response.output[1].arguments == "{path: a.txt"
+
+
+def sse_events(base: str, body: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """A streamed /v1/messages answer's headers and events, read raw."""
+    with local_client(base_url=base, headers={"x-api-key": "sk-acme"}) as http:
+        with http.stream("POST", "/v1/messages", json={**body, "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+            headers = dict(response.headers)
+    return headers, [json.loads(line.removeprefix("data: ")) for line in lines]
+
+
+def test_an_anthropic_stream_reports_one_usage(base: str, rec: AgentRecorder) -> None:
+    """message_start has the input side (the sidecar's prompt; on a hit, its static prefix as
+    read) and message_delta repeats it with the output: one truth, which the SDK's final
+    message keeps."""
+    system = unique_system()["content"]
+    body = {"model": "chat-only", "max_tokens": 8, "system": system, "tools": [READ],
+            "messages": [{"role": "user", "content": "Read a.txt."}]}
+    count = claude(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
+                                               messages=body["messages"])
+    headers, events = sse_events(base, body)  # count_tokens resolved it: a hit
+    assert headers["x-prefix-cache"] == "hit"
+    end = int(headers["x-specprefill-system-end"])
+    start = events[0]["message"]["usage"]
+    assert start == {"input_tokens": count.input_tokens - end, "cache_creation_input_tokens": 0,
+                     "cache_read_input_tokens": end, "output_tokens": 0} and end > 0
+    delta = [e for e in events if e["type"] == "message_delta"][0]["usage"]
+    assert delta == {**start, "output_tokens": 3}  # the upstream's count of what it wrote
+    with claude(base).messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens,
+            final.usage.output_tokens) == (count.input_tokens - end, end, 3)
+    miss = {**body, "system": unique_system()["content"]}
+    headers, events = sse_events(base, miss)
+    assert headers["x-prefix-cache"] == "miss"
+    start = events[0]["message"]["usage"]
+    assert start["cache_read_input_tokens"] == 0 and start["input_tokens"] > 0

@@ -81,6 +81,10 @@ class ResponseStore(Protocol):
         """Forget this tenant's record; whether it was there."""
         ...
 
+    async def aclose(self) -> None:
+        """Release connections (on the loop that used them)."""
+        ...
+
 
 class MemoryResponses:
     """Records per tenant in this process, LRU within each tenant's byte budget."""
@@ -111,6 +115,9 @@ class MemoryResponses:
         with self._lock:
             lru = self._tenants.get(namespace)
             return lru is not None and lru.pop(response_id) is not None
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
 
     def usage(self) -> dict[str, dict[str, int]]:
         """Responses and bytes kept per tenant."""
@@ -159,3 +166,6 @@ class SharedResponses:
     async def delete(self, namespace: str, response_id: str) -> bool:
         key = self.key(namespace, response_id)
         return key is not None and await self.store.adelete(key)
+
+    async def aclose(self) -> None:
+        await self.store.aclose()

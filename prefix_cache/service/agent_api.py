@@ -40,6 +40,7 @@ from ..chat.anthropic_stream import (
     message_json,
     message_stream,
 )
+from ..chat.backend import Usage
 from ..chat.events import OutputEvent, backend_events
 from ..chat.openai_chunks import completion_events
 from ..chat.respond import json_response, stream_response
@@ -90,7 +91,9 @@ async def messages(request: Request, state: State, tenant: Tenant) -> Response:
         result = await _prepare(state, tenant, model, call, len(raw))
 
     async def answer(events: Events, prompt_tokens: int, headers: dict[str, str]) -> Response:
-        meta = MessageMeta(new_id("msg"), call.model or model.name, prompt_tokens)
+        # Before generating, the sidecar knows the prompt and, on a hit, its static prefix.
+        read = result.specprefill_system_end if result.hit else 0
+        meta = MessageMeta(new_id("msg"), call.model or model.name, Usage(prompt_tokens, 0, read))
         if call.stream:
             return stream_response(message_stream(meta, events), headers)
         return await json_response(request, message_json(meta, events), headers)

@@ -22,7 +22,6 @@ from ..multiprocess import mark_process_dead
 from ..render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
-from ..store.tiered import TieredStore
 from . import admin, agent_api, api, dashboard, health, openapi_docs
 from .limits import TenantLimits
 from .models import ModelRegistry, load_model_specs
@@ -45,6 +44,7 @@ BODY_MODELS = (ChatCompletionRequest, PrefixBoundaryRequest, MessagesRequest, Co
 # Connections kept to the upstreams: enough for many concurrent streams, bounded all the same.
 MAX_UPSTREAM_CONNECTIONS = 512
 UPSTREAM_KEEPALIVE_EXPIRY_S = 2.0
+RESPONSES_TIMEOUT_S = 1.0  # the longest wait for a stored response in the shared store
 
 
 def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
@@ -59,13 +59,16 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
                          f"{exc}") from exc
 
 
-def open_response_store(settings: ServiceSettings, backing: Store) -> ResponseStore:
+def open_response_store(settings: ServiceSettings) -> ResponseStore:
     """Stored responses: in the shared store when there is one (any worker or replica finds
-    them; its Redis tier, never a worker's memory tier, so a delete holds everywhere), else
-    in this worker."""
+    them; Redis alone, no memory tier, so a delete holds everywhere at once), else in this
+    worker."""
     if settings.uses_memory_store:
         return MemoryResponses(settings.responses_store_bytes)
-    shared = backing.remote if isinstance(backing, TieredStore) else backing
+    # Its own connections, breaker and a longer wait than a lookup's: a response is data the
+    # client needs back, not a cache entry a recompute replaces.
+    shared = open_store(settings.redis_url, tiered=False, timeout_seconds=max(
+        settings.redis_timeout_s, RESPONSES_TIMEOUT_S))
     return SharedResponses(shared, max_bytes=settings.responses_store_bytes,
                            ttl_seconds=settings.responses_store_ttl_s)
 
@@ -79,8 +82,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
         # The first render of a tokenizer fingerprints its whole vocabulary (once, ~1 s for 150k
         # tokens) on the calling thread: do it now, not on the event loop of a first request.
         get_renderer(model.tokenizer)
-    backing = open_backing_store(settings, len(keyring.tenants))
-    store = TenantQuotaStore(backing, max_entries=settings.tenant_max_entries,
+    store = TenantQuotaStore(open_backing_store(settings, len(keyring.tenants)),
+                             max_entries=settings.tenant_max_entries,
                              max_bytes=settings.tenant_max_bytes)
     metrics = Metrics(max_tenants=settings.metrics_max_tenants)
     engines = [(m.name, m.engine) for m in registry if m.engine is not None]
@@ -91,7 +94,7 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     limits = TenantLimits.from_settings(settings, callers.tenant_limits)
     return ServiceState(settings, registry, keyring, store, cache, metrics, limits,
                         Drain(settings.shutdown_grace_s),
-                        responses=open_response_store(settings, backing))
+                        responses=open_response_store(settings))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -121,6 +124,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             await state.client.aclose()
             await asyncio.to_thread(state.models.close)  # in-process engines, if any
             await state.store.aclose()  # the loop's Redis connections, closed on their loop
+            await state.responses.aclose()
             state.cache.close()
             mark_process_dead()
 
