@@ -665,3 +665,17 @@ def test_an_anthropic_stream_reports_one_usage(base: str, rec: AgentRecorder) ->
     assert headers["x-prefix-cache"] == "miss"
     start = events[0]["message"]["usage"]
     assert start["cache_read_input_tokens"] == 0 and start["input_tokens"] > 0
+
+
+def test_fields_only_a_native_upstream_honours_are_refused_where_converted(
+        base: str, rec: AgentRecorder) -> None:
+    sdk = openai_client(base, "sk-acme")
+    with pytest.raises(openai.BadRequestError, match="max_tool_calls") as info:
+        sdk.responses.create(model="chat-only", input="x", max_tool_calls=2)
+    assert info.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):
+        claude(base).messages.create(model="chat-only", max_tokens=4, messages=[
+            {"role": "user", "content": "x"}], extra_body={"mcp_servers": [{"name": "m"}]})
+    assert rec.requests == []  # refused before anything went upstream
+    sdk.responses.create(model="native", input="x", max_tool_calls=2)
+    assert rec.last("responses").body["max_tool_calls"] == 2  # there: as it was sent

@@ -31,11 +31,21 @@ class AgentCall:
     # Why the in-process engine cannot run this request as asked (a parameter it does not
     # honour), or None.
     engine_refusal: str | None = None
+    # Fields only an upstream that serves the API itself honours (they have no chat-completion
+    # equivalent and no engine support): refused wherever the request is converted.
+    native_only: tuple[str, ...] = ()
 
     def check_engine_support(self) -> None:
         """InvalidRequestError (a 400) if an in-process engine cannot honour this request."""
+        self.check_chat_support()
         if self.engine_refusal is not None:
             raise InvalidRequestError(self.engine_refusal, code=UNSUPPORTED)
+
+    def check_chat_support(self) -> None:
+        """InvalidRequestError (a 400) if this request cannot go as a chat completion."""
+        if self.native_only:
+            raise InvalidRequestError(f"{', '.join(self.native_only)}: supported only by an "
+                                      "upstream that serves this API itself", code=UNSUPPORTED)
 
     def backend_request(self, prompt_ids: Sequence[int], specprefill_system_end: int,
                         namespace: str) -> BackendRequest:
@@ -68,6 +78,11 @@ class AgentCall:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return body
+
+
+def sent_fields(body: Mapping[str, Any], names: Sequence[str]) -> tuple[str, ...]:
+    """Which of ``names`` a body sets to something other than null, false or empty."""
+    return tuple(name for name in names if body.get(name) not in (None, False, 0, [], {}))
 
 
 def sent_options(**fields: Any) -> dict[str, Any]:

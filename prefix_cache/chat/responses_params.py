@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..errors import InvalidRequestError
 from ..http.errors import BadRequest
-from .agent_call import AgentCall, sent_options
+from .agent_call import AgentCall, sent_fields, sent_options
 from .backend import SamplingParams
 from .conversation import (
     Conversation,
@@ -58,6 +58,9 @@ from .responses_store import StoredResponse
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 NOT_SUPPORTED = ("background", "conversation", "prompt")
+# Honoured only by an upstream that serves Responses (no chat-completion equivalent, no engine
+# support): refused wherever the request is converted.
+NATIVE_ONLY = ("max_tool_calls", "top_logprobs")
 
 
 class ResponsesRequest(BaseModel):
@@ -187,7 +190,8 @@ def parse_responses_body(body: Mapping[str, Any],
                                                                 req.chat_template_kwargs),
                      sampling=sampling, specprefill=specprefill_params(body),
                      stream=bool(req.stream), chat_options=options,
-                     engine_refusal=_engine_refusal(options))
+                     engine_refusal=_engine_refusal(options),
+                     native_only=sent_fields(body, NATIVE_ONLY))
     return ResponsesCall(call, req, history, items, known)
 
 

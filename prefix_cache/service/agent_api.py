@@ -88,7 +88,7 @@ async def messages(request: Request, state: State, tenant: Tenant) -> Response:
         raw, body = await read_body(request, state)
         call = parse_messages_body(body)
         model = state.models.get(call.model)
-        result = await _prepare(state, tenant, model, call, len(raw))
+        result = await _prepare(state, tenant, model, call, len(raw), "messages")
 
     async def answer(events: Events, prompt_tokens: int, headers: dict[str, str]) -> Response:
         # Before generating, the sidecar knows the prompt and, on a hit, its static prefix.
@@ -136,7 +136,7 @@ async def responses(request: Request, state: State, tenant: Tenant) -> Response:
         parsed = parse_responses_body(body, lambda _: None if found is None else found.items,
                                       forward_unknown=owned_upstream)
         call = parsed.call
-        result = await _prepare(state, tenant, model, call, len(raw))
+        result = await _prepare(state, tenant, model, call, len(raw), "responses")
     meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo())
 
     async def keep(response: dict[str, Any]) -> None:
@@ -162,13 +162,13 @@ def _model_name(body: dict[str, Any]) -> str | None:
 
 
 async def _prepare(state: ServiceState, tenant: str, model: ServedModel, call: AgentCall,
-                   body_size: int) -> PrefixResult:
+                   body_size: int, api: str) -> PrefixResult:
     """The conversation's boundary, once the model can serve the call (a refused request
     caches nothing)."""
     if model.engine is not None:
         call.check_engine_support()
-    else:
-        model.require_upstream()
+    elif not model.require_upstream().speaks(api):
+        call.check_chat_support()
     conversation = call.conversation
     return await resolve(state, model, tenant, body_size, conversation.messages,
                          conversation.tools, conversation.chat_template_kwargs)
