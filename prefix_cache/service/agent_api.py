@@ -111,9 +111,8 @@ async def count_tokens(request: Request, state: State, tenant: Tenant) -> Respon
     (the boundary is resolved on the way, so the agent's first turn is then a hit)."""
     async with state.limits.slot(tenant):
         raw, body = await read_body(request, state)
-        model_name = body.get("model")
         conversation = messages_conversation(body)
-        model = state.models.get(model_name if isinstance(model_name, str) else None)
+        model = state.models.get(_model_name(body))
         result = await resolve(state, model, tenant, len(raw), conversation.messages,
                                conversation.tools, conversation.chat_template_kwargs)
     return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
