@@ -97,6 +97,9 @@ class MLXBackend:
                 generated += 1
                 if event.prefill is not None:
                     cached = event.prefill.reused_tokens
+                    if event.finish_reason is None:  # the prompt's counts, before any text
+                        yield BackendOutput(usage=Usage(len(engine_request.prompt_ids), 0,
+                                                        cached))
                 text = ""
                 if not (event.finish_reason == "stop" and event.token in stop_ids):
                     text = decoder.add(event.token)

@@ -10,7 +10,10 @@
     POST /v1/messages           an Anthropic Messages body, streaming or not (and
                                 /v1/messages/count_tokens); POST /v1/responses
                                 an OpenAI Responses body (``previous_response_id``: this
-                                server's recent responses, per namespace). Both take the same
+                                server's recent responses, per namespace; GET and DELETE
+                                /v1/responses/{id} and GET /v1/responses/{id}/input_items
+                                read and delete them, the namespace in the query's
+                                ``specprefill_namespace``). Both take the same
                                 extension fields; without ``prompt_token_ids`` the conversation
                                 they convert to is rendered (prefix_cache.chat, the sidecar's
                                 conversion). Errors under /v1/messages have Anthropic's shape.
@@ -51,16 +54,18 @@ from fastapi.responses import JSONResponse, Response
 from prefix_cache.chat.agent_call import AgentCall
 from prefix_cache.chat.anthropic_params import messages_conversation, parse_messages_body
 from prefix_cache.chat.anthropic_stream import MessageMeta, message_json, message_stream
+from prefix_cache.chat.backend import Usage
 from prefix_cache.chat.conversation import Conversation
 from prefix_cache.chat.events import backend_events
 from prefix_cache.chat.openai_params import parse_chat_params
 from prefix_cache.chat.openai_stream import respond_chat
 from prefix_cache.chat.respond import json_response, stream_response
 from prefix_cache.chat.responses_params import parse_responses_body
-from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, ResponseStore
+from prefix_cache.chat.responses_routes import ResponsesScope, stored_responses_router
+from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
 from prefix_cache.chat.responses_stream import ResponseMeta, new_id, response_json, response_stream
 from prefix_cache.errors import InvalidRequestError
-from prefix_cache.http.auth import bearer_matches, client_authorization
+from prefix_cache.http.auth import bearer_matches, client_authorization, key_hint
 from prefix_cache.http.body import read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized, install_error_handlers
 from prefix_cache.keys import validate_label
@@ -137,7 +142,7 @@ class _Namespaces:
         self.trust = trust
         self._warned = False
 
-    def of(self, body: dict[str, Any]) -> str:
+    def of(self, body: Mapping[str, Any]) -> str:
         value = body.get("specprefill_namespace")
         if value is None:
             return DEFAULT_NAMESPACE
@@ -160,7 +165,7 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
                       responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT) -> FastAPI:
     """The app serving the backend ``chat``; with ``close_engine`` it is closed at shutdown."""
     namespaces = _Namespaces(trust_namespace)
-    stored = ResponseStore(responses_store_bytes)
+    stored = MemoryResponses(responses_store_bytes)
     started = int(time.time())
 
     def check_key(request: Request) -> None:
@@ -169,7 +174,7 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         given = client_authorization(request.headers.get("authorization"),
                                      request.headers.get("x-api-key"))
         if not bearer_matches(given, api_key):
-            raise Unauthorized("missing or wrong API key: send it as 'Authorization: Bearer KEY'")
+            raise Unauthorized(f"missing or wrong API key: send it as {key_hint(request.url.path)}")
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -217,7 +222,8 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         namespace = namespaces.of(body)
         ids, end = await prompt_of(chat, body, call)
         events = backend_events(chat, chat.check(call.backend_request(ids, end, namespace)))
-        meta = MessageMeta(new_id("msg"), call.model or chat.name, len(ids))
+        # The engine's own counts replace these once it has prefilled (events.Prefilled).
+        meta = MessageMeta(new_id("msg"), call.model or chat.name, Usage(len(ids), 0))
         if call.stream:
             return stream_response(message_stream(meta, events))
         return await json_response(request, message_json(meta, events))
@@ -235,21 +241,30 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         check_key(request)
         _, body = await read_json_object(request, max_body_bytes)
         namespace = namespaces.of(body)
-        parsed = parse_responses_body(body, lambda rid: stored.get(namespace, rid))
+        previous = body.get("previous_response_id")
+        found = await stored.get(namespace, previous) if isinstance(previous, str) else None
+        parsed = parse_responses_body(body, lambda _: None if found is None else found.items)
         call = parsed.call
         call.check_engine_support()
         ids, end = await prompt_of(chat, body, call)
         events = backend_events(chat, chat.check(call.backend_request(ids, end, namespace)))
         meta = ResponseMeta(new_id("resp"), call.model or chat.name, parsed.echo())
 
-        def keep(response: dict[str, Any]) -> None:
+        async def keep(response: dict[str, Any]) -> None:
             if parsed.store:
-                stored.put(namespace, response["id"], parsed.conversation_items(response))
+                await stored.put(namespace, parsed.record(response))
 
         if call.stream:
             return stream_response(response_stream(meta, events, keep))
         return await json_response(request, response_json(meta, events, keep))
 
+    async def responses_scope(request: Request) -> ResponsesScope:
+        """GET and DELETE have no body: the namespace is the query's specprefill_namespace,
+        read under the same trust as the body field."""
+        check_key(request)
+        return ResponsesScope(stored, namespaces.of(request.query_params))
+
+    app.include_router(stored_responses_router(responses_scope))
     return app
 
 

@@ -37,6 +37,7 @@ class AgentRecorder:
     requests: list[tuple[str, Recorded]] = field(default_factory=list)
     text: str = "recorded"
     tool_call: tuple[str, str, dict[str, Any]] | None = None   # (id, name, arguments)
+    raw_arguments: str | None = None                           # the call's arguments as sent
     usage: tuple[int, int, int] = (11, 3, 4)                   # prompt, completion, cached
     error: tuple[int, Any] | None = None                       # (status, JSON body) to answer
     break_stream: bool = False                                 # die after the first event
@@ -45,6 +46,7 @@ class AgentRecorder:
         self.requests.clear()
         self.text, self.tool_call, self.usage, self.error = "recorded", None, (11, 3, 4), None
         self.break_stream = False
+        self.raw_arguments = None
 
     def last(self, path: str) -> Recorded:
         return [r for p, r in self.requests if p == path][-1]
@@ -88,7 +90,7 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
         if rec.tool_call is not None:
             call_id, name, args = rec.tool_call
             message["tool_calls"] = [{"id": call_id, "type": "function", "function": {
-                "name": name, "arguments": json.dumps(args)}}]
+                "name": name, "arguments": rec.raw_arguments or json.dumps(args)}}]
             finish = "tool_calls"
         prompt, completion, cached = rec.usage
         return JSONResponse({
@@ -180,7 +182,7 @@ async def _chat_stream(rec: AgentRecorder, body: dict[str, Any]) -> AsyncIterato
     finish = "stop"
     if rec.tool_call is not None:
         call_id, name, args = rec.tool_call
-        text = json.dumps(args)
+        text = rec.raw_arguments or json.dumps(args)
         yield chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
                                      "function": {"name": name, "arguments": ""}}]})
         for piece in (text[:5], text[5:]):

@@ -4,6 +4,8 @@ and the CLI reading all three body shapes."""
 
 from __future__ import annotations
 
+import asyncio
+
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from prefix_cache.chat.anthropic_params import messages_conversation, parse_mess
 from prefix_cache.chat.bodies import conversation_of, detect_api
 from prefix_cache.chat.conversation import chat_wire_messages
 from prefix_cache.chat.responses_params import parse_responses_body
-from prefix_cache.chat.responses_store import ResponseStore
+from prefix_cache.chat.responses_store import MemoryResponses, StoredResponse
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.http.errors import BadRequest
 from prefix_cache.http.sse import EventStreamError, SSEDecoder
@@ -140,7 +142,8 @@ def test_generation_fields_and_chat_options() -> None:
     assert call.stream and call.specprefill.keep_pct == 0.5
     assert call.chat_options == {"tool_choice": {"type": "function",
                                                  "function": {"name": "read"}},
-                                 "parallel_tool_calls": False, "top_k": 4}
+                                 "parallel_tool_calls": False, "top_k": 4,
+                                 "temperature": 0.3, "top_p": 0.9}
     assert call.engine_refusal is not None and "top_k" in call.engine_refusal
     body = call.chat_body("served")
     assert body["stream_options"] == {"include_usage": True} and body["top_k"] == 4
@@ -271,10 +274,21 @@ def test_responses_generation_fields() -> None:
         == (9, 1.5, 0.5)
     assert call.chat_options == {"tool_choice": {"type": "function",
                                                  "function": {"name": "read"}},
-                                 "parallel_tool_calls": False}
+                                 "parallel_tool_calls": False, "temperature": 1.5,
+                                 "top_p": 0.5}
     assert call.engine_refusal is None
-    assert responses({"input": "x", "text": {"format": {"type": "json_schema"}}}) \
-        .engine_refusal is not None
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    structured = responses({"input": "x", "reasoning": {"effort": "high", "summary": "auto"},
+                            "text": {"format": {"type": "json_schema", "name": "out",
+                                                "schema": schema, "strict": True}}})
+    assert structured.chat_options == {"reasoning_effort": "high", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "out", "schema": schema,
+                                               "strict": True}}}
+    assert "text.format" in (structured.engine_refusal or "")
+    effort = responses({"input": "x", "reasoning": {"effort": "low"}})
+    assert "reasoning.effort" in (effort.engine_refusal or "")
+    with pytest.raises(InvalidRequestError, match="text.format must be"):
+        responses({"input": "x", "text": {"format": {"type": "json_schema"}}})
 
 
 @pytest.mark.parametrize("body, fragment", [
@@ -351,21 +365,34 @@ def test_the_sse_decoder_follows_the_event_stream_rules() -> None:
         SSEDecoder(max_bytes=8).feed(b"data: " + b"x" * 20)
 
 
+def record(response_id: str, items: list[Any]) -> StoredResponse:
+    return StoredResponse({"id": response_id, "output": []}, items, 0, len(items))
+
+
 def test_the_response_store_keeps_tenants_apart_and_bounded() -> None:
-    store = ResponseStore(max_bytes_per_tenant=2048)
+    store = MemoryResponses(max_bytes_per_tenant=2048)
     items = [{"role": "user", "content": "x" * 300}]
-    assert store.put("acme", "resp_1", items)
-    assert store.get("acme", "resp_1") == items and store.get("globex", "resp_1") is None
-    for i in range(2, 12):  # acme's own puts evict acme's oldest; globex's are untouched
-        store.put("globex", f"resp_g{i}", items[:0])
-        store.put("acme", f"resp_{i}", items)
-    assert store.get("acme", "resp_1") is None and store.get("acme", "resp_11") == items
-    assert store.get("globex", "resp_g2") == []
-    assert not store.put("acme", "huge", [{"content": "x" * 4096}])
-    got = store.get("acme", "resp_11")
-    assert got is not None
-    got.append("changed")  # what a caller does with its copy changes nothing stored
-    assert store.get("acme", "resp_11") == items
+
+    async def run() -> None:
+        assert await store.put("acme", record("resp_1", items))
+        got = await store.get("acme", "resp_1")
+        assert got is not None and got.items == items and got.input_items == items
+        assert await store.get("globex", "resp_1") is None
+        for i in range(2, 12):  # acme's own puts evict acme's oldest; globex's are untouched
+            await store.put("globex", record(f"resp_g{i}", []))
+            await store.put("acme", record(f"resp_{i}", items))
+        assert await store.get("acme", "resp_1") is None
+        assert (await store.get("globex", "resp_g2")) is not None
+        assert not await store.put("acme", record("huge", [{"content": "x" * 4096}]))
+        kept = await store.get("acme", "resp_11")
+        assert kept is not None
+        kept.items.append("changed")  # what a caller does with its copy changes nothing stored
+        assert (await store.get("acme", "resp_11")).items == items  # type: ignore[union-attr]
+        assert not await store.delete("globex", "resp_11")  # another tenant's: not there
+        assert await store.delete("acme", "resp_11") and await store.get("acme", "resp_11") is None
+        assert not await store.delete("acme", "resp_11")
+
+    asyncio.run(run())
 
 
 # -- the CLI reads all three shapes ---------------------------------------------------------

@@ -18,7 +18,7 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.server import create_engine_app  # noqa: E402
 from prefix_cache.chat.anthropic_stream import MessageMeta, message_json  # noqa: E402
-from prefix_cache.chat.backend import BackendRequest, SamplingParams  # noqa: E402
+from prefix_cache.chat.backend import BackendRequest, SamplingParams, Usage  # noqa: E402
 from prefix_cache.chat.events import backend_events  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
@@ -38,7 +38,8 @@ from .test_engine_serving import ScriptedEngine  # noqa: E402
 pytest_plugins = ["tests.service_fixtures"]
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
-MODEL = "tiny-qwen3"  # the session tiny model's folder name: the sidecar's model name
+MODEL = "tiny-qwen3"
+META = MessageMeta("msg_1", "m", Usage(3, 0))  # the session tiny model's folder name: the sidecar's model name
 
 
 def claude(base: str, key: str = "sk-acme") -> Any:
@@ -106,9 +107,16 @@ def test_anthropic_streaming_on_the_in_process_engine(sidecar: tuple[str, MLXBac
     with claude(url).messages.stream(
             model=MODEL, max_tokens=5, system=unique_system()["content"],
             messages=[{"role": "user", "content": "Stream."}]) as stream:
-        kinds = [event.type for event in stream]
+        events = list(stream)
         final = stream.get_final_message()
+    kinds = [event.type for event in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    # One usage: the engine's own counts at message_start, repeated by message_delta.
+    start = events[0].message.usage
+    delta = next(e for e in events if e.type == "message_delta").usage
+    assert (delta.input_tokens, delta.cache_read_input_tokens) \
+        == (start.input_tokens, start.cache_read_input_tokens) \
+        == (final.usage.input_tokens, final.usage.cache_read_input_tokens)
     assert kinds.count("content_block_start") == kinds.count("content_block_stop") == 1
     assert "text" in kinds and final.content[0].type == "text" and final.content[0].text
     assert final.stop_reason in ("max_tokens", "end_turn")
@@ -125,6 +133,9 @@ def test_the_engine_refuses_what_it_cannot_honour(sidecar: tuple[str, MLXBackend
         openai_client(url, "sk-acme").responses.create(
             model=MODEL, input="x", text={"format": {"type": "json_object"}})
     assert refused.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
+        openai_client(url, "sk-acme").responses.create(model=MODEL, input="x",
+                                                       reasoning={"effort": "low"})
 
 
 def test_a_responses_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
@@ -183,7 +194,7 @@ async def test_a_stop_sequence_is_reported_as_anthropic_does(tiny_model_dir: Pat
     backend = MLXBackend(ScriptedEngine(ids, stop_token_ids=()), tokenizer)
     request = backend.check(BackendRequest([1, 2, 3], 2, sampling=SamplingParams(
         max_tokens=50, stop=("never", "END"))))
-    message = await message_json(MessageMeta("msg_1", "m", 3), backend_events(backend, request))
+    message = await message_json(META, backend_events(backend, request))
     assert message["content"] == [{"type": "text", "text": "Hello world. The "}]
     assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "END")
 
@@ -220,6 +231,30 @@ def test_serve_engine_serves_both_agent_apis(engine_server: tuple[str, MLXBacken
     with pytest.raises(openai.BadRequestError) as info:
         sdk.responses.create(model="tiny-engine", input="x", previous_response_id="resp_nope")
     assert info.value.body["code"] == "previous_response_not_found"
+
+
+def test_serve_engine_reads_and_deletes_stored_responses_per_namespace(
+        engine_server: tuple[str, MLXBackend]) -> None:
+    """The same routes as the sidecar's (one router); the namespace is the query's
+    specprefill_namespace, trusted here as the body field is (--trust-namespace)."""
+    url, _ = engine_server
+    sdk = openai_client(url, "sk-engine")
+    first = sdk.responses.create(model="tiny-engine", input="Hi", max_output_tokens=2,
+                                 extra_body={"specprefill_namespace": "acme"})
+    acme = {"specprefill_namespace": "acme"}
+    got = sdk.responses.retrieve(first.id, extra_query=acme)
+    assert got.id == first.id and got.output == first.output
+    items = sdk.responses.input_items.list(first.id, extra_query=acme).data
+    assert [(i.role, i.content[0].text) for i in items] == [("user", "Hi")]
+    with pytest.raises(openai.NotFoundError):  # another namespace (here: "default")
+        sdk.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.delete(first.id, extra_query={"specprefill_namespace": "globex"})
+    with pytest.raises(openai.AuthenticationError):
+        openai_client(url, "sk-wrong").responses.retrieve(first.id, extra_query=acme)
+    sdk.responses.delete(first.id, extra_query=acme)
+    with pytest.raises(openai.NotFoundError):
+        sdk.responses.retrieve(first.id, extra_query=acme)
 
 
 def test_a_sidecar_in_front_of_serve_engine_passes_agent_requests_natively(
@@ -281,6 +316,10 @@ def scripted(tokenizer: Any, text: str) -> MLXBackend:
     return MLXBackend(ScriptedEngine(ids, stop_token_ids=(eos,), finish="stop"), tokenizer)
 
 
+async def keep_nothing(_: Any) -> None:
+    """A response kept nowhere."""
+
+
 CALL_TEXT = ('Sure.<tool_call>\n{"name": "read_file", "arguments": {"path": "a.txt"}}\n'
              '</tool_call>')
 
@@ -292,7 +331,7 @@ async def test_tool_calls_are_cut_out_of_the_engine_text(tool_tokenizer: Any) ->
 
     backend = scripted(tool_tokenizer, CALL_TEXT)
     request = backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT]))
-    message = await message_json(MessageMeta("msg_1", "m", 3), backend_events(backend, request))
+    message = await message_json(META, backend_events(backend, request))
     assert message["content"][0] == {"type": "text", "text": "Sure."}
     call = message["content"][1]
     assert (call["type"], call["name"], call["input"]) == ("tool_use", "read_file",
@@ -305,7 +344,7 @@ async def test_tool_calls_are_cut_out_of_the_engine_text(tool_tokenizer: Any) ->
     assert choice["message"]["tool_calls"][0]["function"] == {
         "name": "read_file", "arguments": '{"path": "a.txt"}'}
     response = await response_json(ResponseMeta("resp_1", "m"), backend_events(
-        backend, backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT]))), lambda _: None)
+        backend, backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT]))), keep_nothing)
     assert [item["type"] for item in response["output"]] == ["message", "function_call"]
     assert response["output"][1]["name"] == "read_file"
 
@@ -319,6 +358,6 @@ async def test_what_is_not_a_tool_call_stays_text(tool_tokenizer: Any, text: str
                                                   tools: Any) -> None:
     backend = scripted(tool_tokenizer, text)
     request = backend.check(BackendRequest([1, 2, 3], 2, tools=tools))
-    message = await message_json(MessageMeta("msg_1", "m", 3), backend_events(backend, request))
+    message = await message_json(META, backend_events(backend, request))
     assert message["content"] == [{"type": "text", "text": text}]
     assert message["stop_reason"] == "end_turn"

@@ -19,6 +19,7 @@ from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from .agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
+from .redis_server import needs_redis
 from .service_helpers import ServerThread, local_client, openai_client, served, unique_system
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
@@ -153,8 +154,8 @@ def test_messages_become_a_chat_completion_for_a_chat_only_upstream(base: str,
     wire[2] = {**wire[2], "tool_calls": [{**wire[2]["tool_calls"][0], "function": {
         "name": "read_file", "arguments": json.dumps({"path": "a.txt"}, separators=(",", ":"))}}]}
     assert sent == {"model": "chat-only", "messages": wire, "tools": [READ_CHAT],
-                    "max_tokens": 8, "temperature": 0.5, "top_p": 1.0, "stop": ["END"],
-                    "tool_choice": "required"}
+                    "max_tokens": 8, "temperature": 0.5, "stop": ["END"],
+                    "tool_choice": "required"}  # no top_p: the client sent none
     assert [b.type for b in message.content] == ["text", "tool_use"]
     assert message.content[0].text == "recorded"
     call = message.content[1]
@@ -321,7 +322,7 @@ def test_responses_become_chat_completions_with_function_calls(base: str,
     sent = rec.last("chat").body
     assert sent == {"model": "chat-only", "messages": [
         {"role": "system", "content": system}, {"role": "user", "content": "Read a.txt."}],
-        "tools": [READ_CHAT], "max_tokens": 16, "temperature": 0.2, "top_p": 1.0}
+        "tools": [READ_CHAT], "max_tokens": 16, "temperature": 0.2}
     rec.tool_call = None
     with sdk.responses.stream(model="chat-only", instructions=system,
                               previous_response_id=first.id, tools=[READ_RESPONSES],
@@ -405,3 +406,276 @@ def test_upstream_apis_come_from_the_models_file(tmp_path: Any, demo_folder: Any
                       f"  upstream_apis: [completions]\n")
     with pytest.raises(ValueError, match="upstream_apis"):
         load_model_specs(ServiceSettings(models_file=models, keys_file=None))
+
+
+# -- what goes upstream: only what the client sent, structured outputs included --------------
+
+
+def test_no_sampling_field_the_client_did_not_send_goes_upstream(base: str,
+                                                                 rec: AgentRecorder) -> None:
+    """vLLM applies the model's generation config only to the fields a request leaves out."""
+    claude(base).messages.create(model="chat-only", max_tokens=4,
+                                 messages=[{"role": "user", "content": "x"}])
+    with claude(base).messages.stream(model="chat-only", max_tokens=4,
+                                      messages=[{"role": "user", "content": "x"}]) as stream:
+        stream.until_done()
+    sdk = openai_client(base, "sk-acme")
+    sdk.responses.create(model="chat-only", input="x")
+    with sdk.responses.stream(model="chat-only", input="x") as events:
+        events.until_done()
+    sent = [r.body for p, r in rec.requests if p == "chat"]
+    assert len(sent) == 4
+    for body in sent:
+        assert not {"temperature", "top_p", "top_k", "seed"} & set(body), body
+    claude(base).messages.create(model="chat-only", max_tokens=4, extra_body={"top_p": 0.5},
+                                 messages=[{"role": "user", "content": "x"}])
+    assert rec.last("chat").body["top_p"] == 0.5 and "temperature" not in rec.last("chat").body
+
+
+def test_structured_outputs_reach_a_chat_only_upstream_as_response_format(
+        base: str, rec: AgentRecorder) -> None:
+    from pydantic import BaseModel
+
+    class Trip(BaseModel):
+        city: str
+        days: int
+
+    rec.text = '{"city": "Paris", "days": 3}'  # an upstream that honours the schema
+    sdk = openai_client(base, "sk-acme")
+    parsed = sdk.responses.parse(model="chat-only", input="Plan a trip.", text_format=Trip,
+                                 reasoning={"effort": "low"})
+    assert parsed.output_parsed == Trip(city="Paris", days=3)
+    sent = rec.last("chat").body
+    assert sent["response_format"]["type"] == "json_schema"
+    schema = sent["response_format"]["json_schema"]
+    assert schema["name"] == "Trip" and schema["strict"] is True
+    assert schema["schema"]["properties"] == {"city": {"title": "City", "type": "string"},
+                                              "days": {"title": "Days", "type": "integer"}}
+    assert sent["reasoning_effort"] == "low"
+    with sdk.responses.stream(model="chat-only", input="Plan it.", text_format=Trip) as stream:
+        final = stream.get_final_response()
+    assert final.output_parsed == Trip(city="Paris", days=3)
+    assert rec.last("chat").body["response_format"]["json_schema"]["name"] == "Trip"
+    sdk.responses.create(model="chat-only", input="JSON please.",
+                         text={"format": {"type": "json_object"}, "verbosity": "low"})
+    assert rec.last("chat").body["response_format"] == {"type": "json_object"}
+    assert rec.last("chat").body["verbosity"] == "low"
+    # To an upstream that serves Responses itself, text goes as it was sent.
+    sdk.responses.parse(model="native", input="Plan a trip.", text_format=Trip)
+    assert rec.last("responses").body["text"]["format"]["name"] == "Trip"
+    with pytest.raises(openai.BadRequestError, match="text.format"):
+        sdk.responses.create(model="chat-only", input="x",
+                             text={"format": {"type": "json_schema"}})
+
+
+def test_a_missing_key_on_messages_is_a_401_that_names_x_api_key(base: str) -> None:
+    with local_client(base_url=base) as http:
+        messages = http.post("/v1/messages", json={
+            "model": "native", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]})
+        chat = http.post("/v1/chat/completions", json={
+            "model": "native", "messages": [{"role": "user", "content": "x"}]})
+    assert messages.status_code == 401
+    assert messages.json()["error"]["type"] == "authentication_error"
+    assert "x-api-key" in messages.json()["error"]["message"]
+    assert chat.status_code == 401 and "Authorization: Bearer" in chat.json()["error"]["message"]
+
+
+# -- stored responses: read, listed, deleted, per tenant --------------------------------------
+
+
+def test_stored_responses_are_retrieved_listed_and_deleted_by_their_tenant(
+        base: str, rec: AgentRecorder) -> None:
+    acme, globex = openai_client(base, "sk-acme"), openai_client(base, "sk-globex")
+    inputs = [{"role": "user", "content": "Read a.txt."},
+              {"type": "message", "role": "user",
+               "content": [{"type": "input_text", "text": "Then b.txt."}]},
+              {"role": "user", "content": "Then c.txt."}]
+    first = acme.responses.create(model="chat-only", instructions="Be brief.", input=inputs)
+    got = acme.responses.retrieve(first.id)
+    assert got.model_dump() == first.model_dump()
+    listed = list(acme.responses.input_items.list(first.id, limit=2))  # pages through
+    assert [item.content[0].text for item in listed] == ["Then c.txt.", "Then b.txt.",
+                                                         "Read a.txt."]
+    assert len({item.id for item in listed}) == 3
+    ascending = acme.responses.input_items.list(first.id, order="asc", limit=2)
+    assert [i.content[0].text for i in ascending.data] == ["Read a.txt.", "Then b.txt."]
+    assert ascending.has_more
+    # Another tenant: the id does not exist for it, to read or to delete.
+    for call in (lambda: globex.responses.retrieve(first.id),
+                 lambda: globex.responses.input_items.list(first.id),
+                 lambda: globex.responses.delete(first.id)):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    # A relayed response (the upstream serves Responses) is kept and read the same way.
+    relayed = acme.responses.create(model="native", input="Hi.")
+    assert acme.responses.retrieve(relayed.id).output_text == "recorded"
+    acme.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        acme.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        acme.responses.create(model="chat-only", input="x", previous_response_id=first.id)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        acme.responses.retrieve(relayed.id, stream=True)
+
+
+def test_an_unknown_previous_response_id_goes_to_an_upstream_that_keeps_responses(
+        rec_server: tuple[AgentRecorder, str], rec: AgentRecorder, demo_tokenizer: Any) -> None:
+    """After a sidecar restart (or on another worker or replica without the shared store) the
+    sidecar does not know the id: the upstream, which serves Responses, decides."""
+    url = rec_server[1]
+
+    def sidecar() -> ServerThread:
+        models = ModelRegistry([
+            served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
+            served("native-spec", demo_tokenizer, Upstream(url, "specprefill")),
+            served("chat-only", demo_tokenizer, Upstream(url))])
+        return ServerThread(create_app(ServiceSettings(api_keys=KEYS), models=models))
+
+    system = unique_system()["content"]
+    with sidecar() as before:
+        first = openai_client(before, "sk-acme").responses.create(
+            model="native-spec", instructions=system, input="One.")
+    with sidecar() as after:  # a fresh process's store: the id is unknown here
+        sdk = openai_client(after, "sk-acme")
+        second = sdk.responses.with_raw_response.create(
+            model="native-spec", instructions=system, input="Two.",
+            previous_response_id=first.id)
+        assert second.parse().output_text == "recorded"
+        sent = rec.last("responses").body
+        assert sent["previous_response_id"] == first.id and sent["input"] == "Two."
+        # The upstream renders the conversation it keeps; the static part's end still holds.
+        assert "prompt_token_ids" not in sent
+        assert sent["specprefill_system_end"] == int(second.headers["x-specprefill-system-end"])
+        assert sent["specprefill_system_end"] > 0
+        with sdk.responses.stream(model="native", input="Three.",
+                                  previous_response_id=second.parse().id) as stream:
+            assert stream.get_final_response().output_text == "recorded"
+        assert rec.last("responses").body["previous_response_id"] == second.parse().id
+        # A turn on an id the sidecar did not know is not kept here either: the upstream has it.
+        with pytest.raises(openai.NotFoundError):
+            sdk.responses.retrieve(second.parse().id)
+        # Where the sidecar answers itself (chat-only upstream), unknown is still a 400.
+        with pytest.raises(openai.BadRequestError, match="not found"):
+            sdk.responses.create(model="chat-only", input="x", previous_response_id=first.id)
+
+
+@needs_redis
+def test_with_redis_every_worker_and_replica_finds_stored_responses(
+        rec_server: tuple[AgentRecorder, str], rec: AgentRecorder, demo_tokenizer: Any,
+        redis: Any) -> None:
+    """Two sidecars on one Redis (two workers, or two replicas): a response stored by one is
+    chained on, read, listed and deleted through the other, per tenant, with a TTL."""
+    url = rec_server[1]
+
+    def sidecar() -> ServerThread:
+        models = ModelRegistry([served("chat-only", demo_tokenizer, Upstream(url))])
+        settings = ServiceSettings(api_keys=KEYS, redis_url=redis.url,
+                                   responses_store_ttl_s=600.0)
+        return ServerThread(create_app(settings, models=models))
+
+    with sidecar() as one, sidecar() as two:
+        first = openai_client(one, "sk-acme").responses.create(
+            model="chat-only", instructions="Be brief.", input="Remember 42.")
+        other = openai_client(two, "sk-acme")
+        assert other.responses.retrieve(first.id).output_text == "recorded"
+        assert [i.content[0].text for i in other.responses.input_items.list(first.id)] \
+            == ["Remember 42."]
+        second = other.responses.create(model="chat-only", input="What was it?",
+                                         previous_response_id=first.id)
+        assert rec.last("chat").body["messages"] == [
+            {"role": "user", "content": "Remember 42."},
+            {"role": "assistant", "content": "recorded"},
+            {"role": "user", "content": "What was it?"}]
+        with pytest.raises(openai.NotFoundError):
+            openai_client(one, "sk-globex").responses.retrieve(first.id)
+        ttl = int(redis.cli("TTL", f"prefix-cache-responses:acme:{second.id}"))
+        assert 0 < ttl <= 600
+        other.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):  # gone for every worker at once
+            openai_client(one, "sk-acme").responses.retrieve(first.id)
+
+
+# -- what the model writes: malformed tool calls; the usage of a stream ----------------------
+
+
+def test_malformed_tool_call_arguments_come_back_as_text_never_a_5xx(
+        base: str, rec: AgentRecorder) -> None:
+    """A small model's ``{path: a.txt``: the turn comes back (200) with the call as the text
+    it was, streamed or not, and ends its turn; the SDK's final message is whole."""
+    rec.tool_call = ("call_1", "read_file", {})
+    rec.raw_arguments = "{path: a.txt"
+    as_text = 'recorded{"name": "read_file", "arguments": {path: a.txt}'
+    ask = {"model": "chat-only", "max_tokens": 8, "tools": [READ],
+           "messages": [{"role": "user", "content": "Read a.txt."}]}
+    message = claude(base).messages.create(**ask)
+    assert [(b.type, b.text) for b in message.content] == [("text", as_text)]
+    assert message.stop_reason == "end_turn"
+    with claude(base).messages.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert [(b.type, b.text) for b in final.content] == [("text", as_text)]
+    assert final.stop_reason == "end_turn" and "input_json" not in kinds
+    # A valid call is a tool_use block, held until whole and sent as one input_json_delta.
+    rec.raw_arguments = None
+    rec.tool_call = ("call_2", "read_file", {"path": "a.txt", "n": 2**70})
+    with claude(base).messages.stream(**ask) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds.count("input_json") == 1 and final.stop_reason == "tool_use"
+    assert final.content[1].input == {"path": "a.txt", "n": 2**70}
+    # Responses carries arguments as text: they come back as they were.
+    rec.raw_arguments = "{path: a.txt"
+    response = openai_client(base, "sk-acme").responses.create(
+        model="chat-only", input="Read a.txt.", tools=[READ_RESPONSES])
+    assert response.output[1].arguments == "{path: a.txt"
+
+
+def sse_events(base: str, body: dict[str, Any]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """A streamed /v1/messages answer's headers and events, read raw."""
+    with local_client(base_url=base, headers={"x-api-key": "sk-acme"}) as http:
+        with http.stream("POST", "/v1/messages", json={**body, "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+            headers = dict(response.headers)
+    return headers, [json.loads(line.removeprefix("data: ")) for line in lines]
+
+
+def test_an_anthropic_stream_reports_one_usage(base: str, rec: AgentRecorder) -> None:
+    """message_start has the input side (the sidecar's prompt; on a hit, its static prefix as
+    read) and message_delta repeats it with the output: one truth, which the SDK's final
+    message keeps."""
+    system = unique_system()["content"]
+    body = {"model": "chat-only", "max_tokens": 8, "system": system, "tools": [READ],
+            "messages": [{"role": "user", "content": "Read a.txt."}]}
+    count = claude(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
+                                               messages=body["messages"])
+    headers, events = sse_events(base, body)  # count_tokens resolved it: a hit
+    assert headers["x-prefix-cache"] == "hit"
+    end = int(headers["x-specprefill-system-end"])
+    start = events[0]["message"]["usage"]
+    assert start == {"input_tokens": count.input_tokens - end, "cache_creation_input_tokens": 0,
+                     "cache_read_input_tokens": end, "output_tokens": 0} and end > 0
+    delta = [e for e in events if e["type"] == "message_delta"][0]["usage"]
+    assert delta == {**start, "output_tokens": 3}  # the upstream's count of what it wrote
+    with claude(base).messages.stream(**body) as stream:
+        final = stream.get_final_message()
+    assert (final.usage.input_tokens, final.usage.cache_read_input_tokens,
+            final.usage.output_tokens) == (count.input_tokens - end, end, 3)
+    miss = {**body, "system": unique_system()["content"]}
+    headers, events = sse_events(base, miss)
+    assert headers["x-prefix-cache"] == "miss"
+    start = events[0]["message"]["usage"]
+    assert start["cache_read_input_tokens"] == 0 and start["input_tokens"] > 0
+
+
+def test_fields_only_a_native_upstream_honours_are_refused_where_converted(
+        base: str, rec: AgentRecorder) -> None:
+    sdk = openai_client(base, "sk-acme")
+    with pytest.raises(openai.BadRequestError, match="max_tool_calls") as info:
+        sdk.responses.create(model="chat-only", input="x", max_tool_calls=2)
+    assert info.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):
+        claude(base).messages.create(model="chat-only", max_tokens=4, messages=[
+            {"role": "user", "content": "x"}], extra_body={"mcp_servers": [{"name": "m"}]})
+    assert rec.requests == []  # refused before anything went upstream
+    sdk.responses.create(model="native", input="x", max_tool_calls=2)
+    assert rec.last("responses").body["max_tool_calls"] == 2  # there: as it was sent

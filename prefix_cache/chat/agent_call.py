@@ -24,16 +24,28 @@ class AgentCall:
     specprefill: SpecPrefillParams = SpecPrefillParams()
     stream: bool = False
     # Fields of the chat completion an upstream that speaks only chat completions is sent
-    # (tool_choice, parallel_tool_calls, top_k ...), in that API's terms.
+    # (temperature and top_p when the client set them, tool_choice, parallel_tool_calls,
+    # top_k, response_format ...), in that API's terms. Only what the client sent: an upstream
+    # applies its model's defaults (vLLM: the generation config) to what is absent.
     chat_options: Mapping[str, Any] = field(default_factory=dict)
     # Why the in-process engine cannot run this request as asked (a parameter it does not
     # honour), or None.
     engine_refusal: str | None = None
+    # Fields only an upstream that serves the API itself honours (they have no chat-completion
+    # equivalent and no engine support): refused wherever the request is converted.
+    native_only: tuple[str, ...] = ()
 
     def check_engine_support(self) -> None:
         """InvalidRequestError (a 400) if an in-process engine cannot honour this request."""
+        self.check_chat_support()
         if self.engine_refusal is not None:
             raise InvalidRequestError(self.engine_refusal, code=UNSUPPORTED)
+
+    def check_chat_support(self) -> None:
+        """InvalidRequestError (a 400) if this request cannot go as a chat completion."""
+        if self.native_only:
+            raise InvalidRequestError(f"{', '.join(self.native_only)}: supported only by an "
+                                      "upstream that serves this API itself", code=UNSUPPORTED)
 
     def backend_request(self, prompt_ids: Sequence[int], specprefill_system_end: int,
                         namespace: str) -> BackendRequest:
@@ -55,8 +67,6 @@ class AgentCall:
             body["chat_template_kwargs"] = conversation.chat_template_kwargs
         if sampling.max_tokens is not None:
             body["max_tokens"] = sampling.max_tokens
-        body["temperature"] = sampling.temperature
-        body["top_p"] = sampling.top_p
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         body.update(self.chat_options)
@@ -68,3 +78,13 @@ class AgentCall:
             body["stream"] = True
             body["stream_options"] = {"include_usage": True}
         return body
+
+
+def sent_fields(body: Mapping[str, Any], names: Sequence[str]) -> tuple[str, ...]:
+    """Which of ``names`` a body sets to something other than null, false or empty."""
+    return tuple(name for name in names if body.get(name) not in (None, False, 0, [], {}))
+
+
+def sent_options(**fields: Any) -> dict[str, Any]:
+    """The chat-completion fields a client set (None: not sent, so not forwarded)."""
+    return {name: value for name, value in fields.items() if value is not None}

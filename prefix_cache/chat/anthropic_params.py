@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from ..errors import InvalidRequestError
-from .agent_call import AgentCall
+from .agent_call import AgentCall, sent_fields, sent_options
 from .backend import SamplingParams
 from .conversation import (
     Conversation,
@@ -47,6 +47,9 @@ from .fields import specprefill_params
 BILLING_HEADER = "x-anthropic-billing-header"
 MAX_STOP_SEQUENCES = 16
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+# Anthropic's server-side features: an upstream that serves Messages may run them; nothing
+# here can (refused wherever the request is converted).
+NATIVE_ONLY = ("mcp_servers", "container")
 
 
 class MessagesConversation(BaseModel):
@@ -107,7 +110,8 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
         top_p=1.0 if req.top_p is None else req.top_p,
         stop=tuple(s for s in req.stop_sequences or () if s),
     )
-    options = _tool_choice(req.tool_choice)
+    options = {**sent_options(temperature=req.temperature, top_p=req.top_p),
+               **_tool_choice(req.tool_choice)}
     refusal = None
     if req.top_k is not None:
         options["top_k"] = req.top_k
@@ -120,6 +124,7 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
         model=req.model, conversation=conversation,
         sampling=sampling, specprefill=specprefill_params(body), stream=bool(req.stream),
         chat_options=options, engine_refusal=refusal,
+        native_only=sent_fields(body, NATIVE_ONLY),
     )
 
 

@@ -7,6 +7,16 @@ input_json_delta) / ``content_block_stop``, ``message_delta`` (stop_reason, usag
 ``stop_sequence`` that matched), tool_use (the turn ends in tool calls). Usage follows
 Anthropic's meaning: ``input_tokens`` are the prompt tokens computed,
 ``cache_read_input_tokens`` those whose KV the engine restored (their sum is the prompt).
+A stream reports one usage: ``message_start`` has the input side -- the engine's own counts
+once it has prefilled (``Prefilled``), else what the server knew before generating
+(``MessageMeta.usage``: the sidecar's prompt and, on a hit, its static prefix as read) -- and
+``message_delta`` repeats it with the output tokens.
+
+A tool call whose arguments are not a JSON object (a small model's ``{path: a.txt``) is not a
+``tool_use`` block the client could not read: it comes back as the text it was (``{"name":
+..., "arguments": ...}``), as the in-process engine returns a call it cannot parse, and a turn
+left without tool calls ends with end_turn. So a stream holds each call until it is whole,
+then sends it as one ``input_json_delta``.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from ..http.sse import sse_event
 from .backend import BackendError, Usage
 from .events import (
     Collected,
+    CollectedCall,
     Finish,
     OutputEvent,
     TextDelta,
@@ -68,7 +79,7 @@ class MessageMeta:
 
     id: str
     model: str
-    input_tokens: int   # the prompt's length (message_start's usage)
+    usage: Usage    # the prompt's counts as known before generating (completion_tokens 0)
 
 
 def anthropic_usage(usage: Usage) -> dict[str, int]:
@@ -78,32 +89,43 @@ def anthropic_usage(usage: Usage) -> dict[str, int]:
             "output_tokens": usage.completion_tokens}
 
 
-def stop_reason(finish: Finish) -> tuple[str, str | None]:
+def stop_reason(finish: Finish, tool_calls: bool = True) -> tuple[str, str | None]:
+    """Anthropic's stop reason and sequence (``tool_calls``: whether any call came back as a
+    tool_use block; a turn whose calls all became text ended its turn)."""
     if finish.stop_sequence is not None:
         return "stop_sequence", finish.stop_sequence
+    if finish.reason == "tool_calls" and not tool_calls:
+        return "end_turn", None
     return STOP_REASONS.get(finish.reason, "end_turn"), None
 
 
-def _input(call_id: str, arguments: str) -> Any:
+def tool_input(arguments: str) -> dict[str, Any] | None:
+    """A call's arguments as the object a tool_use block holds; None when they are not one."""
     try:
         value = json_io.loads(arguments or "{}")
     except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise BackendError(f"the arguments of tool call {call_id} are not a JSON object")
-    return value
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def call_text(call: CollectedCall) -> str:
+    """A call that is no tool_use block, as the text the model wrote for it."""
+    return f'{{"name": {json_io.dumps(call.name).decode()}, "arguments": {call.arguments}}}'
 
 
 def message_body(meta: MessageMeta, turn: Collected) -> dict[str, Any]:
     """A whole ``message`` object."""
-    content: list[dict[str, Any]] = []
-    if turn.text:
-        content.append({"type": "text", "text": turn.text})
-    content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": _input(c.id, c.arguments)}
-                for c in turn.calls]
-    reason, sequence = stop_reason(turn.finish)
+    text, blocks = turn.text, []
+    for call in turn.calls:
+        value = tool_input(call.arguments)
+        if value is None:
+            text += call_text(call)
+        else:
+            blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": value})
+    content = [{"type": "text", "text": text}] if text else []
+    reason, sequence = stop_reason(turn.finish, bool(blocks))
     return {"id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
-            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "content": content + blocks, "stop_reason": reason, "stop_sequence": sequence,
             "usage": anthropic_usage(turn.finish.usage)}
 
 
@@ -114,62 +136,102 @@ async def message_json(meta: MessageMeta,
 
 async def message_stream(meta: MessageMeta,
                          events: AsyncGenerator[OutputEvent, None]) -> AsyncGenerator[bytes, None]:
-    """The SSE events of a message."""
-    yield _event("message_start", message={
-        "id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
-        "content": [], "stop_reason": None, "stop_sequence": None,
-        "usage": {"input_tokens": meta.input_tokens, "output_tokens": 0}})
-    yield _event("ping")
+    """The SSE events of a message: ``message_start`` once the engine has prefilled (its
+    first piece, or the end, has come), so its usage is the engine's own where it tells it."""
     blocks = _Blocks()
     end = TurnEnd()
+    started: Usage | None = None
     try:
         async with aclosing(end.content(events)) as content:  # closed with this stream
             async for event in content:
+                if started is None:
+                    started = _input_usage(meta, end)
+                    yield _start(meta, started)
                 for chunk in blocks.add(event):
                     yield chunk
+            if started is None:
+                started = _input_usage(meta, end)
+                yield _start(meta, started)
     except BackendError as exc:  # the status is long sent: end the stream with the reason
+        if started is None:
+            yield _start(meta, meta.usage)
         for chunk in blocks.close():
             yield chunk
         yield sse_event(anthropic_error_body(500, str(exc)), "error")
         return
     for chunk in blocks.close():
         yield chunk
-    reason, sequence = stop_reason(end.finish)
+    reason, sequence = stop_reason(end.finish, blocks.tool_uses > 0)
+    usage = Usage(started.prompt_tokens, end.finish.usage.completion_tokens,
+                  started.cached_tokens)
     yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                 usage=anthropic_usage(end.finish.usage))
+                 usage=anthropic_usage(usage))
     yield _event("message_stop")
 
 
+def _input_usage(meta: MessageMeta, end: TurnEnd) -> Usage:
+    return meta.usage if end.prefilled is None else end.prefilled.usage
+
+
+def _start(meta: MessageMeta, usage: Usage) -> bytes:
+    start = _event("message_start", message={
+        "id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": anthropic_usage(Usage(usage.prompt_tokens, 0, usage.cached_tokens))})
+    return start + _event("ping")
+
+
 class _Blocks:
-    """Content blocks opened and closed as the kind of event changes."""
+    """Content blocks opened and closed as the kind of event changes; a tool call is held
+    until it is whole, then sent as a tool_use block, or as text if it is not one."""
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: tuple[str, int] | None = None  # ("text", 0) or ("tool", call index)
+        self.open: str | None = None            # "text" or "tool"
+        self.call: CollectedCall | None = None  # the call being held
+        self.call_index: int | None = None
+        self.tool_uses = 0
 
     def add(self, event: TextDelta | ToolCallDelta) -> list[bytes]:
-        out: list[bytes] = []
         if isinstance(event, TextDelta):
-            if self.open != ("text", 0):
-                out += self._start(("text", 0), {"type": "text", "text": ""})
-            out.append(self._delta({"type": "text_delta", "text": event.text}))
-            return out
-        if self.open != ("tool", event.index):
-            block = {"type": "tool_use", "id": event.id or new_call_id("toolu_"),
-                     "name": event.name or "", "input": {}}
-            out += self._start(("tool", event.index), block)
-        if event.arguments:
-            out.append(self._delta({"type": "input_json_delta", "partial_json": event.arguments}))
+            return self._flush_call() + self._text(event.text)
+        out: list[bytes] = []
+        if self.call is None or self.call_index != event.index:
+            out += self._flush_call()
+            self.call = CollectedCall(event.id or new_call_id("toolu_"), event.name or "")
+            self.call_index = event.index
+        self.call.arguments += event.arguments
         return out
 
     def close(self) -> list[bytes]:
+        return self._flush_call() + self._close_block()
+
+    def _flush_call(self) -> list[bytes]:
+        call, self.call, self.call_index = self.call, None, None
+        if call is None:
+            return []
+        if tool_input(call.arguments) is None:
+            return self._text(call_text(call))
+        self.tool_uses += 1
+        out = self._start("tool", {"type": "tool_use", "id": call.id, "name": call.name,
+                                   "input": {}})
+        out.append(self._delta({"type": "input_json_delta",  # as written: big ints exact
+                                "partial_json": call.arguments or "{}"}))
+        return out + self._close_block()
+
+    def _text(self, text: str) -> list[bytes]:
+        out = [] if self.open == "text" else self._start("text", {"type": "text", "text": ""})
+        out.append(self._delta({"type": "text_delta", "text": text}))
+        return out
+
+    def _close_block(self) -> list[bytes]:
         if self.open is None:
             return []
         self.open = None
         return [_event("content_block_stop", index=self.index)]
 
-    def _start(self, kind: tuple[str, int], block: dict[str, Any]) -> list[bytes]:
-        out = self.close()
+    def _start(self, kind: str, block: dict[str, Any]) -> list[bytes]:
+        out = self._close_block()
         self.index += 1
         self.open = kind
         out.append(_event("content_block_start", index=self.index, content_block=block))

@@ -8,7 +8,8 @@ out, and the typed figures an engine reports.
     backend.generate(request)         BackendOutput text deltas (and tool calls, for engines
                                       that parse them out of the text when the request gives
                                       tools); the last one has the finish reason and the
-                                      usage; closing the iterator cancels
+                                      usage (one before the text may have the prompt's usage
+                                      alone, once prefilled); closing the iterator cancels
     API layer ── formats the outputs in its own shape (JSON or SSE)
 
 An engine is anything with these calls (``ChatBackend``); the sidecar finds one by name through
@@ -88,7 +89,8 @@ class ToolCall:
 @dataclass(frozen=True, slots=True)
 class BackendOutput:
     """A text delta (or tool calls); the last output of a generation carries its finish
-    reason and usage."""
+    reason and usage. An engine that knows the prompt's counts once it is prefilled (how many
+    tokens it restored) may say so first: an output with that usage and no finish reason."""
 
     text: str = ""
     finish_reason: str | None = None   # "stop", "length" or "tool_calls" on the last output

@@ -5,6 +5,9 @@ that speaks chat completions.
     TextDelta      a piece of the answer's text
     ToolCallDelta  a piece of one tool call: its first piece has the call's id and name, the
                    rest add to its arguments (JSON text)
+    Prefilled      the prompt's counts once the engine has prefilled it (how many tokens it
+                   restored), before the answer's first piece; a source that cannot tell
+                   (an upstream's chat completion) sends none
     Finish         the last event: "stop", "length" or "tool_calls", the usage, and the stop
                    string that ended the turn when one did
 
@@ -36,13 +39,18 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class Prefilled:
+    usage: Usage    # prompt_tokens and cached_tokens; completion_tokens 0
+
+
+@dataclass(frozen=True, slots=True)
 class Finish:
     reason: str
     usage: Usage = Usage(0, 0)
     stop_sequence: str | None = None
 
 
-OutputEvent = TextDelta | ToolCallDelta | Finish
+OutputEvent = TextDelta | ToolCallDelta | Prefilled | Finish
 
 
 def new_call_id(prefix: str = "call_") -> str:
@@ -57,6 +65,8 @@ async def backend_events(backend: ChatBackend,
     calls = 0
     async with aclosing(backend.generate(request)) as outputs:
         async for out in outputs:
+            if out.usage is not None and out.finish_reason is None:
+                yield Prefilled(out.usage)
             if out.text:
                 yield TextDelta(out.text)
             for call in out.tool_calls:
@@ -69,10 +79,11 @@ async def backend_events(backend: ChatBackend,
 
 @dataclass
 class TurnEnd:
-    """How a streamed turn finished, noted while its content events pass through ``content``
-    (a turn that ends without a ``Finish`` reads as cut at its length)."""
+    """How a streamed turn started and finished, noted while its content events pass through
+    ``content`` (a turn that ends without a ``Finish`` reads as cut at its length)."""
 
     finish: Finish = Finish("length")
+    prefilled: Prefilled | None = None
 
     async def content(self, events: AsyncGenerator[OutputEvent, None]
                       ) -> AsyncGenerator[TextDelta | ToolCallDelta, None]:
@@ -80,6 +91,8 @@ class TurnEnd:
             async for event in events:
                 if isinstance(event, Finish):
                     self.finish = event
+                elif isinstance(event, Prefilled):
+                    self.prefilled = event
                 else:
                     yield event
 
@@ -116,7 +129,7 @@ async def collect(events: AsyncGenerator[OutputEvent, None]) -> Collected:
                                                                  event.name or "")
                     turn.calls.append(call)
                 call.arguments += event.arguments
-            else:
+            elif isinstance(event, Finish):
                 turn.finish = event
     turn.text = "".join(parts)
     return turn

@@ -17,15 +17,19 @@ The mapping (docs/agent-apis.md has it with examples):
     tools [{type: function, name, description, parameters}]
                                                   -> function tools {name, description, parameters}
 
-Not rendered: reasoning items, ``reasoning``, ``metadata``, ``truncation``, ``user``. Refused
-with a 400: tools other than function tools (built-in tools run on OpenAI's side), item types
-other than those above (item_reference, built-in tool calls), input_file and file_id images,
-``background``, ``conversation``, ``prompt``; on the in-process engine, a ``text.format`` other
-than plain text (it has no structured outputs).
+Not rendered: reasoning items, ``reasoning``, ``metadata``, ``truncation``, ``user``. To an
+upstream that speaks only chat completions: ``text.format`` as ``response_format``,
+``reasoning.effort`` as ``reasoning_effort``, ``text.verbosity`` as ``verbosity``, and the
+sampling fields only when sent. Refused with a 400: tools other than function tools (built-in
+tools run on OpenAI's side), item types other than those above (item_reference, built-in tool
+calls), input_file and file_id images, ``background``, ``conversation``, ``prompt``; on the
+in-process engine, ``text.format`` other than plain text (it has no structured outputs),
+``reasoning.effort`` and ``text.verbosity``.
 """
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -34,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from ..errors import InvalidRequestError
 from ..http.errors import BadRequest
-from .agent_call import AgentCall
+from .agent_call import AgentCall, sent_fields, sent_options
 from .backend import SamplingParams
 from .conversation import (
     Conversation,
@@ -49,10 +53,14 @@ from .conversation import (
     tool_result,
 )
 from .fields import specprefill_params
+from .responses_store import StoredResponse
 
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 NOT_SUPPORTED = ("background", "conversation", "prompt")
+# Honoured only by an upstream that serves Responses (no chat-completion equivalent, no engine
+# support): refused wherever the request is converted.
+NATIVE_ONLY = ("max_tool_calls", "top_logprobs")
 
 
 class ResponsesRequest(BaseModel):
@@ -90,10 +98,13 @@ class ResponsesCall:
     request: ResponsesRequest
     history: list[Any]          # the items of previous_response_id's conversation
     input_items: list[Any]      # this request's input, as items
+    # False when previous_response_id is not known here and the request goes as it is to an
+    # upstream that keeps its own responses (it decides; this turn is not kept here).
+    previous_known: bool = True
 
     @property
     def store(self) -> bool:
-        return self.request.store is not False
+        return self.request.store is not False and self.previous_known
 
     def echo(self) -> dict[str, Any]:
         """The request's fields as a response object repeats them (OpenAI's defaults where
@@ -116,24 +127,39 @@ class ResponsesCall:
         input and ``response``'s output."""
         return [*self.history, *self.input_items, *response.get("output", [])]
 
+    def record(self, response: Mapping[str, Any]) -> StoredResponse:
+        """What is kept of this turn: ``response``, its conversation, its input items (each
+        given an id, which ``input_items`` lists and pages by)."""
+        inputs = [item if not isinstance(item, dict) or "id" in item
+                  else {"id": new_item_id(item), **item} for item in self.input_items]
+        start = len(self.history)
+        return StoredResponse(dict(response), [*self.history, *inputs,
+                                               *response.get("output", [])],
+                              start, start + len(inputs))
+
 
 def parse_responses_body(body: Mapping[str, Any],
-                         history_of: Callable[[str], list[Any] | None]) -> ResponsesCall:
+                         history_of: Callable[[str], list[Any] | None], *,
+                         forward_unknown: bool = False) -> ResponsesCall:
     """The call a Responses body asks for. ``history_of(id)`` gives a stored response's items
-    (None: unknown to this tenant: a 400 ``previous_response_not_found``, OpenAI's answer)."""
+    (None: unknown to this tenant: a 400 ``previous_response_not_found``, OpenAI's answer --
+    or, with ``forward_unknown``, a call without that history, for an upstream that keeps
+    responses itself to resolve)."""
     req = ResponsesRequest.model_validate(body)
     for name in NOT_SUPPORTED:
         if body.get(name) not in (None, False):
             raise InvalidRequestError(f"{name} is not supported by this server",
                                       code="unsupported_parameter")
     history: list[Any] = []
+    known = True
     if req.previous_response_id is not None:
         found = history_of(req.previous_response_id)
-        if found is None:
+        known = found is not None
+        if found is None and not forward_unknown:
             raise BadRequest(f"Previous response with id {req.previous_response_id!r} not "
                              "found.", code="previous_response_not_found",
                              param="previous_response_id")
-        history = found
+        history = found or []
     items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) \
         else list(req.input)
     messages: list[MessageDict] = []
@@ -152,7 +178,10 @@ def parse_responses_body(body: Mapping[str, Any],
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
     )
-    options: dict[str, Any] = {}
+    options = sent_options(temperature=req.temperature, top_p=req.top_p,
+                           response_format=_response_format(req.text),
+                           verbosity=(req.text or {}).get("verbosity"),
+                           reasoning_effort=_reasoning_effort(req.reasoning))
     if req.tool_choice is not None:
         options["tool_choice"] = _tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
@@ -161,8 +190,15 @@ def parse_responses_body(body: Mapping[str, Any],
                                                                 req.chat_template_kwargs),
                      sampling=sampling, specprefill=specprefill_params(body),
                      stream=bool(req.stream), chat_options=options,
-                     engine_refusal=_format_refusal(req.text))
-    return ResponsesCall(call, req, history, items)
+                     engine_refusal=_engine_refusal(options),
+                     native_only=sent_fields(body, NATIVE_ONLY))
+    return ResponsesCall(call, req, history, items, known)
+
+
+def new_item_id(item: Mapping[str, Any]) -> str:
+    """An id for an input item that came without one, prefixed as OpenAI's are."""
+    prefix = {"function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    return f"{prefix.get(item.get('type'), 'msg')}_{uuid.uuid4().hex}"
 
 
 def _item(item: Any, where: str, out: list[MessageDict]) -> None:
@@ -240,8 +276,39 @@ def _tool_choice(choice: str | dict[str, Any]) -> Any:
                               "{\"type\": \"function\", \"name\": ...}")
 
 
-def _format_refusal(text: dict[str, Any] | None) -> str | None:
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``text.format`` as a chat completion's ``response_format`` (None: plain text)."""
     fmt = (text or {}).get("format")
     if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
         return None
-    return "text.format other than {\"type\": \"text\"} is not supported by this engine"
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema"
+            and isinstance(fmt.get("name"), str) and isinstance(fmt.get("schema"), dict)):
+        raise InvalidRequestError("text.format must be {\"type\": \"text\"}, {\"type\": "
+                                  "\"json_object\"} or {\"type\": \"json_schema\", \"name\", "
+                                  "\"schema\", \"strict\"?, \"description\"?}")
+    schema = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise InvalidRequestError("reasoning.effort must be a string")
+    return effort
+
+
+# Options an in-process engine cannot honour, by the Responses field the client named.
+ENGINE_REFUSED = {"response_format": "text.format other than {\"type\": \"text\"} (no "
+                                     "structured outputs)",
+                  "reasoning_effort": "reasoning.effort (no reasoning control; a template's "
+                                      "own switch goes in chat_template_kwargs)",
+                  "verbosity": "text.verbosity"}
+
+
+def _engine_refusal(options: Mapping[str, Any]) -> str | None:
+    for option, field in ENGINE_REFUSED.items():
+        if option in options:
+            return f"{field} is not supported by this engine"
+    return None

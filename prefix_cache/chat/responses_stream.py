@@ -7,8 +7,9 @@ a function call: ``response.function_call_arguments.delta`` ..., ``.done``), the
 (status "incomplete", ``incomplete_details.reason`` "max_output_tokens"), as OpenAI's API does.
 An engine failure mid-stream ends it with ``response.failed``.
 
-``done(response)`` is called with the final response object (completed or incomplete) before
-its last event leaves, so a caller can keep it for ``previous_response_id``.
+``done(response)`` is awaited with the final response object (completed or incomplete) before
+its last event leaves, so a caller keeps it for ``previous_response_id`` before the client can
+send the next turn.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -39,7 +40,7 @@ from .events import (
 
 log = logging.getLogger("prefix_cache.service")
 
-Done = Callable[[dict[str, Any]], None]
+Done = Callable[[dict[str, Any]], Awaitable[None]]
 MAX_RECORDED_BYTES = 16 << 20  # a relayed answer larger than this is relayed, not kept
 
 
@@ -122,7 +123,7 @@ async def response_json(meta: ResponseMeta, events: AsyncGenerator[OutputEvent, 
                         done: Done) -> dict[str, Any]:
     turn = await collect(events)
     response = response_object(meta, _status(turn.finish), output_items(turn), turn.finish.usage)
-    done(response)
+    await done(response)
     return response
 
 
@@ -147,7 +148,7 @@ async def response_stream(meta: ResponseMeta, events: AsyncGenerator[OutputEvent
     for chunk in out.close(status):
         yield chunk
     response = response_object(meta, status, out.items, end.finish.usage)
-    done(response)
+    await done(response)
     kind = "response.incomplete" if status == "incomplete" else "response.completed"
     yield out.event(kind, response=response)
 
@@ -227,8 +228,9 @@ class _Items:
 class RelayedResponseRecorder:
     """Reads a Responses answer relayed from an upstream that serves the API itself (JSON, or
     SSE ending in ``response.completed``/``response.incomplete``) and hands its final response
-    object to ``done``. It never raises: an answer it cannot read is relayed all the same and
-    simply not kept."""
+    object to ``done`` -- for SSE before the chunk with that event is relayed, so it is kept
+    before the client can chain on it. It never raises: an answer it cannot read is relayed
+    all the same and simply not kept."""
 
     def __init__(self, stream: bool, done: Done, max_bytes: int = MAX_RECORDED_BYTES) -> None:
         self.stream, self.done, self.max_bytes = stream, done, max_bytes
@@ -238,13 +240,16 @@ class RelayedResponseRecorder:
         self._final: dict[str, Any] | None = None
         self._broken = False
 
-    def feed(self, chunk: bytes) -> None:
+    async def feed(self, chunk: bytes) -> None:
         if self._broken:
             return
         try:
             if self._decoder is not None:
                 for event in self._decoder.feed(chunk):
                     self._event(event.data)
+                if self._final is not None:
+                    final, self._final = self._final, None
+                    await self._keep(final)
             else:
                 assert self._body is not None
                 self._size += len(chunk)
@@ -255,14 +260,19 @@ class RelayedResponseRecorder:
         except Exception:  # a record we cannot read is not kept; the relay goes on
             self._broken = True
 
-    def end(self) -> None:
-        if self._broken:
+    async def end(self) -> None:
+        if self._broken or self._body is None:
             return
         try:
-            if self._body is not None:
-                self._final = _response_of(json_io.loads(b"".join(self._body)))
-            if self._final is not None:
-                self.done(self._final)
+            final = _response_of(json_io.loads(b"".join(self._body)))
+        except ValueError:
+            return
+        if final is not None:
+            await self._keep(final)
+
+    async def _keep(self, final: dict[str, Any]) -> None:
+        try:
+            await self.done(final)
         except Exception:
             log.warning("a relayed response could not be kept for previous_response_id")
 

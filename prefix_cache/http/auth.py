@@ -6,6 +6,17 @@ import base64
 import binascii
 import hmac
 
+from .errors import is_anthropic_path
+
+BEARER_HINT = "'Authorization: Bearer KEY'"
+X_API_KEY_HINT = "'x-api-key: KEY' (or 'Authorization: Bearer KEY')"
+
+
+def key_hint(path: str) -> str:
+    """How a 401 tells the caller to send its key: as its API's clients send one (Anthropic's:
+    ``x-api-key``; both headers are read on every path)."""
+    return X_API_KEY_HINT if is_anthropic_path(path) else BEARER_HINT
+
 
 def bearer_key(authorization: str | None) -> str | None:
     """The key of an ``Authorization: Bearer KEY`` header, or None."""

@@ -70,11 +70,15 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[T | No
 
 
 class RelayTap(Protocol):
-    """Sees what is relayed (to keep a record of it); it never changes or delays a byte."""
+    """Sees what is relayed (to keep a record of it); it never changes a byte, and delays one
+    only while it keeps the record that byte completes."""
 
-    def feed(self, chunk: bytes) -> None: ...
+    async def feed(self, chunk: bytes) -> None:
+        """A chunk about to be relayed (awaited first: a record it completes is kept before
+        the client sees it)."""
+        ...
 
-    def end(self) -> None:
+    async def end(self) -> None:
         """The whole body was relayed."""
         ...
 
@@ -112,10 +116,10 @@ class RelayResponse(Response):
         try:
             async for chunk in self.upstream.aiter_raw():
                 if self.tap is not None:
-                    self.tap.feed(chunk)
+                    await self.tap.feed(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             if self.tap is not None:
-                self.tap.end()
+                await self.tap.end()
         except httpx.HTTPError as exc:
             # The status is long sent; what is left is to end the body so the client sees why.
             log.warning("upstream failed mid-response: %r", exc)

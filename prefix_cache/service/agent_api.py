@@ -13,8 +13,11 @@ boundary resolved in the caller's namespace, then the request goes to the model'
   (JSON or SSE) converted back to the API's shape.
 
 Every refusal (a bad body, an unknown ``previous_response_id``, a parameter the engine does not
-honour) happens before the boundary is resolved, so a refused request caches nothing. Errors
-have the API's own shape (``prefix_cache.http.errors``).
+honour) happens before the boundary is resolved, so a refused request caches nothing. An
+unknown ``previous_response_id`` is refused only where the sidecar answers itself: an upstream
+that serves Responses gets it as it was sent (it keeps its own responses, and decides). Errors
+have the API's own shape (``prefix_cache.http.errors``). Stored responses are read and deleted
+through ``prefix_cache.chat.responses_routes``, the router ``serve-engine`` mounts too.
 """
 
 from __future__ import annotations
@@ -37,10 +40,12 @@ from ..chat.anthropic_stream import (
     message_json,
     message_stream,
 )
+from ..chat.backend import Usage
 from ..chat.events import OutputEvent, backend_events
 from ..chat.openai_chunks import completion_events
 from ..chat.respond import json_response, stream_response
 from ..chat.responses_params import ResponsesRequest, parse_responses_body
+from ..chat.responses_routes import ResponsesScope, stored_responses_router
 from ..chat.responses_stream import (
     RelayedResponseRecorder,
     ResponseMeta,
@@ -61,6 +66,14 @@ from .state import ServiceState
 
 router = APIRouter()
 
+
+async def _responses_scope(state: State, tenant: Tenant) -> ResponsesScope:
+    return ResponsesScope(state.responses, tenant)
+
+
+router.include_router(stored_responses_router(
+    _responses_scope, lambda ok: docs.responses(ok, 400, 401, 403, 404, 503)))
+
 Events = AsyncGenerator[OutputEvent, None]
 # Answers a turn's events in the API's shape: (events, prompt tokens, headers) -> response.
 Answer = Callable[[Events, int, dict[str, str]], Awaitable[Response]]
@@ -75,10 +88,12 @@ async def messages(request: Request, state: State, tenant: Tenant) -> Response:
         raw, body = await read_body(request, state)
         call = parse_messages_body(body)
         model = state.models.get(call.model)
-        result = await _prepare(state, tenant, model, call, len(raw))
+        result = await _prepare(state, tenant, model, call, len(raw), "messages")
 
     async def answer(events: Events, prompt_tokens: int, headers: dict[str, str]) -> Response:
-        meta = MessageMeta(new_id("msg"), call.model or model.name, prompt_tokens)
+        # Before generating, the sidecar knows the prompt and, on a hit, its static prefix.
+        read = result.specprefill_system_end if result.hit else 0
+        meta = MessageMeta(new_id("msg"), call.model or model.name, Usage(prompt_tokens, 0, read))
         if call.stream:
             return stream_response(message_stream(meta, events), headers)
         return await json_response(request, message_json(meta, events), headers)
@@ -96,9 +111,8 @@ async def count_tokens(request: Request, state: State, tenant: Tenant) -> Respon
     (the boundary is resolved on the way, so the agent's first turn is then a hit)."""
     async with state.limits.slot(tenant):
         raw, body = await read_body(request, state)
-        model_name = body.get("model")
         conversation = messages_conversation(body)
-        model = state.models.get(model_name if isinstance(model_name, str) else None)
+        model = state.models.get(_model_name(body))
         result = await resolve(state, model, tenant, len(raw), conversation.messages,
                                conversation.tools, conversation.chat_template_kwargs)
     return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
@@ -112,34 +126,48 @@ async def count_tokens(request: Request, state: State, tenant: Tenant) -> Respon
 async def responses(request: Request, state: State, tenant: Tenant) -> Response:
     async with state.limits.slot(tenant):
         raw, body = await read_body(request, state)
-        parsed = parse_responses_body(body, lambda rid: state.responses.get(tenant, rid))
+        model = state.models.get(_model_name(body))
+        upstream = model.upstream if model.engine is None else None
+        owned_upstream = upstream is not None and upstream.speaks("responses")
+        previous = body.get("previous_response_id")
+        found = await state.responses.get(tenant, previous) if isinstance(previous, str) \
+            else None
+        parsed = parse_responses_body(body, lambda _: None if found is None else found.items,
+                                      forward_unknown=owned_upstream)
         call = parsed.call
-        model = state.models.get(call.model)
-        result = await _prepare(state, tenant, model, call, len(raw))
+        result = await _prepare(state, tenant, model, call, len(raw), "responses")
     meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo())
 
-    def keep(response: dict[str, Any]) -> None:
+    async def keep(response: dict[str, Any]) -> None:
         if parsed.store:
-            state.responses.put(tenant, response["id"], parsed.conversation_items(response))
+            await state.responses.put(tenant, parsed.record(response))
 
     async def answer(events: Events, _: int, headers: dict[str, str]) -> Response:
         if call.stream:
             return stream_response(response_stream(meta, events, keep), headers)
         return await json_response(request, response_json(meta, events, keep), headers)
 
+    # Without the history, the prompt ids cut here are not the upstream's prompt: it renders
+    # the conversation it keeps itself (the boundary, the static part's end, still holds).
     return await _generate(request, state, tenant, model, "responses", raw, body, call, result,
                            answer, tap=RelayedResponseRecorder(call.stream, keep),
-                           error_event=_responses_error_event)
+                           error_event=_responses_error_event,
+                           with_prompt_ids=parsed.previous_known)
+
+
+def _model_name(body: dict[str, Any]) -> str | None:
+    name = body.get("model")
+    return name if isinstance(name, str) else None
 
 
 async def _prepare(state: ServiceState, tenant: str, model: ServedModel, call: AgentCall,
-                   body_size: int) -> PrefixResult:
+                   body_size: int, api: str) -> PrefixResult:
     """The conversation's boundary, once the model can serve the call (a refused request
     caches nothing)."""
     if model.engine is not None:
         call.check_engine_support()
-    else:
-        model.require_upstream()
+    elif not model.require_upstream().speaks(api):
+        call.check_chat_support()
     conversation = call.conversation
     return await resolve(state, model, tenant, body_size, conversation.messages,
                          conversation.tools, conversation.chat_template_kwargs)
@@ -148,7 +176,8 @@ async def _prepare(state: ServiceState, tenant: str, model: ServedModel, call: A
 async def _generate(request: Request, state: ServiceState, tenant: str, model: ServedModel,
                     api: str, raw: bytes, body: dict[str, Any], call: AgentCall,
                     result: PrefixResult, answer: Answer, tap: RelayTap | None = None,
-                    error_event: Callable[[str], bytes] | None = None) -> Response:
+                    error_event: Callable[[str], bytes] | None = None,
+                    with_prompt_ids: bool = True) -> Response:
     """Generate where the model runs, with the boundary ``_prepare`` resolved."""
     headers = cache_headers(result)
     if model.engine is not None:
@@ -159,7 +188,8 @@ async def _generate(request: Request, state: ServiceState, tenant: str, model: S
                             headers)
     upstream = model.require_upstream()
     if upstream.speaks(api):
-        content = upstream.forward_content(raw, body, result, namespace=tenant)
+        content = upstream.forward_content(raw, body, result, namespace=tenant,
+                                           with_prompt_ids=with_prompt_ids)
         response = await _open(request, state, model, api, content)
         return RelayResponse(response, headers, tap, error_event)
     chat = call.chat_body(call.model or model.name)

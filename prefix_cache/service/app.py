@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from ..cache import StaticPrefixCache
 from ..chat.anthropic_params import MessagesRequest
 from ..chat.responses_params import ResponsesRequest
-from ..chat.responses_store import ResponseStore
+from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
 from ..engine_metrics import EngineCollector
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
@@ -44,6 +44,7 @@ BODY_MODELS = (ChatCompletionRequest, PrefixBoundaryRequest, MessagesRequest, Co
 # Connections kept to the upstreams: enough for many concurrent streams, bounded all the same.
 MAX_UPSTREAM_CONNECTIONS = 512
 UPSTREAM_KEEPALIVE_EXPIRY_S = 2.0
+RESPONSES_TIMEOUT_S = 1.0  # the longest wait for a stored response in the shared store
 
 
 def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
@@ -56,6 +57,20 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
     except ImportError as exc:
         raise ValueError(f"--redis {settings.redis_url}: the Redis store is not available: "
                          f"{exc}") from exc
+
+
+def open_response_store(settings: ServiceSettings) -> ResponseStore:
+    """Stored responses: in the shared store when there is one (any worker or replica finds
+    them; Redis alone, no memory tier, so a delete holds everywhere at once), else in this
+    worker."""
+    if settings.uses_memory_store:
+        return MemoryResponses(settings.responses_store_bytes)
+    # Its own connections, breaker and a longer wait than a lookup's: a response is data the
+    # client needs back, not a cache entry a recompute replaces.
+    shared = open_store(settings.redis_url, tiered=False, timeout_seconds=max(
+        settings.redis_timeout_s, RESPONSES_TIMEOUT_S))
+    return SharedResponses(shared, max_bytes=settings.responses_store_bytes,
+                           ttl_seconds=settings.responses_store_ttl_s)
 
 
 def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:
@@ -79,7 +94,7 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     limits = TenantLimits.from_settings(settings, callers.tenant_limits)
     return ServiceState(settings, registry, keyring, store, cache, metrics, limits,
                         Drain(settings.shutdown_grace_s),
-                        responses=ResponseStore(settings.responses_store_bytes))
+                        responses=open_response_store(settings))
 
 
 def create_app(settings: ServiceSettings | None = None, *,
@@ -109,6 +124,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             await state.client.aclose()
             await asyncio.to_thread(state.models.close)  # in-process engines, if any
             await state.store.aclose()  # the loop's Redis connections, closed on their loop
+            await state.responses.aclose()
             state.cache.close()
             mark_process_dead()
 

@@ -6,7 +6,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
-from ..http.auth import client_authorization
+from ..http.auth import client_authorization, key_hint
 from ..http.body import read_json_object
 from .state import ServiceState
 
@@ -24,7 +24,8 @@ State = Annotated[ServiceState, Depends(get_state)]
 async def get_tenant(request: Request, state: State) -> str:
     """The caller's namespace, from its API key (401/403 if it has none)."""
     return state.keyring.tenant_for(client_authorization(request.headers.get("authorization"),
-                                                         request.headers.get("x-api-key")))
+                                                         request.headers.get("x-api-key")),
+                                    key_hint(request.url.path))
 
 
 Tenant = Annotated[str, Depends(get_tenant)]

@@ -97,7 +97,11 @@ class ServiceSettings(BaseSettings):
         "specprefill, none for openai, whose agent requests go as chat completions)")
     responses_store_bytes: int = Field(
         default=32 << 20, gt=0, description="bytes of recent /v1/responses one tenant's "
-        "previous_response_id can refer to (in-process)")
+        "previous_response_id can refer to, per worker (with --redis: the largest one "
+        "response kept in the shared store, where any worker or replica finds it)")
+    responses_store_ttl_s: float = Field(
+        default=24 * 3600.0, gt=0, description="with --redis: how long a stored response "
+        "is kept in the shared store")
     engine: str | None = Field(
         default=None, description="run completions in-process on this engine instead of "
         "--upstream (mlx: the batched MLX engine; it needs --workers 1)",

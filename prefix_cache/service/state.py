@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from ..cache import StaticPrefixCache
-from ..chat.responses_store import ResponseStore
+from ..chat.responses_store import MemoryResponses, ResponseStore
 from ..http.shutdown import Drain
 from ..metrics import Metrics
 from .limits import TenantLimits
@@ -30,7 +30,8 @@ class ServiceState:
     metrics: Metrics
     limits: TenantLimits
     drain: Drain
-    responses: ResponseStore = field(default_factory=ResponseStore)  # previous_response_id
+    # Stored /v1/responses (previous_response_id, GET/DELETE /v1/responses/{id})
+    responses: ResponseStore = field(default_factory=MemoryResponses)
     client: httpx.AsyncClient | None = None  # opened by the app's lifespan, on its event loop
     started_at: int = field(default_factory=lambda: int(time.time()))
 

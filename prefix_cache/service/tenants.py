@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..http.auth import basic_password, bearer_key
+from ..http.auth import BEARER_HINT, basic_password, bearer_key
 from ..http.errors import Forbidden, Unauthorized
 from ..keys import validate_label
 from .config_files import read_config_file
@@ -62,13 +62,14 @@ class KeyRing:
         """The configured namespaces (just "default" when open)."""
         return sorted(set(self._tenants.values())) if self._tenants else [OPEN_NAMESPACE]
 
-    def tenant_for(self, authorization: str | None) -> str:
-        """The namespace of a /v1 request; Unauthorized or Forbidden if it has none."""
+    def tenant_for(self, authorization: str | None, send_as: str = BEARER_HINT) -> str:
+        """The namespace of a /v1 request; Unauthorized or Forbidden if it has none (the 401
+        tells how to send a key: ``send_as``, in the caller's API's terms)."""
         if self.is_open:
             return OPEN_NAMESPACE  # OpenAI clients always send some key: it is not ours to check
         key = bearer_key(authorization)
         if key is None:
-            raise Unauthorized("missing API key: send it as 'Authorization: Bearer KEY'")
+            raise Unauthorized(f"missing API key: send it as {send_as}")
         digest = _digest(key)
         tenant = self._tenants.get(digest)
         if tenant is not None:

@@ -99,9 +99,10 @@ class Upstream:
         return urlunsplit((parts.scheme, parts.netloc, self.health_path, "", ""))
 
     def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PrefixResult,
-                        namespace: str = "default") -> bytes:
+                        namespace: str = "default", with_prompt_ids: bool = True) -> bytes:
         """The bytes to send upstream for a client body (``raw`` parsed is ``body``) of a
-        request in tenant ``namespace``."""
+        request in tenant ``namespace`` (``with_prompt_ids`` False: the upstream renders the
+        prompt itself, the ids cut here being not the whole of it)."""
         if self.kind == "openai" and self.model is None:
             return raw  # unchanged, byte for byte
         out = dict(body)
@@ -109,7 +110,8 @@ class Upstream:
             out["model"] = self.model
         if self.kind == "specprefill":
             out["specprefill_system_end"] = result.specprefill_system_end
-            out["prompt_token_ids"] = result.prompt_ids
+            if with_prompt_ids:
+                out["prompt_token_ids"] = result.prompt_ids
             out["specprefill_namespace"] = namespace
         return json_io.dumps(out)
 
