@@ -234,6 +234,8 @@ class StaticPrefixCache:
         everything_static = n_static == len(messages)
         label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
         if everything_static or (n_static == 0 and not self.protect_default_prefix):
+            # Not keyed, but refused alike: what would be refused in a key is refused here too.
+            keys.canonical_bytes(messages[:n_static], tools, kwargs)
             return _Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
                          namespace, label, started)
         static = messages[:n_static]

@@ -12,8 +12,8 @@ the request: the tokenizer (its whole serialized backend, special tokens and eve
 setting), the template text or Python renderer, what a wrapper injects, and the transformers and
 Jinja versions. It is the same in every process and on every machine, so replicas share entries.
 The tokenizer's fingerprint is computed once and re-checked cheaply on every call (vocabulary
-size, special tokens, ``split_special_tokens``), so a tokenizer changed after first use
-(``add_tokens``) gets a new one.
+size, special tokens, ``split_special_tokens``, the added-tokens table and its flags), so a
+tokenizer changed after first use (``add_tokens``) gets a new one.
 """
 
 from __future__ import annotations
@@ -64,14 +64,23 @@ def tool_choices(tools: Tools) -> tuple[list[Mapping[str, Any]] | None, ...]:
 
 
 def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
-    """What can change how an already fingerprinted tokenizer encodes, read in a microsecond or
-    two: its backend object, vocabulary size with added tokens, special tokens (template
-    variables) and ``split_special_tokens``."""
+    """What can change how an already fingerprinted tokenizer encodes, read in microseconds: its
+    backend object, vocabulary size with added tokens, special tokens (template variables),
+    ``split_special_tokens``, and the added-tokens table with every token's flags.
+
+    The table is what ``add_tokens`` changes even when the vocabulary size does not (a token
+    already in the vocabulary made an added one, or an added token re-added with other flags).
+    It is compared whole (``AddedToken`` equality covers content, special, normalized, lstrip,
+    rstrip and single_word): about 0.4 us per added token (docs/benchmarks.md)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    table = (backend.get_added_tokens_decoder() if backend is not None
+             else dict(getattr(tokenizer, "added_tokens_decoder", {})))
     return (
-        id(getattr(tokenizer, "backend_tokenizer", None)),
+        id(backend),
         len(tokenizer),
         bool(getattr(tokenizer, "split_special_tokens", False)),
         tokenizer.special_tokens_map,
+        table,
     )
 
 
@@ -266,6 +275,7 @@ class TemplateRenderer:
                                  sanitize_control_tokens=False)
             return list(out["input_ids"])
         except Exception as exc:
+            _check_text(text)  # a lone surrogate in the request's own text is the client's fault
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
 
     def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
@@ -311,6 +321,15 @@ class TemplateRenderer:
         return self.target.apply_chat_template(
             messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
             tokenize=tokenize, **kwargs)
+
+
+def _check_text(text: str) -> None:
+    """InvalidRequestError if ``text`` is not Unicode text (it holds a lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"the prompt is not Unicode text: a lone surrogate "
+                                  f"({exc.object[exc.start:exc.end]!r})") from None
 
 
 def _template_message(exc: Exception) -> str:
