@@ -51,8 +51,9 @@ class PrefixResult:
     specprefill_system_end: int
     prompt_ids: list[int]
     cache: str          # "hit", "miss", or "none" when there is no static part
-    key: str            # "" when cache == "none"
+    key: str            # "" when cache == "none", or when the render cannot be cached
     static_tokens: int = 0  # length of the template's static scaffold (>= the boundary)
+    uncacheable: str | None = None  # why this render is never cached (a "miss" every time)
 
     @property
     def hit(self) -> bool:
@@ -91,7 +92,12 @@ class _Plan:
     @property
     def memo_key(self) -> tuple[str, int] | None:
         """What fixes the tools' content: the key and its independent check value."""
-        return (self.key, self.check) if self.static is not None else None
+        return (self.key, self.check) if self.key else None
+
+    @property
+    def cached(self) -> bool:
+        """Whether this request reads and writes the store (it has a key)."""
+        return bool(self.key)
 
 
 class StaticPrefixCache:
@@ -151,7 +157,7 @@ class StaticPrefixCache:
             given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
             if plan.static is None:
                 return self._none(plan, given if given is not None else self._prepare(plan, None, None)[0])
-            stored = self._read(plan, self._get(plan.key))
+            stored = self._read(plan, self._get(plan.key)) if plan.cached else None
             cache = MISS if stored is None else HIT
             if given is not None:
                 entry = stored if stored is not None else self._await_flight_sync(plan)
@@ -191,7 +197,7 @@ class StaticPrefixCache:
                 if given is None:
                     given = (await loop.run_in_executor(run, self._prepare, plan, None, None))[0]
                 return self._none(plan, given)
-            stored = self._read(plan, await self._aget(plan.key))
+            stored = self._read(plan, await self._aget(plan.key)) if plan.cached else None
             cache = MISS if stored is None else HIT
             if given is not None:
                 entry = stored if stored is not None else await self._await_flight(plan, loop)
@@ -239,6 +245,10 @@ class StaticPrefixCache:
             return _Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
                          namespace, label, started)
         static = messages[:n_static]
+        if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
+            keys.canonical_bytes(static, tools, kwargs)
+            return _Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
+                         namespace, label, started)
         date = renderer.date_tag()
         material = keys.key_material(
             namespace=namespace, identity=renderer.identity, static=static,
@@ -317,7 +327,8 @@ class StaticPrefixCache:
                 cache: str) -> PrefixResult:
         if cache == HIT:
             self._events.saved(model=plan.model, seconds=entry.render_seconds)
-        return self._report(plan, PrefixResult(end, prompt.ids, cache, plan.key, entry.n_static))
+        return self._report(plan, PrefixResult(end, prompt.ids, cache, plan.key, entry.n_static,
+                                               plan.renderer.uncacheable))
 
     def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:
         self._events.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
@@ -338,6 +349,8 @@ class StaticPrefixCache:
             return None
 
     def _await_flight_sync(self, plan: _Plan) -> Entry:
+        if not plan.cached:  # computed for this request alone: no flight to share, no store
+            return self._compute(plan)[0]
         flight, leader = self._flights.claim(plan.key)
         if leader:
             self._lead(plan, flight)
@@ -347,6 +360,8 @@ class StaticPrefixCache:
         return entry
 
     async def _await_flight(self, plan: _Plan, loop: asyncio.AbstractEventLoop) -> Entry:
+        if not plan.cached:
+            return (await loop.run_in_executor(self._executor, self._compute, plan))[0]
         flight, leader = self._flights.claim(plan.key)
         if leader:
             loop.run_in_executor(self._executor, self._lead, plan, flight)

@@ -26,7 +26,6 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
@@ -35,6 +34,7 @@ import xxhash
 
 from . import direct_render as direct
 from .errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
+from .template_clock import DAY_FORMAT, NO_CLOCK, ClockUse, clock_use
 
 log = logging.getLogger("prefix_cache")
 
@@ -187,21 +187,31 @@ def _function_identity(function: Callable[..., Any]) -> tuple[str, bool]:
 class TemplateRenderer:
     """Renders one chat template through one renderer; cheap to call, safe from many threads."""
 
-    def __init__(self, target: Any, template: str | None, identity: bytes, uses_date: bool,
-                 tokenizer_digest: bytes = b"") -> None:
+    def __init__(self, target: Any, template: str | None, identity: bytes,
+                 clock: ClockUse = NO_CLOCK, tokenizer_digest: bytes = b"") -> None:
         self.target = target        # what renders: a tokenizer, or a wrapper with its own method
         self.tokenizer = unwrap_tokenizer(target)   # what tokenizes
         self.template = template    # None: the wrapper's Python renderer
         self.identity = identity
-        self.uses_date = uses_date
+        self.clock = clock          # what the render reads from the clock (or randomness)
         self.tokenizer_digest = tokenizer_digest  # the tokenizer's fingerprint (its state)
         self._wrapped = self.tokenizer is not target
         self._direct = direct.compiled(target, template) if not self._wrapped else None
         self._direct_checked = False
 
+    @property
+    def uses_date(self) -> bool:
+        return bool(self.clock.formats)
+
+    @property
+    def uncacheable(self) -> str | None:
+        """Why this render cannot be reproduced by a later request (None: it can)."""
+        return self.clock.uncacheable
+
     def date_tag(self) -> str | None:
-        """Today's date as strftime_now would see it (local time), for templates that read it."""
-        return datetime.now().strftime("%Y-%m-%d") if self.uses_date else None
+        """What strftime_now prints now in the template's own formats (local time), for
+        templates that read the clock: the key's time part."""
+        return self.clock.tag()
 
     def apply(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> list[int]:
         """Token ids of the rendered conversation with the generation prompt, ``tools`` exactly
@@ -403,12 +413,28 @@ def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., 
     digest, descriptor, template_id = memo_key
     identity = xxhash.xxh3_128_digest(b"".join(
         len(part).to_bytes(4, "little") + part for part in (digest, descriptor, template_id.encode())))
-    # transformers exposes strftime_now to templates; those that call it render today's date.
-    uses_date = _function_identity(function)[1] if function else "strftime_now" in (template or "")
+    if function is not None:  # a Python renderer's clock is keyed by the day
+        clock = ClockUse((DAY_FORMAT,)) if _function_identity(function)[1] else NO_CLOCK
+    else:
+        clock = _template_clock(template or "")
     with _lock:
         table = _renderers.setdefault(tokenizer, {})
         if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
             # Per-request templates could grow this without end; the oldest is dropped.
             table.pop(next(iter(table)))
-        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, uses_date,
+        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, clock,
                                                            digest))
+
+
+def _template_clock(template: str) -> ClockUse:
+    """How a Jinja template reads the clock or randomness, parsed in transformers' own
+    environment (its globals and extensions); a template naming none of them has no clock."""
+    if not any(word in template for word in ("strftime_now", "random", "lipsum")):
+        return NO_CLOCK
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        environment = _compile_jinja_template(template).environment
+    except Exception:  # does not compile: its render fails with the template's own message
+        return NO_CLOCK
+    return clock_use(environment, template)

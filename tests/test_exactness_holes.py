@@ -144,3 +144,93 @@ def test_lone_surrogate_in_kwargs_and_tools(qwen3) -> None:
         cache.resolve(qwen3, [SYSTEM, USER], [{"type": "function", "function": {"\ud83d": 1}}],
                       chat_template=DEFAULT_SYSTEM)
     assert cache.stats.errors == 2
+
+
+# -- 3. the clock and randomness in templates --------------------------------------------------
+
+
+def clock_template(expression: str) -> str:
+    """DEFAULT_SYSTEM with ``expression`` printed right after the system text."""
+    return DEFAULT_SYSTEM.replace("{{- '<|im_start|>system\\n' + sys }}",
+                                  "{{- '<|im_start|>system\\n' + sys + ' ' + " + expression + " }}")
+
+
+class FakeClock:
+    """Stands in for ``datetime`` in transformers' strftime_now and in the key's time tag."""
+
+    def __init__(self) -> None:
+        from datetime import datetime
+
+        self.base = datetime
+        self.at = datetime(2026, 12, 4, 10, 0, 5)
+        clock = self
+
+        class Fake(datetime):
+            @classmethod
+            def now(cls, tz: Any = None) -> Any:  # noqa: ARG003 - the signature it replaces
+                return clock.at
+
+        self.fake = Fake
+
+    def set(self, hour: int, minute: int, second: int) -> None:
+        self.at = self.base(2026, 12, 4, hour, minute, second)
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    import transformers.utils.chat_template_utils as ctu
+
+    from prefix_cache import template_clock
+
+    fake = FakeClock()
+    monkeypatch.setattr(ctu, "datetime", fake.fake)
+    monkeypatch.setattr(template_clock, "datetime", fake.fake)
+    return fake
+
+
+LONG_SYSTEM = {"role": "system", "content": "You are the agent of the day; " * 6}
+
+
+def test_minute_format_is_keyed_by_the_minute(qwen3, clock: FakeClock) -> None:
+    template = clock_template("strftime_now('%H:%M')")
+    messages = [LONG_SYSTEM, USER]
+    cache = StaticPrefixCache()
+    seen = []
+    for hour, minute, second in ((10, 0, 5), (10, 0, 40), (10, 1, 2), (11, 1, 2)):
+        clock.set(hour, minute, second)
+        result = cache.resolve(qwen3, messages, chat_template=template)
+        assert result.specprefill_system_end == reference.exact(qwen3, messages, template=template)
+        assert result.prompt_ids == reference.render(qwen3, messages, None, None, template)
+        seen.append((result.cache, result.key))
+    assert [c for c, _ in seen] == ["miss", "hit", "miss", "miss"]
+    assert seen[0][1] == seen[1][1] != seen[2][1] != seen[3][1]
+
+
+@pytest.mark.parametrize("expression", [
+    "strftime_now('%H:%M:%S')", "strftime_now('%s')", "strftime_now('%Y %f')",
+    "strftime_now('%H' ~ ':%M')", "([sys, 'x', 'y'] | random)", "lipsum(1, false)",
+])
+def test_unreproducible_renders_are_never_cached(qwen3, clock: FakeClock, expression: str) -> None:
+    """The issue's example: '%H:%M:%S' was a hit a second later with another render's boundary."""
+    template = clock_template(expression)
+    messages = [LONG_SYSTEM, USER]
+    cache = StaticPrefixCache()
+    for second in (5, 6):
+        clock.set(10, 0, second)
+        result = cache.resolve(qwen3, messages, chat_template=template)
+        assert (result.cache, result.key) == ("miss", "") and result.uncacheable
+        if "random" not in expression and "lipsum" not in expression:  # the fake clock fixes it
+            assert result.specprefill_system_end == reference.exact(qwen3, messages,
+                                                                    template=template)
+    assert len(cache.store) == 0  # type: ignore[arg-type]
+    assert cache.stats.hits == 0 and cache.stats.misses == 2
+
+
+async def test_unreproducible_render_async_is_never_cached(qwen3, clock: FakeClock) -> None:
+    template = clock_template("strftime_now('%T')")
+    cache = StaticPrefixCache()
+    for _ in range(2):
+        result = await cache.aresolve(qwen3, [LONG_SYSTEM, USER], chat_template=template)
+        assert (result.cache, result.key) == ("miss", "")
+        assert result.specprefill_system_end == reference.exact(qwen3, [LONG_SYSTEM, USER],
+                                                                template=template)
