@@ -26,6 +26,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -58,6 +59,25 @@ def tool_choices(tools: Tools) -> tuple[list[Mapping[str, Any]] | None, ...]:
     if tools is None:
         return (None, [])
     return (list(tools),)
+
+
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """How a request's own prompt is rendered (``apply_chat_template``'s parameters of that
+    name). The probes always render with the generation prompt, as the contract defines them;
+    these change only the prompt, and the boundary is cut against that prompt."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message continues the final message, so it needs "
+                "add_generation_prompt false", code="invalid_value")
+
+
+DEFAULT_OPTIONS = RenderOptions()
 
 
 # -- the tokenizer's fingerprint ----------------------------------------------------------------
@@ -213,18 +233,22 @@ class TemplateRenderer:
         templates that read the clock: the key's time part."""
         return self.clock.tag()
 
-    def apply(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> list[int]:
-        """Token ids of the rendered conversation with the generation prompt, ``tools`` exactly
-        as given; TemplateRenderError with the template's own message if it raises."""
+    def apply(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+              options: RenderOptions = DEFAULT_OPTIONS) -> list[int]:
+        """Token ids of the rendered conversation (with the generation prompt unless
+        ``options`` say otherwise), ``tools`` exactly as given; TemplateRenderError with the
+        template's own message if it raises."""
         try:
-            out = self._call(list(messages), None if tools is None else list(tools), kwargs)
+            out = self._call(list(messages), None if tools is None else list(tools), kwargs,
+                             options=options)
             ids = out["input_ids"] if isinstance(out, Mapping) else out
             return list(ids)
         except Exception as exc:
             raise TemplateRenderError(_template_message(exc)) from exc
 
     def render_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                    *, plain: bool = False, memo_key: tuple[str, int] | None = None) -> str:
+                    *, plain: bool = False, memo_key: tuple[str, int] | None = None,
+                    options: RenderOptions = DEFAULT_OPTIONS) -> str:
         """The text ``apply`` tokenizes: the same call with ``tokenize=False``.
 
         ``plain``: ``tools`` and ``kwargs`` are known to be exactly plain JSON data (the cache
@@ -232,16 +256,19 @@ class TemplateRenderer:
         own template without ``render_jinja_template``'s defensive deep copy (``direct_render``:
         the same text), reusing the tools' ``tojson`` texts of ``memo_key`` (the cache key and
         check value whose content ``tools`` is). The first such render per renderer is compared
-        with the official one; a difference turns it off."""
-        if plain and self._direct is not None and direct.takes(self.tokenizer, kwargs):
+        with the official one; a difference turns it off. Other ``options`` than the defaults
+        render the official way."""
+        if plain and options == DEFAULT_OPTIONS and self._direct is not None \
+                and direct.takes(self.tokenizer, kwargs):
             return self._direct_text(messages, tools, kwargs, memo_key)
-        return self.official_text(messages, tools, kwargs)
+        return self.official_text(messages, tools, kwargs, options)
 
-    def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> str:
+    def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                      options: RenderOptions = DEFAULT_OPTIONS) -> str:
         """The render through the renderer's own ``apply_chat_template``."""
         try:
             out = self._call(list(messages), None if tools is None else list(tools), kwargs,
-                             tokenize=False)
+                             tokenize=False, options=options)
         except Exception as exc:
             raise TemplateRenderError(_template_message(exc)) from exc
         if not isinstance(out, str):
@@ -289,14 +316,15 @@ class TemplateRenderer:
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
 
     def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                         *, plain: bool = False, memo_key: tuple[str, int] | None = None
+                         *, plain: bool = False, memo_key: tuple[str, int] | None = None,
+                         options: RenderOptions = DEFAULT_OPTIONS
                          ) -> tuple[str, list[Mapping[str, Any]] | None]:
         """``render_text`` with the documented tools fallback, and the ``tools`` it rendered with."""
         choices = tool_choices(tools)
         for i, choice in enumerate(choices):
             try:
-                return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key),
-                        choice)
+                return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key,
+                                         options=options), choice)
             except TemplateRenderError:
                 if i == len(choices) - 1:
                     raise
@@ -320,17 +348,21 @@ class TemplateRenderer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _call(self, messages: list[Mapping[str, Any]], tools: list | None,
-              kwargs: Mapping[str, Any], tokenize: bool = True) -> Any:
+              kwargs: Mapping[str, Any], tokenize: bool = True,
+              options: RenderOptions = DEFAULT_OPTIONS) -> Any:
+        flags: dict[str, Any] = {"add_generation_prompt": options.add_generation_prompt}
+        if options.continue_final_message:  # only when asked: Python renderers may not take it
+            flags["continue_final_message"] = True
         if not self._wrapped:
             return self.target.apply_chat_template(
-                messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
-                tokenize=tokenize, return_dict=False, **kwargs)
+                messages, tools=tools, chat_template=self.template, tokenize=tokenize,
+                return_dict=False, **flags, **kwargs)
         if self.template is None:  # a Python renderer takes no template text
             return self.target.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=tokenize, **kwargs)
+                messages, tools=tools, tokenize=tokenize, **flags, **kwargs)
         return self.target.apply_chat_template(
-            messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
-            tokenize=tokenize, **kwargs)
+            messages, tools=tools, chat_template=self.template, tokenize=tokenize, **flags,
+            **kwargs)
 
 
 def _check_text(text: str) -> None:

@@ -99,8 +99,7 @@ async def count_tokens(request: Request, state: State, tenant: Tenant) -> Respon
         model_name = body.get("model")
         conversation = messages_conversation(body)
         model = state.models.get(model_name if isinstance(model_name, str) else None)
-        result = await resolve(state, model, tenant, len(raw), conversation.messages,
-                               conversation.tools, conversation.chat_template_kwargs)
+        result = await resolve(state, model, tenant, len(raw), conversation)
     return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
                     media_type="application/json", headers=cache_headers(result))
 
@@ -141,8 +140,7 @@ async def _prepare(state: ServiceState, tenant: str, model: ServedModel, call: A
     else:
         model.require_upstream()
     conversation = call.conversation
-    return await resolve(state, model, tenant, body_size, conversation.messages,
-                         conversation.tools, conversation.chat_template_kwargs)
+    return await resolve(state, model, tenant, body_size, conversation)
 
 
 async def _generate(request: Request, state: ServiceState, tenant: str, model: ServedModel,
