@@ -204,11 +204,11 @@ def time_formats(draw: Any) -> str:
 def test_time_formats_in_templates(qwen3, monkeypatch, fmt, times) -> None:
     """strftime_now at any granularity: every answer equals the reference at that time; a hit
     only when the template's own formats print the same; below a minute, never cached."""
-    from .test_exactness_holes import LONG_SYSTEM, FakeClock, clock_template
-
     import transformers.utils.chat_template_utils as ctu
 
     from prefix_cache import template_clock
+
+    from .test_exactness_holes import LONG_SYSTEM, FakeClock, clock_template
 
     clock = FakeClock()
     monkeypatch.setattr(ctu, "datetime", clock.fake)

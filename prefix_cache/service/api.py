@@ -11,8 +11,8 @@ from fastapi.responses import Response
 from ..cache import PrefixResult
 from ..chat.conversation import Conversation
 from ..chat.openai_params import parse_chat_params
-from ..chat.render_fields import chat_conversation
 from ..chat.openai_stream import respond_chat
+from ..chat.render_fields import chat_conversation
 from ..http.errors import ClientDisconnected
 from ..http.relay import RelayResponse, until_disconnect
 from . import openapi_docs as docs
