@@ -33,7 +33,7 @@ from .messages import count_static, validate_kwargs, validate_messages, validate
 from .observer import CacheObserver, ObserverGroup
 from .probes import probe
 from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
-from .render import TemplateRenderer, get_renderer
+from .render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
 from .singleflight import SingleFlight
 from .stats import CacheStats
 from .store import MemoryStore, Store
@@ -51,8 +51,9 @@ class PrefixResult:
     specprefill_system_end: int
     prompt_ids: list[int]
     cache: str          # "hit", "miss", or "none" when there is no static part
-    key: str            # "" when cache == "none"
+    key: str            # "" when cache == "none", or when the render cannot be cached
     static_tokens: int = 0  # length of the template's static scaffold (>= the boundary)
+    uncacheable: str | None = None  # why this render is never cached (a "miss" every time)
 
     @property
     def hit(self) -> bool:
@@ -83,6 +84,7 @@ class _Plan:
     namespace: str
     model: str
     started: float
+    options: RenderOptions = DEFAULT_OPTIONS  # how the prompt itself is rendered
 
     @property
     def probe_shape(self) -> bool:
@@ -91,7 +93,12 @@ class _Plan:
     @property
     def memo_key(self) -> tuple[str, int] | None:
         """What fixes the tools' content: the key and its independent check value."""
-        return (self.key, self.check) if self.static is not None else None
+        return (self.key, self.check) if self.key else None
+
+    @property
+    def cached(self) -> bool:
+        """Whether this request reads and writes the store (it has a key)."""
+        return bool(self.key)
 
 
 class StaticPrefixCache:
@@ -143,15 +150,22 @@ class StaticPrefixCache:
         chat_template: str | None = None,
         namespace: str = "default",
         model: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> PrefixResult:
-        """The boundary for one request (blocking; renders run in the calling thread)."""
+        """The boundary for one request (blocking; renders run in the calling thread).
+
+        ``add_generation_prompt`` and ``continue_final_message`` are ``apply_chat_template``'s:
+        they change how the prompt is rendered (the probes render as the contract says), and
+        the boundary is cut against that prompt."""
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
-                              chat_template, namespace, model)
+                              chat_template, namespace, model,
+                              RenderOptions(add_generation_prompt, continue_final_message))
             given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
             if plan.static is None:
                 return self._none(plan, given if given is not None else self._prepare(plan, None, None)[0])
-            stored = self._read(plan, self._get(plan.key))
+            stored = self._read(plan, self._get(plan.key)) if plan.cached else None
             cache = MISS if stored is None else HIT
             if given is not None:
                 entry = stored if stored is not None else self._await_flight_sync(plan)
@@ -179,19 +193,22 @@ class StaticPrefixCache:
         chat_template: str | None = None,
         namespace: str = "default",
         model: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> PrefixResult:
         """The boundary for one request; renders run in a thread pool, off the event loop."""
         loop = asyncio.get_running_loop()
         run = self._executor
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
-                              chat_template, namespace, model)
+                              chat_template, namespace, model,
+                              RenderOptions(add_generation_prompt, continue_final_message))
             given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
             if plan.static is None:
                 if given is None:
                     given = (await loop.run_in_executor(run, self._prepare, plan, None, None))[0]
                 return self._none(plan, given)
-            stored = self._read(plan, await self._aget(plan.key))
+            stored = self._read(plan, await self._aget(plan.key)) if plan.cached else None
             cache = MISS if stored is None else HIT
             if given is not None:
                 entry = stored if stored is not None else await self._await_flight(plan, loop)
@@ -223,7 +240,8 @@ class StaticPrefixCache:
     # -- steps --------------------------------------------------------------------------------
 
     def _plan(self, tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
-              chat_template: str | None, namespace: str, model: str | None) -> _Plan:
+              chat_template: str | None, namespace: str, model: str | None,
+              options: RenderOptions = DEFAULT_OPTIONS) -> _Plan:
         started = time.perf_counter()
         keys.validate_label(namespace, "namespace")
         messages = validate_messages(messages)
@@ -234,9 +252,15 @@ class StaticPrefixCache:
         everything_static = n_static == len(messages)
         label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
         if everything_static or (n_static == 0 and not self.protect_default_prefix):
+            # Not keyed, but refused alike: what would be refused in a key is refused here too.
+            keys.canonical_bytes(messages[:n_static], tools, kwargs)
             return _Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
-                         namespace, label, started)
+                         namespace, label, started, options)
         static = messages[:n_static]
+        if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
+            keys.canonical_bytes(static, tools, kwargs)
+            return _Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
+                         namespace, label, started, options)
         date = renderer.date_tag()
         material = keys.key_material(
             namespace=namespace, identity=renderer.identity, static=static,
@@ -244,7 +268,7 @@ class StaticPrefixCache:
         )
         key = keys.format_key(self.prefix, namespace, label, keys.key_hash(material))
         return _Plan(renderer, messages, tools, kwargs, n_static, static, key,
-                     keys.check_value(material), date, namespace, label, started)
+                     keys.check_value(material), date, namespace, label, started, options)
 
 
     def _render(self, plan: _Plan) -> _Text:
@@ -253,7 +277,7 @@ class StaticPrefixCache:
         self._events.prompt_rendered()
         text, tools = plan.renderer.text_with_choice(plan.messages, plan.tools, plan.kwargs,
                                                      plain=plan.static is not None,
-                                                     memo_key=plan.memo_key)
+                                                     memo_key=plan.memo_key, options=plan.options)
         return _Text(text, plan.tools is None and tools is not None)
 
     def _prepare(self, plan: _Plan, text: _Text | None, entry: Entry | None
@@ -266,7 +290,7 @@ class StaticPrefixCache:
             text = self._rerender(plan, text, entry)
         def official() -> str:  # what a sampled check compares a direct render with
             tools = [] if text.empty_tools else plan.tools
-            return plan.renderer.official_text(plan.messages, tools, plan.kwargs)
+            return plan.renderer.official_text(plan.messages, tools, plan.kwargs, plan.options)
         prompt = self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official)
         return prompt, (0 if entry is None else self._cut_capped(plan, prompt, entry))
 
@@ -275,7 +299,8 @@ class StaticPrefixCache:
         self._events.prompt_rendered()
         try:
             again = plan.renderer.render_text(plan.messages, _tools(plan, entry), plan.kwargs,
-                                              plain=True, memo_key=plan.memo_key)
+                                              plain=True, memo_key=plan.memo_key,
+                                              options=plan.options)
         except TemplateRenderError as exc:
             raise TemplateRenderError(
                 f"the template renders this prompt only with tools={'[]' if text.empty_tools else 'None'}"
@@ -300,7 +325,7 @@ class StaticPrefixCache:
         self._events.cap_rendered()
         replaced = boundary.first_text_replaced(plan.messages, plan.n_static)
         try:
-            ids = plan.renderer.apply(replaced, _tools(plan, entry), plan.kwargs)
+            ids = plan.renderer.apply(replaced, _tools(plan, entry), plan.kwargs, plan.options)
         except TemplateRenderError as exc:
             # The template renders this request but not with that text: nothing is known to be
             # static, so nothing is protected.
@@ -315,7 +340,8 @@ class StaticPrefixCache:
                 cache: str) -> PrefixResult:
         if cache == HIT:
             self._events.saved(model=plan.model, seconds=entry.render_seconds)
-        return self._report(plan, PrefixResult(end, prompt.ids, cache, plan.key, entry.n_static))
+        return self._report(plan, PrefixResult(end, prompt.ids, cache, plan.key, entry.n_static,
+                                               plan.renderer.uncacheable))
 
     def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:
         self._events.resolved(cache=result.cache, namespace=plan.namespace, model=plan.model,
@@ -336,6 +362,8 @@ class StaticPrefixCache:
             return None
 
     def _await_flight_sync(self, plan: _Plan) -> Entry:
+        if not plan.cached:  # computed for this request alone: no flight to share, no store
+            return self._compute(plan)[0]
         flight, leader = self._flights.claim(plan.key)
         if leader:
             self._lead(plan, flight)
@@ -345,6 +373,8 @@ class StaticPrefixCache:
         return entry
 
     async def _await_flight(self, plan: _Plan, loop: asyncio.AbstractEventLoop) -> Entry:
+        if not plan.cached:
+            return (await loop.run_in_executor(self._executor, self._compute, plan))[0]
         flight, leader = self._flights.claim(plan.key)
         if leader:
             loop.run_in_executor(self._executor, self._lead, plan, flight)

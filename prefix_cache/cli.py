@@ -90,6 +90,9 @@ def cmd_boundary(args: argparse.Namespace) -> int:
                     conversation.chat_template_kwargs,
                     namespace=args.namespace,
                     model=Path(args.model).name,
+                    chat_template=conversation.chat_template,
+                    add_generation_prompt=conversation.add_generation_prompt,
+                    continue_final_message=conversation.continue_final_message,
                 )
             except (PrefixCacheError, ValueError) as exc:
                 error = str(exc)

@@ -57,14 +57,56 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     as given: ``[]`` and ``None`` render differently on real templates (``tools is not none``,
     the ``tool_use`` named template), so they key differently.
 
+    Binary values (``bytes``, ``bytearray``, ``memoryview``) and msgpack's own ``ExtType`` and
+    ``Timestamp`` are refused too: msgpack would pack them, but the first three alike and an
+    ``ExtType`` like one of our big integers, while the template sees each differently. So are
+    strings that are not valid Unicode text (a lone surrogate).
+
     msgpack with ``strict_types`` does the type check and the encoding in one C pass; only data
-    it cannot take (integers beyond 64 bits, or a type to refuse) goes through the Python walk.
+    it cannot take (integers beyond 64 bits, a lone surrogate, a type to refuse) goes through
+    the Python walk. The one refused kind it does take -- binary and extension values -- is
+    found in its output (``_has_binary``).
     """
     fields = [list(static), None if tools is None else list(tools), dict(kwargs) if kwargs else None]
     try:
-        return _pack(fields)
+        packed = _pack(fields)
     except (TypeError, OverflowError, ValueError):
-        return _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
+        packed = None
+    if packed is not None and not _has_binary(packed):
+        return packed
+    packed = _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
+    return packed
+
+
+def _has_binary(packed: bytes) -> bool:
+    """Whether msgpack output holds a bin or ext value (what only a refused type packs to).
+
+    Plain data packs without any bin/ext type byte (0xc4-0xc9, 0xd4-0xd8) unless such a byte
+    stands inside a string, a number or a length: a few ``in`` scans (memchr, microseconds)
+    clear almost every request. When one is there, a C unpack that refuses any non-empty bin
+    and any ext but a timestamp decides; an empty bin or a timestamp is looked for by its bytes
+    (a false alarm there only costs the Python walk, which is exact).
+    """
+    if not any(marker in packed for marker in _BIN_EXT_BYTES):
+        return False
+    if any(seq in packed for seq in _UNCHECKED_SEQUENCES):
+        return True
+    try:
+        msgpack.unpackb(packed, max_bin_len=0, ext_hook=_ext_found, strict_map_key=False)
+    except (ValueError, TypeError):
+        return True
+    return False
+
+
+def _ext_found(code: int, data: bytes) -> Any:
+    raise TypeError(f"msgpack extension type {code}")
+
+
+# Type bytes of bin 8/16/32, ext 8/16/32 and fixext 1/2/4/8/16.
+_BIN_EXT_BYTES = tuple(bytes([b]) for b in (*range(0xC4, 0xCA), *range(0xD4, 0xD9)))
+# What the unpack check lets through: an empty bin, and msgpack timestamps (ext type -1, which
+# unpacks natively): 32-, 64- and 96-bit forms.
+_UNCHECKED_SEQUENCES = (b"\xc4\x00", b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
 
 
 _FIELD_NAMES = ("messages", "tools", "chat_template_kwargs")
@@ -74,7 +116,7 @@ def _pack(value: Any) -> bytes:
     return msgpack.packb(value, strict_types=True)
 
 
-_PLAIN_SCALARS = (str, float, bool, type(None), bytes)
+_PLAIN_SCALARS = (float, bool, type(None))
 _MAX_DEPTH = 256
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _BIG_INT = 1  # msgpack extension type code for an integer beyond 64 bits (decimal digits)
@@ -89,6 +131,8 @@ def _plain(value: Any, path: str, depth: int = 0) -> Any:
         if _INT64_MIN <= value <= _UINT64_MAX:
             return value
         return msgpack.ExtType(_BIG_INT, str(value).encode())
+    if kind is str:
+        return _text(value, path)
     if kind in _PLAIN_SCALARS:
         return value
     if kind is list:
@@ -101,6 +145,17 @@ def _plain(value: Any, path: str, depth: int = 0) -> Any:
         "str, int, float, bool or null): pass what the template should see, e.g. a string "
         "or the enum's .value"
     )
+
+
+def _text(value: str, path: str) -> str:
+    """``value`` if it is Unicode text; a lone surrogate cannot be encoded, rendered or sent."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{path} holds a lone surrogate ({value[exc.start]!r} at {exc.start}): not Unicode "
+            "text") from None
+    return value
 
 
 def _child(path: str, key: Any) -> str:

@@ -12,8 +12,8 @@ the request: the tokenizer (its whole serialized backend, special tokens and eve
 setting), the template text or Python renderer, what a wrapper injects, and the transformers and
 Jinja versions. It is the same in every process and on every machine, so replicas share entries.
 The tokenizer's fingerprint is computed once and re-checked cheaply on every call (vocabulary
-size, special tokens, ``split_special_tokens``), so a tokenizer changed after first use
-(``add_tokens``) gets a new one.
+size, special tokens, ``split_special_tokens``, the added-tokens table and its flags), so a
+tokenizer changed after first use (``add_tokens``) gets a new one.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from datetime import datetime
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -35,6 +35,7 @@ import xxhash
 
 from . import direct_render as direct
 from .errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
+from .template_clock import DAY_FORMAT, NO_CLOCK, ClockUse, clock_use
 
 log = logging.getLogger("prefix_cache")
 
@@ -60,18 +61,46 @@ def tool_choices(tools: Tools) -> tuple[list[Mapping[str, Any]] | None, ...]:
     return (list(tools),)
 
 
+@dataclass(frozen=True, slots=True)
+class RenderOptions:
+    """How a request's own prompt is rendered (``apply_chat_template``'s parameters of that
+    name). The probes always render with the generation prompt, as the contract defines them;
+    these change only the prompt, and the boundary is cut against that prompt."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidRequestError(
+                "continue_final_message continues the final message, so it needs "
+                "add_generation_prompt false", code="invalid_value")
+
+
+DEFAULT_OPTIONS = RenderOptions()
+
+
 # -- the tokenizer's fingerprint ----------------------------------------------------------------
 
 
 def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
-    """What can change how an already fingerprinted tokenizer encodes, read in a microsecond or
-    two: its backend object, vocabulary size with added tokens, special tokens (template
-    variables) and ``split_special_tokens``."""
+    """What can change how an already fingerprinted tokenizer encodes, read in microseconds: its
+    backend object, vocabulary size with added tokens, special tokens (template variables),
+    ``split_special_tokens``, and the added-tokens table with every token's flags.
+
+    The table is what ``add_tokens`` changes even when the vocabulary size does not (a token
+    already in the vocabulary made an added one, or an added token re-added with other flags).
+    It is compared whole (``AddedToken`` equality covers content, special, normalized, lstrip,
+    rstrip and single_word): about 0.4 us per added token (docs/benchmarks.md)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    table = (backend.get_added_tokens_decoder() if backend is not None
+             else dict(getattr(tokenizer, "added_tokens_decoder", {})))
     return (
-        id(getattr(tokenizer, "backend_tokenizer", None)),
+        id(backend),
         len(tokenizer),
         bool(getattr(tokenizer, "split_special_tokens", False)),
         tokenizer.special_tokens_map,
+        table,
     )
 
 
@@ -178,34 +207,48 @@ def _function_identity(function: Callable[..., Any]) -> tuple[str, bool]:
 class TemplateRenderer:
     """Renders one chat template through one renderer; cheap to call, safe from many threads."""
 
-    def __init__(self, target: Any, template: str | None, identity: bytes, uses_date: bool,
-                 tokenizer_digest: bytes = b"") -> None:
+    def __init__(self, target: Any, template: str | None, identity: bytes,
+                 clock: ClockUse = NO_CLOCK, tokenizer_digest: bytes = b"") -> None:
         self.target = target        # what renders: a tokenizer, or a wrapper with its own method
         self.tokenizer = unwrap_tokenizer(target)   # what tokenizes
         self.template = template    # None: the wrapper's Python renderer
         self.identity = identity
-        self.uses_date = uses_date
+        self.clock = clock          # what the render reads from the clock (or randomness)
         self.tokenizer_digest = tokenizer_digest  # the tokenizer's fingerprint (its state)
         self._wrapped = self.tokenizer is not target
         self._direct = direct.compiled(target, template) if not self._wrapped else None
         self._direct_checked = False
 
-    def date_tag(self) -> str | None:
-        """Today's date as strftime_now would see it (local time), for templates that read it."""
-        return datetime.now().strftime("%Y-%m-%d") if self.uses_date else None
+    @property
+    def uses_date(self) -> bool:
+        return bool(self.clock.formats)
 
-    def apply(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> list[int]:
-        """Token ids of the rendered conversation with the generation prompt, ``tools`` exactly
-        as given; TemplateRenderError with the template's own message if it raises."""
+    @property
+    def uncacheable(self) -> str | None:
+        """Why this render cannot be reproduced by a later request (None: it can)."""
+        return self.clock.uncacheable
+
+    def date_tag(self) -> str | None:
+        """What strftime_now prints now in the template's own formats (local time), for
+        templates that read the clock: the key's time part."""
+        return self.clock.tag()
+
+    def apply(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+              options: RenderOptions = DEFAULT_OPTIONS) -> list[int]:
+        """Token ids of the rendered conversation (with the generation prompt unless
+        ``options`` say otherwise), ``tools`` exactly as given; TemplateRenderError with the
+        template's own message if it raises."""
         try:
-            out = self._call(list(messages), None if tools is None else list(tools), kwargs)
+            out = self._call(list(messages), None if tools is None else list(tools), kwargs,
+                             options=options)
             ids = out["input_ids"] if isinstance(out, Mapping) else out
             return list(ids)
         except Exception as exc:
             raise TemplateRenderError(_template_message(exc)) from exc
 
     def render_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                    *, plain: bool = False, memo_key: tuple[str, int] | None = None) -> str:
+                    *, plain: bool = False, memo_key: tuple[str, int] | None = None,
+                    options: RenderOptions = DEFAULT_OPTIONS) -> str:
         """The text ``apply`` tokenizes: the same call with ``tokenize=False``.
 
         ``plain``: ``tools`` and ``kwargs`` are known to be exactly plain JSON data (the cache
@@ -213,16 +256,19 @@ class TemplateRenderer:
         own template without ``render_jinja_template``'s defensive deep copy (``direct_render``:
         the same text), reusing the tools' ``tojson`` texts of ``memo_key`` (the cache key and
         check value whose content ``tools`` is). The first such render per renderer is compared
-        with the official one; a difference turns it off."""
-        if plain and self._direct is not None and direct.takes(self.tokenizer, kwargs):
+        with the official one; a difference turns it off. Other ``options`` than the defaults
+        render the official way."""
+        if plain and options == DEFAULT_OPTIONS and self._direct is not None \
+                and direct.takes(self.tokenizer, kwargs):
             return self._direct_text(messages, tools, kwargs, memo_key)
-        return self.official_text(messages, tools, kwargs)
+        return self.official_text(messages, tools, kwargs, options)
 
-    def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]) -> str:
+    def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                      options: RenderOptions = DEFAULT_OPTIONS) -> str:
         """The render through the renderer's own ``apply_chat_template``."""
         try:
             out = self._call(list(messages), None if tools is None else list(tools), kwargs,
-                             tokenize=False)
+                             tokenize=False, options=options)
         except Exception as exc:
             raise TemplateRenderError(_template_message(exc)) from exc
         if not isinstance(out, str):
@@ -266,17 +312,19 @@ class TemplateRenderer:
                                  sanitize_control_tokens=False)
             return list(out["input_ids"])
         except Exception as exc:
+            _check_text(text)  # a lone surrogate in the request's own text is the client's fault
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
 
     def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                         *, plain: bool = False, memo_key: tuple[str, int] | None = None
+                         *, plain: bool = False, memo_key: tuple[str, int] | None = None,
+                         options: RenderOptions = DEFAULT_OPTIONS
                          ) -> tuple[str, list[Mapping[str, Any]] | None]:
         """``render_text`` with the documented tools fallback, and the ``tools`` it rendered with."""
         choices = tool_choices(tools)
         for i, choice in enumerate(choices):
             try:
-                return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key),
-                        choice)
+                return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key,
+                                         options=options), choice)
             except TemplateRenderError:
                 if i == len(choices) - 1:
                     raise
@@ -300,17 +348,30 @@ class TemplateRenderer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _call(self, messages: list[Mapping[str, Any]], tools: list | None,
-              kwargs: Mapping[str, Any], tokenize: bool = True) -> Any:
+              kwargs: Mapping[str, Any], tokenize: bool = True,
+              options: RenderOptions = DEFAULT_OPTIONS) -> Any:
+        flags: dict[str, Any] = {"add_generation_prompt": options.add_generation_prompt}
+        if options.continue_final_message:  # only when asked: Python renderers may not take it
+            flags["continue_final_message"] = True
         if not self._wrapped:
             return self.target.apply_chat_template(
-                messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
-                tokenize=tokenize, return_dict=False, **kwargs)
+                messages, tools=tools, chat_template=self.template, tokenize=tokenize,
+                return_dict=False, **flags, **kwargs)
         if self.template is None:  # a Python renderer takes no template text
             return self.target.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=True, tokenize=tokenize, **kwargs)
+                messages, tools=tools, tokenize=tokenize, **flags, **kwargs)
         return self.target.apply_chat_template(
-            messages, tools=tools, chat_template=self.template, add_generation_prompt=True,
-            tokenize=tokenize, **kwargs)
+            messages, tools=tools, chat_template=self.template, tokenize=tokenize, **flags,
+            **kwargs)
+
+
+def _check_text(text: str) -> None:
+    """InvalidRequestError if ``text`` is not Unicode text (it holds a lone surrogate)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(f"the prompt is not Unicode text: a lone surrogate "
+                                  f"({exc.object[exc.start:exc.end]!r})") from None
 
 
 def _template_message(exc: Exception) -> str:
@@ -384,12 +445,28 @@ def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., 
     digest, descriptor, template_id = memo_key
     identity = xxhash.xxh3_128_digest(b"".join(
         len(part).to_bytes(4, "little") + part for part in (digest, descriptor, template_id.encode())))
-    # transformers exposes strftime_now to templates; those that call it render today's date.
-    uses_date = _function_identity(function)[1] if function else "strftime_now" in (template or "")
+    if function is not None:  # a Python renderer's clock is keyed by the day
+        clock = ClockUse((DAY_FORMAT,)) if _function_identity(function)[1] else NO_CLOCK
+    else:
+        clock = _template_clock(template or "")
     with _lock:
         table = _renderers.setdefault(tokenizer, {})
         if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
             # Per-request templates could grow this without end; the oldest is dropped.
             table.pop(next(iter(table)))
-        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, uses_date,
+        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, clock,
                                                            digest))
+
+
+def _template_clock(template: str) -> ClockUse:
+    """How a Jinja template reads the clock or randomness, parsed in transformers' own
+    environment (its globals and extensions); a template naming none of them has no clock."""
+    if not any(word in template for word in ("strftime_now", "random", "lipsum")):
+        return NO_CLOCK
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        environment = _compile_jinja_template(template).environment
+    except Exception:  # does not compile: its render fails with the template's own message
+        return NO_CLOCK
+    return clock_use(environment, template)

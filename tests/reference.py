@@ -26,16 +26,17 @@ def cpl(a: list[int], b: list[int]) -> int:
 
 
 def render(tok: Any, messages: list[dict], tools: list | None, kwargs: dict | None,
-           template: str | None, tokenize: bool = True) -> Any:
+           template: str | None, tokenize: bool = True, options: dict | None = None) -> Any:
     """apply_chat_template of ``tok`` itself (a tokenizer, or a wrapper with its own method),
-    tools as given; tools=None falls back to [] for templates that need a list."""
+    tools as given; tools=None falls back to [] for templates that need a list. ``options``:
+    add_generation_prompt / continue_final_message as the request gives them."""
     def call(t: list | None) -> Any:
         extra: dict[str, Any] = {} if template is None else {"chat_template": template}
         if type(tok).__module__.startswith("transformers"):
             extra["return_dict"] = False
+        extra.update({"add_generation_prompt": True, **(options or {})})
         return tok.apply_chat_template(
-            messages, tools=t, add_generation_prompt=True, tokenize=tokenize,
-            **extra, **(kwargs or {}))
+            messages, tools=t, tokenize=tokenize, **extra, **(kwargs or {}))
     if tools is not None:
         return call(tools)
     try:
@@ -54,19 +55,22 @@ def leading_static(messages: list[dict]) -> list[dict]:
 
 
 def two_probe(tok: Any, messages: list[dict], tools: list | None = None,
-              kwargs: dict | None = None, template: str | None = None) -> int:
-    """The reference algorithm of ARCHITECTURE.md, straight from its definition."""
+              kwargs: dict | None = None, template: str | None = None,
+              options: dict | None = None) -> int:
+    """The reference algorithm of ARCHITECTURE.md, straight from its definition (the probes
+    always with the generation prompt; the prompt as the request renders it)."""
     static = leading_static(messages)
     if not static or len(static) == len(messages):
         return 0
-    prompt = render(tok, messages, tools, kwargs, template)
+    prompt = render(tok, messages, tools, kwargs, template, options=options)
     a = render(tok, static + [{"role": "user", "content": "Hi"}], tools, kwargs, template)
     b = render(tok, static + [{"role": "user", "content": "Tell me a joke."}], tools, kwargs, template)
     return cpl(prompt, a[: cpl(a, b)])
 
 
 def first_text_start(tok: Any, messages: list[dict], tools: list | None = None,
-                     kwargs: dict | None = None, template: str | None = None) -> int:
+                     kwargs: dict | None = None, template: str | None = None,
+                     options: dict | None = None) -> int:
     """Token index where the first non-static message's content starts in the rendered prompt:
     where the prompt leaves a render of the same conversation with that content replaced by a
     text whose first character differs."""
@@ -78,18 +82,19 @@ def first_text_start(tok: Any, messages: list[dict], tools: list | None = None,
         lead = content[0]["text"]
     other = "Tell me a joke." if lead.startswith("H") else "Hi"
     replaced = [*messages[:n], {**first, "content": other}, *messages[n + 1:]]
-    return cpl(render(tok, messages, tools, kwargs, template),
-               render(tok, replaced, tools, kwargs, template))
+    return cpl(render(tok, messages, tools, kwargs, template, options=options),
+               render(tok, replaced, tools, kwargs, template, options=options))
 
 
 def exact(tok: Any, messages: list[dict], tools: list | None = None,
-          kwargs: dict | None = None, template: str | None = None) -> int:
+          kwargs: dict | None = None, template: str | None = None,
+          options: dict | None = None) -> int:
     """The contract: the two-probe answer, never past the first non-static message's text."""
     static = leading_static(messages)
     if not static or len(static) == len(messages):
         return 0
-    return min(two_probe(tok, messages, tools, kwargs, template),
-               first_text_start(tok, messages, tools, kwargs, template))
+    return min(two_probe(tok, messages, tools, kwargs, template, options),
+               first_text_start(tok, messages, tools, kwargs, template, options))
 
 
 def multi_probe(tok: Any, messages: list[dict], tools: list | None = None,

@@ -331,7 +331,7 @@ def test_prompt_and_probes_that_need_different_tools_are_refused(qwen3) -> None:
 def test_probes_that_cross_midnight_store_nothing(qwen3, monkeypatch) -> None:
     import transformers.utils.chat_template_utils as ctu
 
-    import prefix_cache.render as render
+    import prefix_cache.template_clock as render  # where the key reads the clock
 
     clock = {"day": 2}
 

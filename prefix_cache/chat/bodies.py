@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import InvalidRequestError
 from .anthropic_params import messages_conversation
 from .conversation import Conversation
+from .render_fields import chat_conversation
 from .responses_params import parse_responses_body
 
 APIS = ("chat", "messages", "responses")
@@ -58,5 +59,4 @@ def conversation_of(body: Mapping[str, Any], api: str = "auto") -> Conversation:
         return parse_responses_body(body, lambda _: None).call.conversation
     if api != "chat":
         raise ValueError(f"api {api!r} is not one of auto, {', '.join(APIS)}")
-    return Conversation(body.get("messages"), body.get("tools"),  # type: ignore[arg-type]
-                        body.get("chat_template_kwargs"))
+    return chat_conversation(body)

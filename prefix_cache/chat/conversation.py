@@ -32,11 +32,15 @@ MessageDict = dict[str, Any]
 
 @dataclass(frozen=True, slots=True)
 class Conversation:
-    """What the chat template renders."""
+    """What the chat template renders, and how (a request-level template, and the
+    ``apply_chat_template`` flags that end the prompt: ``render_fields``)."""
 
     messages: list[MessageDict]
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, Any]:

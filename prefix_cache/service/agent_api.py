@@ -113,8 +113,7 @@ async def count_tokens(request: Request, state: State, tenant: Tenant) -> Respon
         raw, body = await read_body(request, state)
         conversation = messages_conversation(body)
         model = state.models.get(_model_name(body))
-        result = await resolve(state, model, tenant, len(raw), conversation.messages,
-                               conversation.tools, conversation.chat_template_kwargs)
+        result = await resolve(state, model, tenant, len(raw), conversation)
     return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
                     media_type="application/json", headers=cache_headers(result))
 
@@ -169,8 +168,7 @@ async def _prepare(state: ServiceState, tenant: str, model: ServedModel, call: A
     elif not model.require_upstream().speaks(api):
         call.check_chat_support()
     conversation = call.conversation
-    return await resolve(state, model, tenant, body_size, conversation.messages,
-                         conversation.tools, conversation.chat_template_kwargs)
+    return await resolve(state, model, tenant, body_size, conversation)
 
 
 async def _generate(request: Request, state: ServiceState, tenant: str, model: ServedModel,

@@ -9,8 +9,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..cache import PrefixResult
+from ..chat.conversation import Conversation
 from ..chat.openai_params import parse_chat_params
 from ..chat.openai_stream import respond_chat
+from ..chat.render_fields import chat_conversation
 from ..http.errors import ClientDisconnected
 from ..http.relay import RelayResponse, until_disconnect
 from . import openapi_docs as docs
@@ -36,19 +38,22 @@ def cache_headers(result: PrefixResult) -> dict[str, str]:
 
 
 async def resolve(state: ServiceState, model: ServedModel, tenant: str, body_size: int,
-                  messages: list[dict[str, Any]], tools: Any, kwargs: Any) -> PrefixResult:
+                  conversation: Conversation) -> PrefixResult:
     """The boundary of a validated conversation (of any API), in the tenant's namespace,
     within the tenant's prompt size limit; renders run off the loop."""
-    state.limits.check_prompt(tenant, body_size, messages, tools, kwargs)
-    return await state.cache.aresolve(model.tokenizer, messages, tools, kwargs,
-                                      namespace=tenant, model=model.label)
+    c = conversation
+    state.limits.check_prompt(tenant, body_size, c.messages, c.tools, c.chat_template_kwargs)
+    return await state.cache.aresolve(
+        model.tokenizer, c.messages, c.tools, c.chat_template_kwargs, namespace=tenant,
+        model=model.label, chat_template=c.chat_template,
+        add_generation_prompt=c.add_generation_prompt,
+        continue_final_message=c.continue_final_message)
 
 
 async def resolve_chat(state: ServiceState, model: ServedModel, body: dict[str, Any],
                        tenant: str, body_size: int) -> PrefixResult:
-    """The boundary of a validated chat body."""
-    return await resolve(state, model, tenant, body_size, body["messages"], body.get("tools"),
-                         body.get("chat_template_kwargs"))
+    """The boundary of a validated chat body, rendered as its request-level fields say."""
+    return await resolve(state, model, tenant, body_size, chat_conversation(body))
 
 
 @router.get("/v1/models", response_model=None, responses=docs.responses(ModelList, 401, 403))

@@ -1,0 +1,91 @@
+"""What the hit path's cheap checks cost: the tokenizer fingerprint's re-check with and without
+the added-tokens table, and the key's canonical bytes with and without the binary-value check,
+side by side in one run.
+
+    PYTHONPATH=$PWD python bench/recheck_cost.py [--reps 2000]
+
+Per tokenizer (real ones, offline): the re-check as it was (backend id, vocabulary size,
+``split_special_tokens``, special tokens) and as it is (the same plus the added-tokens table),
+in microseconds, and their difference. Per tools count: ``msgpack.packb`` alone against
+``canonical_bytes`` (the pack plus the binary-value scan). Medians of interleaved batches,
+printed as Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+TOKENIZERS = ("qwen3", "qwen3.5", "llama3.1")
+
+
+def old_settings(tokenizer: Any) -> tuple[Any, ...]:
+    """The re-check before issue 23 (no added-tokens table)."""
+    return (id(getattr(tokenizer, "backend_tokenizer", None)), len(tokenizer),
+            bool(getattr(tokenizer, "split_special_tokens", False)),
+            tokenizer.special_tokens_map)
+
+
+def median_us(calls: dict[str, Callable[[], Any]], reps: int, batch: int = 50) -> dict[str, float]:
+    """Median microseconds per call, the candidates interleaved batch by batch."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(max(1, reps // batch)):
+        for name, call in calls.items():
+            started = time.perf_counter()
+            for _ in range(batch):
+                call()
+            times[name].append((time.perf_counter() - started) / batch)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
+
+
+def recheck_rows(reps: int) -> list[str]:
+    from prefix_cache.render import encode_settings
+    from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer
+
+    rows = ["| tokenizer | added tokens | re-check before | re-check now | added |",
+            "|---|---:|---:|---:|---:|"]
+    for name in TOKENIZERS:
+        tok = load_offline_tokenizer(name)
+        added = len(tok.backend_tokenizer.get_added_tokens_decoder())
+        us = median_us({"old": lambda t=tok: old_settings(t),
+                        "new": lambda t=tok: encode_settings(t)}, reps)
+        rows.append(f"| {name} | {added} | {us['old']:.1f} µs | {us['new']:.1f} µs | "
+                    f"+{us['new'] - us['old']:.1f} µs |")
+    return rows
+
+
+def canonical_rows(reps: int) -> list[str]:
+    import msgpack
+
+    from prefix_cache.keys import canonical_bytes
+    from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools
+
+    rows = ["| tools | packed bytes | pack alone | canonical_bytes | ratio |",
+            "|---:|---:|---:|---:|---:|"]
+    static = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for n in (0, 4, 64):
+        tools = bench_tools(n) or None
+        fields = [static, tools, None]
+        us = median_us({"pack": lambda f=fields: msgpack.packb(f, strict_types=True),
+                        "canonical": lambda t=tools: canonical_bytes(static, t, None)}, reps)
+        size = len(msgpack.packb(fields, strict_types=True))
+        rows.append(f"| {n} | {size} | {us['pack']:.1f} µs | {us['canonical']:.1f} µs | "
+                    f"{us['canonical'] / us['pack']:.2f}x |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=2000, help="calls per candidate")
+    args = parser.parse_args()
+    print("Tokenizer fingerprint re-check (every request):\n")
+    print("\n".join(recheck_rows(args.reps)))
+    print("\nKey material: pack vs pack + binary-value check (every keyed request):\n")
+    print("\n".join(canonical_rows(args.reps)))
+
+
+if __name__ == "__main__":
+    main()
