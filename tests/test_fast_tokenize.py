@@ -18,9 +18,10 @@ import pytest
 from prefix_cache import MemoryStore, StaticPrefixCache, cli
 from prefix_cache.entry import decode_entry, encode_entry
 from prefix_cache.metrics import Metrics
-from prefix_cache.render import current_fingerprint, get_renderer
+from prefix_cache.render import get_renderer
 from prefix_cache.split import SplitRule, StaticSplit, split_rule
 from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make_model_dir
+from prefix_cache.tokenizer_identity import current_fingerprint
 
 from . import reference
 from .conftest import make_tools

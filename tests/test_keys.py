@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from prefix_cache import InvalidRequestError, StaticPrefixCache, keys
-from prefix_cache.render import get_renderer, tokenizer_fingerprint
+from prefix_cache.render import get_renderer
+from prefix_cache.tokenizer_identity import tokenizer_fingerprint
 
 from .conftest import make_tools
 from .templates import BEHAVIOURS
@@ -163,7 +164,7 @@ def test_fingerprint_is_stable_across_processes(qwen3) -> None:
     """Replicas on other machines must compute the same key: no per-process randomness."""
     code = (
         "from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer;"
-        "from prefix_cache.render import tokenizer_fingerprint;"
+        "from prefix_cache.tokenizer_identity import tokenizer_fingerprint;"
         "print(tokenizer_fingerprint(load_offline_tokenizer('qwen3')).hex())"
     )
     repo = str(__import__("pathlib").Path(__file__).resolve().parents[1])  # this tree's package
@@ -174,11 +175,11 @@ def test_fingerprint_is_stable_across_processes(qwen3) -> None:
 
 
 def test_fingerprint_is_computed_once_per_tokenizer(qwen3, monkeypatch) -> None:
-    import prefix_cache.render as render
+    import prefix_cache.tokenizer_identity as identity
 
     get_renderer(qwen3, TEMPLATE)
     calls = []
-    monkeypatch.setattr(render, "tokenizer_fingerprint", lambda t: calls.append(t) or b"x")
+    monkeypatch.setattr(identity, "tokenizer_fingerprint", lambda t: calls.append(t) or b"x")
     for _ in range(3):
         get_renderer(qwen3, TEMPLATE)
     assert calls == []

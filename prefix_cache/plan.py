@@ -1,0 +1,80 @@
+"""A request's plan: its inputs validated, its renderer and its key, everything decided before
+any render (pure but for the renderer lookup and the clock of templates that read it)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import boundary, keys
+from .messages import count_static, validate_kwargs, validate_messages, validate_tools
+from .render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything resolved before any render: validated inputs, renderer and key."""
+
+    renderer: TemplateRenderer
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    kwargs: dict[str, Any]
+    n_static: int
+    static: list[dict[str, Any]] | None  # None: nothing to protect, boundary 0
+    key: str
+    check: int
+    date: str | None     # the date in the key (templates that read today's date)
+    namespace: str
+    model: str
+    started: float
+    options: RenderOptions = DEFAULT_OPTIONS  # how the prompt itself is rendered
+
+    @property
+    def probe_shape(self) -> bool:
+        return boundary.is_probe_shape(self.messages, self.n_static)
+
+    @property
+    def memo_key(self) -> tuple[str, int] | None:
+        """What fixes the tools' content: the key and its independent check value."""
+        return (self.key, self.check) if self.key else None
+
+    @property
+    def cached(self) -> bool:
+        """Whether this request reads and writes the store (it has a key)."""
+        return bool(self.key)
+
+
+def make_plan(tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
+              chat_template: str | None, namespace: str, model: str | None,
+              options: RenderOptions = DEFAULT_OPTIONS, *, prefix: str,
+              protect_default_prefix: bool) -> Plan:
+    """Validates a request's inputs, picks its renderer and computes its key (none when there
+is nothing static to protect, or when the render cannot be reproduced)."""
+    started = time.perf_counter()
+    keys.validate_label(namespace, "namespace")
+    messages = validate_messages(messages)
+    tools = validate_tools(tools)
+    kwargs = validate_kwargs(kwargs)
+    renderer = get_renderer(tokenizer, chat_template, tools)
+    n_static = count_static(messages)
+    everything_static = n_static == len(messages)
+    label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
+    if everything_static or (n_static == 0 and not protect_default_prefix):
+        # Not keyed, but refused alike: what would be refused in a key is refused here too.
+        keys.canonical_bytes(messages[:n_static], tools, kwargs)
+        return Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
+                     namespace, label, started, options)
+    static = messages[:n_static]
+    if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
+        keys.canonical_bytes(static, tools, kwargs)
+        return Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
+                     namespace, label, started, options)
+    date = renderer.date_tag()
+    material = keys.key_material(
+        namespace=namespace, identity=renderer.identity, static=static,
+        tools=tools, kwargs=kwargs, date=date,
+    )
+    key = keys.format_key(prefix, namespace, label, keys.key_hash(material))
+    return Plan(renderer, messages, tools, kwargs, n_static, static, key,
+                 keys.check_value(material), date, namespace, label, started, options)
