@@ -17,6 +17,7 @@ pytest.importorskip("mlx_lm")
 from engine_adapter.mlx_engine import GenerationRequest, MLXEngine  # noqa: E402
 from engine_adapter.mlx_engine import cache as kv  # noqa: E402
 from engine_adapter.mlx_engine.engine import UNSUPPORTED_LAYERS  # noqa: E402
+from engine_adapter.mlx_engine.layered import supports_layered_cache  # noqa: E402
 from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig  # noqa: E402
 from engine_adapter.testing.tiny_model import FAMILIES, TINY_WINDOW  # noqa: E402
 from tests.engine_fixtures import assert_matches_dense, load_tiny, run, turn  # noqa: E402
@@ -153,3 +154,13 @@ def test_specprefill_is_refused_with_a_reason_and_the_answer_is_dense(
         assert_matches_dense(model, ids, events)
         off = run(engine, ids, end, specprefill=False)   # not asked for: no reason given
         assert off[0].prefill.fallback is None
+
+
+def test_which_cache_mixes_are_kept():
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+
+    assert supports_layered_cache([RotatingKVCache(8), KVCache()])
+    assert supports_layered_cache([ArraysCache(2), KVCache()])
+    # No attention layer to count tokens off; a cache type a snapshot does not know.
+    assert not supports_layered_cache([ArraysCache(2), ArraysCache(2)])
+    assert not supports_layered_cache([ChunkedKVCache(8), KVCache()])

@@ -82,8 +82,10 @@ class LayeredSnapshot:
 
 def supports_layered_cache(caches: Sequence[Any]) -> bool:
     """Whether every layer's cache is of a type a ``LayeredSnapshot`` keeps (exact types: a
-    quantized or chunked cache is none of them)."""
-    return bool(caches) and all(type(c) in LAYER_TYPES for c in caches)
+    quantized or chunked cache is none of them), with at least one attention layer: the engine
+    counts a sequence's tokens off those (a recurrent state does not count them)."""
+    return (all(type(c) in LAYER_TYPES for c in caches)
+            and any(type(c) is not ArraysCache for c in caches))
 
 
 def _window(c: RotatingKVCache, n_tokens: int) -> WindowLayer:
