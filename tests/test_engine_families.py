@@ -164,3 +164,40 @@ def test_which_cache_mixes_are_kept():
     # No attention layer to count tokens off; a cache type a snapshot does not know.
     assert not supports_layered_cache([ArraysCache(2), ArraysCache(2)])
     assert not supports_layered_cache([ChunkedKVCache(8), KVCache()])
+
+
+REAL_TEMPLATES = {"qwen3_5": ("qwen3.5", "Qwen3.5-4B"), "gpt_oss": ("gpt-oss", "openai-gpt-oss-120b")}
+
+
+@pytest.mark.parametrize("arch", sorted(REAL_TEMPLATES))
+def test_real_template_and_tokenizer_turn_two_reuses_and_matches_dense(arch, tmp_path):
+    # The family's own tokenizer and chat template (from the conformance folder), the boundary
+    # from StaticPrefixCache, as a served request gets them: turn 2 restores at least the
+    # static system+tools block, and every step equals dense.
+    from mlx_lm.utils import load_model
+
+    from engine_adapter.testing.tiny_model import make_tiny_model
+    from prefix_cache import StaticPrefixCache
+    from prefix_cache.model_dir import load_tokenizer
+    from tests.conftest import TEMPLATES_DIR, make_tools
+
+    tokenizer, stem = REAL_TEMPLATES[arch]
+    template = TEMPLATES_DIR / f"{stem}.jinja"
+    if not template.is_file():
+        pytest.skip(f"no {template}")
+    folder = make_tiny_model(tmp_path / arch, arch, tokenizer=tokenizer,
+                             chat_template=template.read_text("utf-8"))
+    model, tok = load_model(folder)[0], load_tokenizer(folder)
+    tools = make_tools(4)
+    first = [{"role": "system", "content": "You are the on-call agent."},
+             {"role": "user", "content": "Why did the nightly job fail?"}]
+    second = first + [{"role": "assistant", "content": "The migration timed out."},
+                      {"role": "user", "content": "Retry it with a longer timeout."}]
+    cache = StaticPrefixCache()
+    with MLXEngine(model) as engine:
+        for messages in (first, second):
+            r = cache.resolve(tok, messages, tools)
+            events = run(engine, r.prompt_ids, r.specprefill_system_end)
+            assert_matches_dense(model, r.prompt_ids, events)
+        assert r.specprefill_system_end > TINY_WINDOW
+        assert events[0].prefill.reused_tokens >= r.specprefill_system_end
