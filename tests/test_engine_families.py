@@ -18,6 +18,7 @@ from engine_adapter.mlx_engine import GenerationRequest, MLXEngine  # noqa: E402
 from engine_adapter.mlx_engine import cache as kv  # noqa: E402
 from engine_adapter.mlx_engine.engine import UNSUPPORTED_LAYERS  # noqa: E402
 from engine_adapter.mlx_engine.layered import supports_layered_cache  # noqa: E402
+from engine_adapter.mlx_engine.model_info import context_length, vocab_size  # noqa: E402
 from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig  # noqa: E402
 from engine_adapter.testing.tiny_model import FAMILIES, TINY_WINDOW  # noqa: E402
 from tests.engine_fixtures import assert_matches_dense, load_tiny, run, turn  # noqa: E402
@@ -58,9 +59,13 @@ def run_together(engine: MLXEngine, requests: list[GenerationRequest]) -> dict[s
 
 
 def test_the_families_caches_are_reused(family):
-    arch, model, _ = family
+    arch, model, tok = family
     assert kv.supports_reuse(model)
     assert kv.supports_positioned_cache(model) == (arch == "qwen3_moe")
+    # Read through Qwen3.5's nested text_config too: requests are validated against them.
+    assert vocab_size(model) == len(tok)
+    # (mlx-lm's gpt-oss ModelArgs have no max_position_embeddings: no window known)
+    assert context_length(model) == (None if arch == "gpt_oss" else 32768)
 
 
 def test_static_prefix_restored_batched_with_others_matches_dense(family):
