@@ -206,3 +206,19 @@ def test_real_template_and_tokenizer_turn_two_reuses_and_matches_dense(arch, tmp
             assert_matches_dense(model, r.prompt_ids, events)
         assert r.specprefill_system_end > TINY_WINDOW
         assert events[0].prefill.reused_tokens >= r.specprefill_system_end
+
+
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+def test_concurrent_misses_on_one_static_prefix_compute_it_once(arch, engine_models_dir, qwen3):
+    model, tok = load_tiny(engine_models_dir, arch), qwen3
+    with MLXEngine(model, reuse_conversation_kv=False) as engine:
+        prompts = [turn(tok, 20, f"question {i} " * (i + 1)) for i in range(3)]
+        end = prompts[0][1]
+        requests = [GenerationRequest(ids, max_tokens=2, specprefill_system_end=end,
+                                      return_logprobs=True) for ids, _ in prompts]
+        results = run_together(engine, requests)
+        reused = sorted(results[r.request_id][0].prefill.reused_tokens for r in requests)
+        assert reused == [0, end, end]
+        assert engine.kv_store.stats.puts == 1 and engine.snapshot_stats().parked == 2
+        for r in requests:
+            assert_matches_dense(model, list(r.prompt_ids), results[r.request_id])
