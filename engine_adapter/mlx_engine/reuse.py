@@ -102,7 +102,7 @@ class KVReuse:
         if hit is None:
             return None
         n, snap = hit
-        if not snap.trimmable and n != snap.prompt_tokens:
+        if not getattr(snap, "trimmable", True) and n != snap.prompt_tokens:
             return None  # a recurrent state or a window stands for all its tokens, no fewer
         if req.specprefill is False:
             # A request that turned SpecPrefill off gets exact attention over its whole prompt:
