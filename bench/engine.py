@@ -383,6 +383,21 @@ def update_docs(text: str, start: str = MARK_START, end: str = MARK_END,
     path.write_text(pattern.sub(lambda _m: f"{start}\n{text}\n{end}", doc), encoding="utf-8")
 
 
+def families(args: argparse.Namespace, command: str, started: float) -> int:
+    """The ``--families`` run: its table, printed and (``--update-docs``) written."""
+    from engine_families import MARK_END as END, MARK_START as START, families_table, run_families
+
+    rows = run_families(args)
+    text = (families_table(rows, machine(), command)
+            + f"\n\nWhole run: {time.perf_counter() - started:.0f} s.\n")
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    if args.update_docs:
+        update_docs(text, START, END)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models-dir", default=os.path.join(tempfile.gettempdir(),
@@ -393,13 +408,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--update-docs", action="store_true",
                         help=f"write the table into {DOCS.relative_to(ROOT)}")
+    parser.add_argument("--families", action="store_true",
+                        help="instead: the second turn's TTFT per model family "
+                             "(bench/engine_families.py)")
+    parser.add_argument("--tools", default="64", help="with --families: tool counts, e.g. 64,100")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
+    command = "bash bench/engine.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
+    if args.families:
+        return families(args, command, started)
     report = run(args)
     report["seconds"] = time.perf_counter() - started
-    command = "bash bench/engine.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     text = table(report, command) + f"\nWhole run: {report['seconds']:.0f} s.\n"
     print(text)
     if args.json:

@@ -175,7 +175,7 @@ def make_engine(engines, draft):
     return make
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "qwen3_moe"])
 def test_sparse_prefill_at_keep_100_percent_equals_dense(arch, engine_models_dir, make_engine,
                                                          qwen3):
     model, tok = load_tiny(engine_models_dir, arch), qwen3

@@ -18,6 +18,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from .layered import LayeredSnapshot, restore_layers, snapshot_layers, supports_layered_cache
+
 
 class PositionedKVCache(KVCache):
     """A ``KVCache`` whose row, once merged into a batch, is rotated ``position_shift`` ahead.
@@ -53,6 +55,7 @@ class KVSnapshot:
     nbytes: int
     positions: tuple[int, ...] | None = None
     span: int | None = None
+    trimmable = True    # restores any leading part (``LayeredSnapshot``: only the whole)
 
     @property
     def prompt_tokens(self) -> int:
@@ -78,13 +81,22 @@ class KVSnapshot:
 
 
 def supports_positioned_cache(model: Any) -> bool:
-    """Plain full-attention models only: a model whose own caches are anything but ``KVCache``
-    (sliding windows, recurrent layers) keeps them, and the engine neither reuses nor
-    sparsifies their KV."""
+    """Plain full-attention models only: their KV can be stored sparse, trimmed and rotated
+    ahead (SpecPrefill). A model whose own caches are anything else (sliding windows,
+    recurrent layers) keeps them; see ``supports_reuse``."""
     if not hasattr(model, "layers"):
         return False
     make = getattr(model, "make_cache", None)
     return make is None or all(type(c) is KVCache for c in make())
+
+
+def supports_reuse(model: Any) -> bool:
+    """Whether the engine can snapshot and restore the model's caches: plain KV, or a mix of
+    full, sliding-window and recurrent layers (``layered``); not quantized or chunked ones."""
+    if supports_positioned_cache(model):
+        return True
+    make = getattr(model, "make_cache", None)
+    return make is not None and supports_layered_cache(make())
 
 
 def make_cache(model: Any) -> list[Any]:
@@ -95,14 +107,21 @@ def make_cache(model: Any) -> list[Any]:
 
 
 def cache_size(cache: Sequence[Any]) -> int:
-    """Tokens stored in a per-sequence cache."""
-    return int(cache[0].offset) if cache else 0
+    """Tokens stored in a per-sequence cache (read off its first attention layer: a recurrent
+    layer does not count them)."""
+    return next((int(c.offset) for c in cache if hasattr(c, "offset")), 0)
 
 
-def snapshot(cache: Sequence[KVCache], n_tokens: int, *,
-             positions: Sequence[int] | None = None, span: int | None = None) -> KVSnapshot:
+def snapshot(cache: Sequence[Any], n_tokens: int, *,
+             positions: Sequence[int] | None = None,
+             span: int | None = None) -> KVSnapshot | LayeredSnapshot:
     """Copy of the first ``n_tokens`` stored tokens of a per-sequence cache, evaluated; with
-    ``positions`` (one per stored token, increasing) and ``span``, a sparse snapshot."""
+    ``positions`` (one per stored token, increasing) and ``span``, a sparse snapshot. A cache
+    with other layers than plain KV must hold exactly ``n_tokens``: a ``LayeredSnapshot``."""
+    if any(type(c) not in (KVCache, PositionedKVCache) for c in cache):
+        if positions is not None:
+            raise ValueError("only plain KV caches are stored sparse")
+        return snapshot_layers(cache, n_tokens)
     if any(c.keys is None or c.offset < n_tokens for c in cache):
         raise ValueError(f"cache holds fewer than {n_tokens} tokens")
     if positions is not None:
@@ -123,8 +142,8 @@ def snapshot(cache: Sequence[KVCache], n_tokens: int, *,
     return KVSnapshot(layers, n_tokens, nbytes, positions, span)
 
 
-def restore(snap: KVSnapshot, n_tokens: int | None = None, *,
-            copy: bool = True) -> list[PositionedKVCache]:
+def restore(snap: KVSnapshot | LayeredSnapshot, n_tokens: int | None = None, *,
+            copy: bool = True) -> list[Any]:
     """A new per-sequence cache standing for the snapshot's first ``n_tokens`` prompt tokens
     (all by default). From a sparse snapshot it holds the stored ones among them and is
     rotated ahead by the dropped ones (``position_shift``), so what follows sits at position
@@ -135,6 +154,8 @@ def restore(snap: KVSnapshot, n_tokens: int | None = None, *,
     place needs. ``copy=False`` gives read-only views, for a cache handed straight to
     ``BatchGenerator.insert``: merging it into the batch copies it anyway, and a second copy
     before that would only cost time to first token."""
+    if isinstance(snap, LayeredSnapshot):
+        return restore_layers(snap, n_tokens, copy=copy)
     span = snap.prompt_tokens
     want = span if n_tokens is None else n_tokens
     n = snap.stored_before(want)

@@ -43,6 +43,8 @@ from .specprefill import SpecPrefillConfig
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
+UNSUPPORTED_LAYERS = "SpecPrefill not supported: the model has sliding-window or recurrent layers"
+
 @dataclass(slots=True)
 class EngineCounters:
     """Counters since the engine started (``snapshot_stats()`` reads them)."""
@@ -115,7 +117,8 @@ class MLXEngine:
                                else min(window, max_context or window))
         self.stats = EngineCounters()
         self.reuse = KVReuse(model, self.kv_store, self.conversation_store,
-                             positioned=kv.supports_positioned_cache(model))
+                             positioned=kv.supports_positioned_cache(model),
+                             reusable=kv.supports_reuse(model))
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
         self._step_size = prefill_step_size
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -339,7 +342,8 @@ class MLXEngine:
         # is for what is left to compute (as oMLX admits it after its prefix cache), so a long
         # conversation of short turns stays dense instead of re-sparsifying its history.
         conv = self.reuse.conversation_hit(req, ids, static)
-        sparse = self._wants_specprefill(req, len(ids) - (conv.tokens if conv else static))
+        rest = len(ids) - (conv.tokens if conv else static)
+        sparse = self._wants_specprefill(req, rest)
         if may_park and conv is None and self.reuse.park(seq, ids, static):
             self.stats.parked += 1
             return
@@ -351,10 +355,17 @@ class MLXEngine:
             self._sparse_jobs.append(SparseJob(seq, ids, static, steps))
             return
         fallback = "no draft model" if req.specprefill and self.draft_model is None else None
+        if not self.reuse.positioned and self._asks_specprefill(req, rest):
+            fallback = UNSUPPORTED_LAYERS
         self._start_dense(seq, ids, static, fallback, conv)
 
     def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
-        if self.draft_model is None or not self.reuse.positioned or req.specprefill is False:
+        return self.reuse.positioned and self._asks_specprefill(req, rest)
+
+    def _asks_specprefill(self, req: GenerationRequest, rest: int) -> bool:
+        """SpecPrefill is on for this request (a draft, not turned off, over the threshold),
+        whatever the model's layers."""
+        if self.draft_model is None or req.specprefill is False:
             return False
         threshold = req.specprefill_threshold
         return rest > (self.specprefill.threshold if threshold is None else threshold)

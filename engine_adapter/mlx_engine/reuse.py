@@ -72,12 +72,17 @@ class KVReuse:
     """The engine's KV stores and the requests parked on a static prefix being computed."""
 
     def __init__(self, model: Any, kv_store: StaticKVStore | None,
-                 conversation_store: StaticKVStore | None, *, positioned: bool) -> None:
+                 conversation_store: StaticKVStore | None, *, positioned: bool,
+                 reusable: bool | None = None) -> None:
         self.model = model
         self.kv_store = kv_store
         self.conversation_store = conversation_store
-        # Plain full-attention models only: the KV of others is neither reused nor sparsified.
+        # Plain full-attention models: KV stored sparse, trimmed to any prefix, and copied once
+        # the first token is out.
         self.positioned = positioned
+        # Those and models with sliding-window or recurrent layers: their snapshots
+        # (``layered``) are taken exactly at segment ends and restored only whole.
+        self.reusable = positioned if reusable is None else reusable
         # Single flight per static prefix: while one request prefills it, later ones with the
         # same (namespace, prefix ids) wait here and then restore it instead of recomputing.
         self._computing: dict[Key, list[EngineSequence]] = {}
@@ -90,13 +95,15 @@ class KVReuse:
         """The stored prompt of this namespace that shares the longest prefix with ``ids``
         (an earlier turn it extends, or a sibling), when that shared part is longer than the
         static prefix; else None (the static path)."""
-        if self.conversation_store is None or not self.positioned:
+        if self.conversation_store is None or not self.reusable:
             return None
         hit = self.conversation_store.longest_common_prefix(req.namespace, TARGET_ID, ids,
                                                             len(ids) - 1, min_tokens=static)
         if hit is None:
             return None
         n, snap = hit
+        if not getattr(snap, "trimmable", True) and n != snap.prompt_tokens:
+            return None  # a recurrent state or a window stands for all its tokens, no fewer
         if req.specprefill is False:
             # A request that turned SpecPrefill off gets exact attention over its whole prompt:
             # of a sparse entry only the part stored whole (its protected prefix) is restored.
@@ -109,7 +116,7 @@ class KVReuse:
 
     def park(self, seq: EngineSequence, ids: list[int], static: int) -> bool:
         """Park ``seq`` when another request is computing its static prefix right now."""
-        if not (static and self.kv_store is not None and self.positioned):
+        if not (static and self.kv_store is not None and self.reusable):
             return False
         key = prefix_key(seq.request.namespace, TARGET_ID, ids[:static])[0]
         waiting = self._computing.get(key)
@@ -124,14 +131,14 @@ class KVReuse:
         """Restore the conversation prefix, or the static prefix, or nothing; the rest is
         computed, and the prompt minus its last token is stored once prefilled."""
         plan = ReusePlan()
-        last = len(ids) - 1 if self.conversation_store is not None and self.positioned else 0
+        last = len(ids) - 1 if self.conversation_store is not None and self.reusable else 0
         if conv is not None:
             reused = plan.restored = conv.tokens
             plan.restored_positions = conv.snapshot.positions_before(reused)
             plan.conversation_at = last if last > reused else 0
             cache = kv.restore(conv.snapshot, reused, copy=False)
             return DensePrefill([ids[reused:]], cache, plan, reused, reused)
-        if self.kv_store is not None and self.positioned and static > 0:
+        if self.kv_store is not None and self.reusable and static > 0:
             snap = self.kv_store.get(req.namespace, TARGET_ID, ids[:static])
             if snap is not None:
                 plan.restored = static
@@ -173,6 +180,11 @@ class KVReuse:
         if done == plan.static_at:
             return self._store_segment(seq, done, extract)
         if done == plan.conversation_at:
+            if not self.positioned:
+                # A recurrent state or a window cannot be cut back to this point once the
+                # last prompt token is in: the snapshot is taken here, before the first token.
+                self._store_segment(seq, done, extract)
+                return []
             # Copying the prompt's KV now would delay the first token; the sequence keeps that
             # KV, so it is stored right after the first token is delivered.
             plan.conversation_ready = True
@@ -180,8 +192,9 @@ class KVReuse:
 
     def _store_segment(self, seq: EngineSequence, n: int, extract: Extract) -> list[tuple[EngineSequence, bool]]:
         plan = seq.plan
-        conversation = n == plan.conversation_at
-        plan.static_at = 0
+        static, conversation = n == plan.static_at, n == plan.conversation_at
+        if static:
+            plan.static_at = 0
         if conversation:
             plan.conversation_at = 0
         extracted = extract()
@@ -191,13 +204,13 @@ class KVReuse:
             log.warning("segment of %s not where expected; not stored", seq.request.request_id)
         else:
             snap = kv.snapshot(extracted[0], n)
-            if self.kv_store is not None:
+            if static and self.kv_store is not None:
                 stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
             if conversation and self.conversation_store is not None:
                 # One snapshot object for both is fine: snapshots are never written to.
                 self.conversation_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap,
                                             supersede=True)
-        return self.release(seq, stored, leader_running=True)
+        return self.release(seq, stored, leader_running=True) if static else []
 
     def on_first_token(self, seq: EngineSequence, prompt_cache: Any, extract: Extract) -> None:
         """Store the prompt minus its last token in the conversation store, copied from the KV

@@ -1,7 +1,13 @@
 """Write a tiny random-weights mlx-lm model folder with a real tokenizer and chat template.
 
-    python -m engine_adapter.testing.tiny_model DEST [--arch qwen3|qwen2|llama] [--hidden 64] [--layers 2]
+    python -m engine_adapter.testing.tiny_model DEST [--arch ARCH] [--hidden 64] [--layers 2]
                                             [--heads 4] [--kv-heads 2] [--intermediate N]
+
+ARCH is a plain full-attention family (qwen3, llama, qwen2) or one whose caches are not all
+``KVCache`` (``FAMILIES``): gemma3_text and gpt_oss (sliding-window layers, ``RotatingKVCache``,
+window ``TINY_WINDOW`` so test prompts pass it), qwen3_next and qwen3_5 (gated DeltaNet layers
+with recurrent state, ``ArraysCache``, beside full-attention ones), qwen3_moe (plain KV, MoE).
+With two layers each hybrid has one layer of each kind.
 
 The folder (config.json, model.safetensors in float32, tokenizer.json, tokenizer_config.json,
 chat_template.jinja) loads with ``mlx_lm.load(DEST)`` and serves with
@@ -20,11 +26,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ARCHES = ("qwen3", "llama", "qwen2")
+ARCHES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gemma3_text", "gpt_oss", "qwen3_next",
+          "qwen3_5")
+# The families whose mlx-lm caches go beyond plain KV, and the MoE control (plain KV).
+FAMILIES = ("gemma3_text", "gpt_oss", "qwen3_next", "qwen3_5", "qwen3_moe")
+TINY_WINDOW = 32          # sliding window of the tiny gemma3_text and gpt_oss models, in tokens
 # (tokenizer name, template) -> (vocabulary size with specials, eos id), per process
 _VOCAB: dict[tuple[str, str], tuple[int, int | None]] = {}
 ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "llama": "LlamaForCausalLM"}
+                 "llama": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma3_text": "Gemma3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+                 "qwen3_next": "Qwen3NextForCausalLM",
+                 "qwen3_5": "Qwen3_5ForConditionalGeneration"}
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -57,8 +70,44 @@ def tiny_config(arch: str, vocab_size: int, *, hidden: int = 64, layers: int = 2
         "tie_word_embeddings": True,
         "torch_dtype": "float32",
     }
+    config.update(_family_fields(arch, hidden, heads, layers, config["intermediate_size"]))
+    if arch == "qwen3_5":  # a vision-language wrapper: the text model's config is nested
+        config = {"model_type": arch, "text_config": {**config, "model_type": "qwen3_5_text"},
+                  "tie_word_embeddings": True, "vocab_size": vocab_size,
+                  "max_position_embeddings": config["max_position_embeddings"]}
     config["architectures"] = [ARCHITECTURES[arch]]
     return config
+
+
+def _family_fields(arch: str, hidden: int, heads: int, layers: int,
+                   intermediate: int) -> dict[str, Any]:
+    """The config fields a family adds to the plain ones, at toy size: 4 experts (2 active),
+    a ``TINY_WINDOW`` sliding window on every other layer, linear-attention heads."""
+    head_dim = hidden // heads
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 1,
+           "mlp_only_layers": [], "moe_intermediate_size": intermediate // 2,
+           "norm_topk_prob": True}
+    # Layer i is full attention when i % interval == interval - 1: one of each with 2 layers.
+    linear = {"linear_num_value_heads": 4, "linear_num_key_heads": 2,
+              "linear_key_head_dim": head_dim, "linear_value_head_dim": head_dim,
+              "linear_conv_kernel_dim": 4, "full_attention_interval": 2,
+              "shared_expert_intermediate_size": intermediate, "partial_rotary_factor": 0.25}
+    if arch == "qwen3_moe":
+        return moe
+    if arch == "gemma3_text":
+        return {"sliding_window": TINY_WINDOW, "sliding_window_pattern": 2,
+                "query_pre_attn_scalar": head_dim, "rope_local_base_freq": 10_000.0}
+    if arch == "gpt_oss":
+        return {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": TINY_WINDOW,
+                "layer_types": [("sliding_attention", "full_attention")[i % 2]
+                                for i in range(layers)]}
+    if arch == "qwen3_next":
+        return {**moe, **linear}
+    if arch == "qwen3_5":
+        return {**linear, "rope_parameters": {"type": "default", "rope_theta": 100_000.0,
+                                              "partial_rotary_factor": 0.25,
+                                              "mrope_section": [1, 1, 0]}}
+    return {}
 
 
 def write_weights(folder: Path, config: dict[str, Any], seed: int = 0) -> None:
