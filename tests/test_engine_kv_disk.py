@@ -256,7 +256,7 @@ def test_two_engine_processes_share_the_folder(tiny_model_dir, tmp_path, qwen3):
         # An eviction by another process (here: a purge of the folder) is a miss, not an error.
         for path in files(kv_dir):
             path.unlink()
-        engine.purge_kv()   # RAM only: the files are gone already
+        engine.kv_store.purge()   # RAM and the index: the files are gone already
         events = run(engine, ids, end)
         assert events[0].prefill.reused_tokens == 0
         assert engine.snapshot_stats().kv_disk.discarded == 0
@@ -271,7 +271,7 @@ def test_purge_removes_a_namespaces_files(engines, disks, target, tmp_path):
         run(engine, ids, end, namespace=ns)
     engine.kv_disk.flush()
     assert len(files(tmp_path / "kv")) == 4           # static + conversation, per tenant
-    assert engine.purge_kv("tenant-a") >= 4           # 2 in RAM, 2 files
+    assert MLXBackend(engine, tok).purge_kv("tenant-a") == 4   # 2 in RAM, 2 files
     assert len(files(tmp_path / "kv")) == 2
     engine = restart(engines, disks, engine)
     assert run(engine, ids, end, namespace="tenant-a")[0].prefill.reused_tokens == 0
@@ -287,7 +287,7 @@ def test_the_folder_stays_within_its_bytes_under_churn(engines, disks, target, t
     (one,) = files(tmp_path / "kv")
     bound = int(one.stat().st_size * 3.5)
     probe.close()
-    probe.kv_disk.purge()
+    assert probe.kv_disk.purge() == 1
     disk = disks(bound)
     engine = engines(kv_disk=disk, reuse_conversation_kv=False)
     for i in range(12):

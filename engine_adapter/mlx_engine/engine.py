@@ -107,10 +107,7 @@ class MLXEngine:
         # too, so the next turn restores it and computes only what is new, instead of scoring
         # and sparsifying the same history again (it sees that history as this turn did).
         self.reuse_sparse_kv = reuse_sparse_kv
-        # The disk tier under both stores: their KV outlives a restart and is shared by the
-        # engine processes of the host (``kv_disk``).
         self.kv_disk = kv_disk
-        self._owns_kv_disk = False   # made by ``load``: closed with the engine
         self.kv_store = tiered(self.kv_store, kv_disk, "static")
         self.conversation_store = tiered(self.conversation_store, kv_disk, "conversation")
         self.specprefill = specprefill or SpecPrefillConfig()
@@ -154,16 +151,9 @@ class MLXEngine:
         model, tokenizer = loaded[0], loaded[1]
         draft = load(str(draft_dir))[0] if draft_dir is not None else None
         options.setdefault("stop_token_ids", sorted(tokenizer.eos_token_ids))
-        disk = open_kv_disk(model_dir, draft_dir, options.pop("kv_disk_dir", None),
-                            options.pop("kv_disk_bytes", 0))
-        try:
-            engine = cls(model, draft_model=draft, tokenizer=tokenizer, kv_disk=disk, **options)
-        except BaseException:
-            if disk is not None:
-                disk.close()
-            raise
-        engine._owns_kv_disk = disk is not None
-        return engine
+        options["kv_disk"] = open_kv_disk(model_dir, draft_dir, options.pop("kv_disk_dir", None),
+                                          options.pop("kv_disk_bytes", 0))
+        return cls(model, draft_model=draft, tokenizer=tokenizer, **options)
 
     # -- the caller's side ------------------------------------------------------------------
 
@@ -204,18 +194,12 @@ class MLXEngine:
             conversation_store=conv.snapshot_stats() if conv is not None else None,
             kv_disk=self.kv_disk.snapshot_stats() if self.kv_disk is not None else None)
 
-    def purge_kv(self, namespace: str | None = None) -> int:
-        """Drop the KV of a namespace (or all) from both stores, RAM and disk; entries dropped."""
-        return sum(s.purge(namespace) for s in (self.kv_store, self.conversation_store)
-                   if s is not None)
-
     def close(self) -> None:
         """Finish the engine thread; requests still running get an EngineError."""
         self._post("close", None)
         self._thread.join()
-        if self.kv_disk is not None:
-            # What the engine stored goes to disk before it is gone (a restart finds it).
-            self.kv_disk.close() if self._owns_kv_disk else self.kv_disk.flush()
+        if self.kv_disk is not None:  # what it stored is on disk before it is gone
+            self.kv_disk.release()
 
     def __enter__(self) -> MLXEngine:
         return self

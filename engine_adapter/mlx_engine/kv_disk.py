@@ -104,6 +104,7 @@ class DiskKVStore:
         self.max_bytes = max_bytes
         self.fingerprints = dict(fingerprints)
         self.stats = DiskCounters()
+        self.owned = False   # made for one engine (``open_kv_disk``): closed with it
         self._clock = clock
         self._index: ByteLRU[DiskKey, DiskEntry] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
@@ -258,6 +259,10 @@ class DiskKVStore:
         except queue.Full:
             return  # the writer is stuck in a write; it is a daemon thread
         self._writer.join(timeout_s)
+
+    def release(self) -> None:
+        """An engine is done with the store: closed if it was made for it, else flushed."""
+        self.close() if self.owned else self.flush()
 
     def _write_loop(self) -> None:
         while True:
@@ -421,4 +426,6 @@ def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str 
     fingerprints = {"target": kv_file.folder_fingerprint(model_dir)}
     if draft_dir is not None:
         fingerprints["draft"] = kv_file.folder_fingerprint(draft_dir)
-    return DiskKVStore(kv_disk_folder(model_dir, base), max_bytes, fingerprints)
+    disk = DiskKVStore(kv_disk_folder(model_dir, base), max_bytes, fingerprints)
+    disk.owned = True
+    return disk
