@@ -358,3 +358,21 @@ def test_load_fingerprints_the_weights_not_the_folder_name(tmp_path, engine_mode
     data[-1] ^= 0xFF
     (copy / weights.name).write_bytes(bytes(data))
     assert kv_file.folder_fingerprint(copy) != before      # other weights, same name
+
+
+def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, tmp_path):
+    from engine_adapter.mlx_engine import cache as kv
+
+    model, tok = target
+    ids, _ = turn(tok, 5, "Hi.")
+    cache = kv.make_cache(model)
+    model(mx.array([ids]), cache=cache)
+    disk = disks()
+    assert not disk.submit("static", "ns", "draft", ids, kv.snapshot(cache, len(ids)))
+    assert disk.submit("static", "ns", "target", ids, kv.snapshot(cache, len(ids)))
+    assert disk.flush()
+    (path,) = files(tmp_path / "kv")
+    for folder in (path.parent, path.parents[1], path.parents[2], tmp_path / "kv"):
+        assert folder.stat().st_mode & 0o777 == 0o700
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert disk.snapshot_stats().write_errors == 0

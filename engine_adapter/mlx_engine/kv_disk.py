@@ -219,6 +219,8 @@ class DiskKVStore:
                snapshot: KVSnapshot, *, supersede: bool = False) -> bool:
         """Queue a snapshot for writing; False (counted) if the queue is full or the snapshot
         is larger than the whole tier. Never blocks."""
+        if model_id not in self.fingerprints:   # a model this store was not told about
+            return False
         packed = pack_ids(prefix_ids)
         if snapshot.nbytes > self.max_bytes:
             with self._lock:
@@ -283,6 +285,8 @@ class DiskKVStore:
         if self._purged_since(namespace, item.generation):
             return
         path = self.path(item.key)
+        for folder in (path.parents[2], path.parents[1], path.parent):  # tier, namespace, h[:2]
+            folder.mkdir(mode=0o700, exist_ok=True)
         arrays, meta = kv_file.encode(item.snapshot, tier=tier, namespace=namespace,
                                       model_id=model_id,
                                       fingerprint=self.fingerprints[model_id],
