@@ -2,7 +2,8 @@
 
     prefix-cache serve --engine mlx --model DIR --engine-option kv_bytes=8GiB
     prefix-cache serve-engine --model DIR --engine-option conversation_bytes=16GiB
-    prefix-cache serve-engine --model DIR --engine-option kv_disk_bytes=64GiB kv_disk_dir=/ssd/kv
+    prefix-cache serve-engine --model DIR --engine-option kv_disk_bytes=64GiB \
+        --engine-option kv_disk_dir=/ssd/kv          (the KV disk tier; kv_disk_bytes=0: off)
     PREFIX_CACHE_ENGINE_OPTIONS='{"max_context": 32768}'      (serve, every in-process engine)
     models.yaml:  qwen3-8b: {folder: ..., engine: mlx, engine_options: {kv_bytes: 8GiB}}
 

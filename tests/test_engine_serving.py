@@ -538,12 +538,13 @@ def test_engine_options_reach_the_in_process_engine(tiny_model_dir: Path) -> Non
     settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", keys_file=None,
                                models_file=None, upstream=None, engine_options=[
                                    "kv_bytes=3MiB", "conversation_bytes=0", "max_context=4096",
-                                   "specprefill_threshold=100"])
+                                   "specprefill_threshold=100", "kv_disk_bytes=0"])
     app = create_app(settings)
     engine = app.state.service.models.get(MODEL).engine.engine
     try:
         assert engine.kv_store.max_bytes == 3 << 20 and engine.conversation_store is None
         assert engine.context_length == 4096 and engine.specprefill.threshold == 100
+        assert engine.kv_disk is None
     finally:
         engine.close()
 

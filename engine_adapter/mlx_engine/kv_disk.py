@@ -29,7 +29,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import xxhash
@@ -402,11 +402,7 @@ class DiskKVStore:
     def snapshot_stats(self) -> DiskKVStats:
         """The tier's figures now."""
         with self._lock:
-            c = self.stats
-            return DiskKVStats(hits=c.hits, misses=c.misses, writes=c.writes,
-                               write_drops=c.write_drops, write_errors=c.write_errors,
-                               evictions=c.evictions, discarded=c.discarded, loads=c.loads,
-                               load_seconds=c.load_seconds, entries=len(self._index),
+            return DiskKVStats(**asdict(self.stats), entries=len(self._index),
                                bytes=self._index.nbytes, max_bytes=self.max_bytes,
                                queued=self._queue.qsize())
 
