@@ -376,3 +376,25 @@ def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, 
         assert folder.stat().st_mode & 0o777 == 0o700
     assert path.stat().st_mode & 0o777 == 0o600
     assert disk.snapshot_stats().write_errors == 0
+
+
+def test_files_another_process_wrote_are_indexed_within_the_bound(disks, target, tmp_path):
+    from engine_adapter.mlx_engine import cache as kv
+
+    model, tok = target
+    ids, _ = turn(tok, 5, "Hi.")
+    cache = kv.make_cache(model)
+    model(mx.array([ids]), cache=cache)
+    prefixes = [ids[:len(ids) - i] for i in range(3)]
+    size = kv.snapshot(cache, len(ids)).nbytes
+    reader = disks(int(size * 1.5))       # scanned an empty folder; room for one file
+    writer = disks()                      # stands for another process
+    for prefix in prefixes:
+        assert writer.submit("static", "ns", "target", prefix, kv.snapshot(cache, len(prefix)))
+    assert writer.flush()
+    assert len(files(tmp_path / "kv")) == 3
+    for prefix in prefixes:               # the reader finds each by its path, and indexes it
+        assert reader.get("static", "ns", "target", prefix) is not None
+    assert reader.snapshot_stats().hits == 3
+    # Within its bound: what it evicted to index the next one is deleted.
+    assert len(reader) == 1 and len(files(tmp_path / "kv")) == 1

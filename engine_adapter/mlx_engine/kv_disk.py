@@ -200,11 +200,14 @@ class DiskKVStore:
             os.utime(path)  # its last access, for the LRU of processes that scan it later
         except OSError:
             pass
+        doomed: list[Path] = []
         with self._lock:
             self.stats.loads += 1
             self.stats.load_seconds += self._clock() - start
-            if self._index.get(key) is None:
-                self._add(key, DiskEntry(path, packed, header.dense_tokens), path)
+            if self._index.get(key) is None:   # another process's file: indexed now
+                doomed = self._add(key, DiskEntry(path, packed, header.dense_tokens), path)
+        for old in doomed:
+            old.unlink(missing_ok=True)
         return snap
 
     def contains(self, tier: str, namespace: str, model_id: str, packed_ids: bytes) -> bool:
@@ -310,7 +313,10 @@ class DiskKVStore:
     def _add(self, key: DiskKey, entry: DiskEntry, path: Path) -> list[Path]:
         """Index a file as the most recently used; the paths evicted to stay within bounds
         (the caller deletes them, outside the lock). Call with the lock held."""
-        size = path.stat().st_size
+        try:
+            size = path.stat().st_size
+        except OSError:   # already evicted by another process
+            return []
         evicted = self._index.put(key, entry, size)
         if evicted is None:   # larger than the whole tier
             return [path]
