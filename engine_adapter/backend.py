@@ -141,6 +141,13 @@ class MLXBackend:
         stats: EngineStats = self.engine.snapshot_stats()
         return stats
 
+    def purge_kv(self, namespace: str | None = None) -> int:
+        """Drop a namespace's KV (or all) from the engine's stores, RAM and disk (the admin
+        purge); the entries dropped."""
+        stores = (getattr(self.engine, "kv_store", None),
+                  getattr(self.engine, "conversation_store", None))
+        return sum(s.purge(namespace) for s in stores if s is not None)
+
     def health(self) -> EngineHealth:
         """The engine's own report where it has one; closed is not ok."""
         probe = getattr(self.engine, "health", None)

@@ -2,6 +2,8 @@
 
     prefix-cache serve --engine mlx --model DIR --engine-option kv_bytes=8GiB
     prefix-cache serve-engine --model DIR --engine-option conversation_bytes=16GiB
+    prefix-cache serve-engine --model DIR --engine-option kv_disk_bytes=64GiB \
+        --engine-option kv_disk_dir=/ssd/kv          (the KV disk tier; kv_disk_bytes=0: off)
     PREFIX_CACHE_ENGINE_OPTIONS='{"max_context": 32768}'      (serve, every in-process engine)
     models.yaml:  qwen3-8b: {folder: ..., engine: mlx, engine_options: {kv_bytes: 8GiB}}
 
@@ -24,6 +26,8 @@ from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 GIB = 1 << 30
 
 DEFAULT_KV_BYTES = GIB              # each of the two KV stores (static prefixes, conversations)
+DEFAULT_KV_DISK_BYTES = 16 * GIB    # the disk tier under both stores (per model)
+DEFAULT_KV_DISK_QUEUE = 16          # snapshots waiting for the disk writer; more are dropped
 DEFAULT_MAX_BATCH_SIZE = 16         # sequences decoded together
 DEFAULT_PREFILL_BATCH_SIZE = 8      # prompts BatchGenerator prefills together
 DEFAULT_PREFILL_STEP = 2048         # tokens per model call of a prefill chunk
@@ -46,6 +50,12 @@ class EngineOptions(BaseModel):
                                description="static-prefix KV store; 0 turns its reuse off")
     conversation_bytes: ByteSize = Field(default=ByteSize(DEFAULT_KV_BYTES), ge=0,
                                          description="conversation store; 0 turns it off")
+    kv_disk_dir: str | None = Field(default=None, min_length=1, description="folder of the "
+                                    "disk tier (a subfolder per model); default: engine-kv "
+                                    "under the cache folder")
+    kv_disk_bytes: ByteSize = Field(default=ByteSize(DEFAULT_KV_DISK_BYTES), ge=0,
+                                    description="disk tier under both KV stores; 0 turns it "
+                                    "off")
     reuse_sparse_kv: bool = Field(default=True, description="SpecPrefilled prompts go to the "
                                   "conversation store too (their kept tokens)")
     max_context: int | None = Field(default=None, ge=2, description="lower the model's context "
@@ -80,6 +90,10 @@ class EngineOptions(BaseModel):
             "reuse_sparse_kv": self.reuse_sparse_kv,
             "max_context": self.max_context,
             "max_batch_size": self.max_batch_size,
+            # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.
+            "kv_disk_dir": self.kv_disk_dir,
+            "kv_disk_bytes": (int(self.kv_disk_bytes)
+                              if self.kv_bytes > 0 or self.conversation_bytes > 0 else 0),
             "specprefill": SpecPrefillConfig(keep_pct=self.specprefill_keep_pct,
                                              threshold=self.specprefill_threshold),
         }

@@ -13,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 
 from .chat.backend import EngineStats, KVStoreStats
 
@@ -97,3 +102,38 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
         return
     yield from counters.values()
     yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected)
+    yield from kv_disk_families(stats)
+
+
+def kv_disk_families(stats: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
+    """The KV disk tier's families (engines whose tier is on)."""
+    on = [(name, s.kv_disk) for name, s in stats if s.kv_disk is not None]
+    if not on:
+        return
+    lookups = CounterMetricFamily(f"{NS}_kv_disk_lookups", "KV disk tier lookups by result "
+                                  "(after a RAM miss).", labels=["model", "result"])
+    size = GaugeMetricFamily(f"{NS}_kv_disk_bytes", "Bytes of KV files on disk.",
+                             labels=["model"])
+    entries = GaugeMetricFamily(f"{NS}_kv_disk_entries", "KV files on disk.", labels=["model"])
+    evictions = CounterMetricFamily(f"{NS}_kv_disk_evictions", "KV files deleted to stay "
+                                    "within kv_disk_bytes.", labels=["model"])
+    writes = CounterMetricFamily(f"{NS}_kv_disk_writes", "KV snapshots for the disk by "
+                                 "result: written, dropped (the write queue was full) or "
+                                 "failed.", labels=["model", "result"])
+    discarded = CounterMetricFamily(f"{NS}_kv_disk_discarded", "Bad KV files deleted "
+                                    "(truncated, corrupt, another model's, an old format).",
+                                    labels=["model"])
+    loads = SummaryMetricFamily(f"{NS}_kv_disk_load_seconds", "Time to read a KV file "
+                                "(a disk hit).", labels=["model"])
+    for name, d in on:
+        lookups.add_metric([name, "hit"], float(d.hits))
+        lookups.add_metric([name, "miss"], float(d.misses))
+        size.add_metric([name], float(d.bytes))
+        entries.add_metric([name], float(d.entries))
+        evictions.add_metric([name], float(d.evictions))
+        writes.add_metric([name, "written"], float(d.writes))
+        writes.add_metric([name, "dropped"], float(d.write_drops))
+        writes.add_metric([name, "failed"], float(d.write_errors))
+        discarded.add_metric([name], float(d.discarded))
+        loads.add_metric([name], count_value=float(d.loads), sum_value=d.load_seconds)
+    yield from (lookups, size, entries, evictions, writes, discarded, loads)

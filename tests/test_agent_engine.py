@@ -47,9 +47,11 @@ def claude(base: str, key: str = "sk-acme") -> Any:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model_dir: Path) -> Iterator[tuple[str, MLXBackend]]:
+def sidecar(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            ) -> Iterator[tuple[str, MLXBackend]]:
     settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", api_keys=KEYS,
-                               keys_file=None, models_file=None, upstream=None)
+                               keys_file=None, models_file=None, upstream=None,
+                               engine_options={"kv_disk_dir": str(tmp_path_factory.mktemp("kv"))})
     app = create_app(settings)
     engine = app.state.service.models.get(MODEL).engine
     with ServerThread(app) as url:

@@ -190,10 +190,13 @@ def test_prefix_cache_imports_no_mlx_until_an_engine_is_asked_for() -> None:
 
 
 @pytest.fixture(scope="module")
-def sidecar(tiny_model_dir: Path) -> Iterator[tuple[str, MLXBackend]]:
+def sidecar(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+            ) -> Iterator[tuple[str, MLXBackend]]:
+    kv_dir = tmp_path_factory.mktemp("engine-kv")          # the disk tier, on by default
     settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", api_keys=KEYS,
                                admin_keys=[ADMIN], metrics_keys=[METRICS],
-                               keys_file=None, models_file=None, upstream=None)
+                               keys_file=None, models_file=None, upstream=None,
+                               engine_options={"kv_disk_dir": str(kv_dir)})
     app = create_app(settings)
     engine = app.state.service.models.get(MODEL).engine
     assert isinstance(engine, MLXBackend)
@@ -233,6 +236,7 @@ def test_metrics_export_the_engine_counters(sidecar: tuple[str, MLXBackend]) -> 
     sdk = openai_client(url, "sk-acme")
     sdk.chat.completions.create(model=MODEL, messages=chat(unique_system(), "Count me."),
                                 max_tokens=2, temperature=0.0)
+    assert engine.engine.kv_disk.flush()     # its writes are done: the counts stay put
     with local_client(base_url=url) as http:
         text = http.get("/metrics", headers={"authorization": f"Bearer {METRICS}"}).text
         stats_json = http.get("/dashboard/stats.json",
@@ -258,6 +262,7 @@ def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, MLXB
     url, engine = sidecar
     openai_client(url, "sk-globex").chat.completions.create(
         model=MODEL, messages=chat(unique_system(), "Show me."), max_tokens=2, temperature=0.0)
+    assert engine.engine.kv_disk.flush()
     stats = engine.snapshot_stats()
     with headless_chromium() as driver:
         host = url.removeprefix("http://")             # the login prompt's answer
@@ -276,6 +281,8 @@ def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, MLXB
     assert requests == f"{stats.requests:,}" and generated == f"{stats.generated_tokens:,}"
     prompt = stats.reused_tokens + stats.prefilled_tokens
     assert reused == f"{stats.reused_tokens / prompt * 100:.1f}%"
+    disk = cells[0][-1]                      # the KV disk tier, on by default
+    assert f" in {stats.kv_disk.entries:,} · " in disk and disk.endswith(" dropped")
 
 
 def test_a_closed_engine_is_not_healthy(tokenizer: Any) -> None:
@@ -352,6 +359,31 @@ def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, MLXBackend]) ->
     after = engine.snapshot_stats()
     assert after.reused_tokens == stats.reused_tokens
     assert {"acme", "globex"} <= set(after.kv_store.by_namespace)
+
+
+def test_the_admin_purge_removes_a_tenants_engine_kv_files(sidecar: tuple[str, MLXBackend]
+                                                            ) -> None:
+    url, engine = sidecar
+    system = unique_system()
+    for key in ("sk-acme", "sk-globex"):
+        openai_client(url, key).chat.completions.create(
+            model=MODEL, messages=chat(system, "Keep me."), max_tokens=2, temperature=0.0)
+    disk = engine.engine.kv_disk
+    assert disk.flush()
+
+    def files(tenant: str) -> list[Path]:
+        return [p for p in disk.root.rglob("*.safetensors") if not p.name.startswith(".")
+                and json.loads(p.read_bytes()[8:8 + int.from_bytes(p.read_bytes()[:8],
+                                                                   "little")])
+                ["__metadata__"]["namespace"] == tenant]
+
+    assert files("acme") and files("globex")
+    with local_client(base_url=url) as http:
+        r = http.post("/admin/purge", json={"tenant": "acme"},
+                      headers={"authorization": f"Bearer {ADMIN}"})
+    assert r.status_code == 200 and set(r.json()) == {"purged", "pattern"}
+    assert files("acme") == [] and files("globex")
+    assert "acme" not in engine.snapshot_stats().kv_store.by_namespace
 
 
 def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, MLXBackend]) -> None:
@@ -506,12 +538,13 @@ def test_engine_options_reach_the_in_process_engine(tiny_model_dir: Path) -> Non
     settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", keys_file=None,
                                models_file=None, upstream=None, engine_options=[
                                    "kv_bytes=3MiB", "conversation_bytes=0", "max_context=4096",
-                                   "specprefill_threshold=100"])
+                                   "specprefill_threshold=100", "kv_disk_bytes=0"])
     app = create_app(settings)
     engine = app.state.service.models.get(MODEL).engine.engine
     try:
         assert engine.kv_store.max_bytes == 3 << 20 and engine.conversation_store is None
         assert engine.context_length == 4096 and engine.specprefill.threshold == 100
+        assert engine.kv_disk is None
     finally:
         engine.close()
 

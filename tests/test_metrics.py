@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache, TemplateRenderError
-from prefix_cache.chat.backend import EngineStats, KVStoreStats
+from prefix_cache.chat.backend import DiskKVStats, EngineStats, KVStoreStats
 from prefix_cache.metrics import Metrics, TenantLabels, _quantile
 
 from .templates import BEHAVIOURS, NO_SYSTEM_ROLE
@@ -128,6 +128,9 @@ ENGINE_STATS = EngineStats(
     kv_store=KVStoreStats(hits=4, misses=1, puts=1, evictions=0, rejected=2,
                           superseded=0, by_namespace={"t": 1}, entries=1, bytes=4096,
                           max_bytes=1 << 30),
+    kv_disk=DiskKVStats(hits=3, misses=2, writes=4, write_drops=1, write_errors=0,
+                        evictions=1, discarded=1, loads=3, load_seconds=0.25, entries=3,
+                        bytes=12288, max_bytes=1 << 34),
 )
 
 
@@ -160,6 +163,11 @@ def _check_engine_samples(samples: dict) -> None:
     hits = (("model", "tiny"), ("result", "hit"), ("store", "static"))
     assert samples[("prefix_cache_engine_kv_lookups_total", hits)] == 4
     assert samples[("prefix_cache_engine_kv_rejected_total", static)] == 2
+    assert samples[("prefix_cache_engine_kv_disk_lookups_total", (*m, ("result", "hit")))] == 3
+    assert samples[("prefix_cache_engine_kv_disk_bytes", m)] == 12288
+    assert samples[("prefix_cache_engine_kv_disk_writes_total", (*m, ("result", "dropped")))] == 1
+    assert samples[("prefix_cache_engine_kv_disk_load_seconds_sum", m)] == 0.25
+    assert samples[("prefix_cache_engine_kv_disk_load_seconds_count", m)] == 3
     # the conversation store is off in these stats, and the broken engine is left out
     assert not any(dict(labels).get("store") == "conversation" for _, labels in samples)
     assert not any(dict(labels).get("model") == "broken" for _, labels in samples)

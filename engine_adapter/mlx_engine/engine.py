@@ -32,7 +32,9 @@ from prefix_cache.chat.backend import EngineHealth, EngineStats
 from ..options import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
 from . import cache as kv
 from .delivery import async_events, blocking_events
+from .kv_disk import DiskKVStore, open_kv_disk
 from .kv_store import StaticKVStore
+from .kv_tiered import tiered
 from .model_info import context_length, vocab_size
 from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .reuse import ConversationHit, KVReuse, ReusePlan
@@ -83,6 +85,7 @@ class MLXEngine:
         prefill_step_size: int = DEFAULT_PREFILL_STEP,
         tokenizer: Any | None = None,
         max_context: int | None = None,
+        kv_disk: DiskKVStore | None = None,
     ) -> None:
         if max_context is not None and max_context < 2:
             raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
@@ -106,6 +109,9 @@ class MLXEngine:
         # too, so the next turn restores it and computes only what is new, instead of scoring
         # and sparsifying the same history again (it sees that history as this turn did).
         self.reuse_sparse_kv = reuse_sparse_kv
+        self.kv_disk = kv_disk
+        self.kv_store = tiered(self.kv_store, kv_disk, "static")
+        self.conversation_store = tiered(self.conversation_store, kv_disk, "conversation")
         self.specprefill = specprefill or SpecPrefillConfig()
         self.stop_token_ids = tuple(stop_token_ids)
         self.vocab_size = vocab_size(model)
@@ -148,6 +154,8 @@ class MLXEngine:
         model, tokenizer = loaded[0], loaded[1]
         draft = load(str(draft_dir))[0] if draft_dir is not None else None
         options.setdefault("stop_token_ids", sorted(tokenizer.eos_token_ids))
+        options["kv_disk"] = open_kv_disk(model_dir, draft_dir, options.pop("kv_disk_dir", None),
+                                          options.pop("kv_disk_bytes", 0))
         return cls(model, draft_model=draft, tokenizer=tokenizer, **options)
 
     # -- the caller's side ------------------------------------------------------------------
@@ -186,12 +194,15 @@ class MLXEngine:
             **{f.name: getattr(self.stats, f.name) for f in fields(EngineCounters)},
             active=len(self._by_id),
             kv_store=kv_store.snapshot_stats() if kv_store is not None else None,
-            conversation_store=conv.snapshot_stats() if conv is not None else None)
+            conversation_store=conv.snapshot_stats() if conv is not None else None,
+            kv_disk=self.kv_disk.snapshot_stats() if self.kv_disk is not None else None)
 
     def close(self) -> None:
         """Finish the engine thread; requests still running get an EngineError."""
         self._post("close", None)
         self._thread.join()
+        if self.kv_disk is not None:  # what it stored is on disk before it is gone
+            self.kv_disk.release()
 
     def __enter__(self) -> MLXEngine:
         return self

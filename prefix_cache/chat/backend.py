@@ -129,6 +129,25 @@ class KVStoreStats:
 
 
 @dataclass(frozen=True, slots=True)
+class DiskKVStats:
+    """The engine's KV disk tier's figures (both stores share it)."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    write_drops: int = 0    # the write queue was full (or the entry larger than the tier)
+    write_errors: int = 0
+    evictions: int = 0
+    discarded: int = 0      # bad files deleted: truncated, corrupt, another model's, old format
+    loads: int = 0
+    load_seconds: float = 0.0
+    entries: int = 0
+    bytes: int = 0
+    max_bytes: int = 0
+    queued: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     """An engine's counters since it started; a store that is off is None."""
 
@@ -147,6 +166,7 @@ class EngineStats:
     active: int = 0
     kv_store: KVStoreStats | None = None
     conversation_store: KVStoreStats | None = None
+    kv_disk: DiskKVStats | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """JSON for the dashboard; a store that is off is left out."""

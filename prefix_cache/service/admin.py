@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -54,7 +55,17 @@ async def purge(request: Request, state: State) -> dict[str, Any]:
             "the shared store is unavailable, so the purge did not complete (this worker's "
             "memory tier was left as it was); retry once the store is back",
             code="store_unavailable", headers={"Retry-After": str(PURGE_RETRY_AFTER_S)}) from exc
+    await purge_engine_kv(state, tenant, req.model)
     return {"purged": purged, "pattern": pattern}
+
+
+async def purge_engine_kv(state: ServiceState, tenant: str | None, model: str | None) -> None:
+    """The in-process engines' KV of the tenant (its namespace; None: every one), in RAM and
+    on disk, for the named model or all: what the tenant sent must not outlive its purge."""
+    for served in state.models:
+        purge = getattr(served.engine, "purge_kv", None)
+        if purge is not None and (model is None or served.name == model):
+            await asyncio.to_thread(purge, tenant)
 
 
 def purged_model_label(state: ServiceState, model: str) -> str:

@@ -1,0 +1,69 @@
+"""A RAM KV store over the disk tier: lookups go RAM, then disk (a disk hit is promoted to RAM),
+then the caller computes; every put also goes to disk, written behind by the disk's writer.
+
+A ``StaticKVStore`` itself, so the engine and its reuse policy use it unchanged; the RAM
+lookups are the store's own (this class adds the disk around them, it does not replace them).
+Writing at put time (rather than at eviction from RAM) is what lets the KV outlive a crash; a
+put is already after the first token for prompts (``KVReuse.on_first_token``), and ``submit``
+never blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .kv_disk import DiskKVStore
+from .kv_store import Snapshot, StaticKVStore
+
+
+class TieredKVStore(StaticKVStore):
+    """A ``StaticKVStore`` of ``max_bytes`` in RAM whose entries also live in ``disk`` (under
+    ``tier``: "static" or "conversation")."""
+
+    def __init__(self, max_bytes: int, disk: DiskKVStore, tier: str) -> None:
+        super().__init__(max_bytes)
+        self.disk = disk
+        self.tier = tier
+
+    def get(self, namespace: str, model_id: str, prefix_ids: Sequence[int]) -> Any | None:
+        snap = super().get(namespace, model_id, prefix_ids)
+        if snap is not None:
+            return snap
+        snap = self.disk.get(self.tier, namespace, model_id, prefix_ids)
+        if snap is not None:
+            super().put(namespace, model_id, prefix_ids, snap)   # promoted; it is on disk
+        return snap
+
+    def longest_common_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
+                              max_tokens: int, min_tokens: int = 0) -> tuple[int, Any] | None:
+        """The longer of RAM's and disk's longest common prefix (RAM's on a tie: no read)."""
+        ram = super().longest_common_prefix(namespace, model_id, ids, max_tokens, min_tokens)
+        floor = ram[0] if ram is not None else min_tokens
+        disk = self.disk.longest_common_prefix(self.tier, namespace, model_id, ids, max_tokens,
+                                               floor)
+        if disk is None:
+            return ram
+        n, snap, entry_ids = disk
+        super().put(namespace, model_id, entry_ids, snap, supersede=True)
+        return n, snap
+
+    def put(self, namespace: str, model_id: str, prefix_ids: Sequence[int],
+            snapshot: Snapshot, *, supersede: bool = False) -> bool:
+        stored = super().put(namespace, model_id, prefix_ids, snapshot, supersede=supersede)
+        self.disk.submit(self.tier, namespace, model_id, prefix_ids, snapshot,  # type: ignore[arg-type]
+                         supersede=supersede)
+        return stored
+
+    def purge(self, namespace: str | None = None) -> int:
+        """Drop the entries of a namespace (or all) in RAM and on disk; the number dropped."""
+        return super().purge(namespace) + self.disk.purge(self.tier, namespace)
+
+
+def tiered(store: StaticKVStore | None, disk: DiskKVStore | None,
+           tier: str) -> StaticKVStore | None:
+    """``store`` over ``disk``: a ``TieredKVStore`` of the same RAM size (the given store is
+    replaced, so give an empty one); unchanged when there is no disk or no store."""
+    if store is None or disk is None or isinstance(store, TieredKVStore):
+        return store
+    return TieredKVStore(store.max_bytes, disk, tier)
