@@ -97,3 +97,13 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
         return
     yield from counters.values()
     yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected)
+
+
+def engine_exposition(name: str, engine: Any) -> tuple[bytes, str]:
+    """One engine's counters in the Prometheus text format, and its content type (the
+    ``GET /metrics`` of ``serve-engine``)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: [(name, engine)]))
+    return generate_latest(registry), CONTENT_TYPE_LATEST

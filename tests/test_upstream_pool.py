@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.responses import JSONResponse
+from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache.keys import model_label
 from prefix_cache.service import ServiceSettings, create_app
@@ -25,16 +27,22 @@ from prefix_cache.service.routing import affinity_order, routing_key
 from prefix_cache.service.upstream import Upstream
 
 from .service_helpers import (
+    CHROMEDRIVER,
+    CHROMIUM,
     Recorder,
     ServerThread,
+    browser_errors,
     free_port,
+    headless_chromium,
     local_client,
     recording_upstream,
+    wait_for_js,
     wait_until,
 )
 
 pytest_plugins = ["tests.service_fixtures"]
 
+GRAFANA = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
 REPLICAS = 4
 EJECT_S = 0.3
 MODEL = "pooled"
@@ -134,9 +142,9 @@ def sidecar_for(replicas: Replicas, demo_tokenizer: Any) -> Iterator[Any]:
     opened: list[tuple[ServerThread, httpx.Client]] = []
 
     def start(urls: list[str] | None = None, policy: str | None = None,
-              **settings: Any) -> Sidecar:
+              eject_s: float = EJECT_S, **settings: Any) -> Sidecar:
         upstreams = [Upstream(u) for u in (urls or replicas.urls)]
-        pool = UpstreamPool(upstreams, policy, eject_s=EJECT_S)
+        pool = UpstreamPool(upstreams, policy, eject_s=eject_s)
         model = ServedModel(MODEL, model_label(MODEL), demo_tokenizer, upstreams[0], pool=pool)
         app = create_app(ServiceSettings(**settings), models=ModelRegistry([model]))
         server = ServerThread(app, log_level="critical")
@@ -283,10 +291,36 @@ def test_metrics_and_dashboard_show_each_replica(sidecar_for: Any) -> None:
     assert total == 4
     for name in sidecar.pool.names:
         assert f'prefix_cache_upstream_in_flight{{model="{MODEL}",replica="{name}"}} 0.0' in text
+    exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    grafana = json.loads(GRAFANA.read_text())
+    queried = {m for p in grafana["panels"] for t in p.get("targets", [])
+               for m in re.findall(r"\b(prefix_cache_upstream_[a-z_]+)", t["expr"])}
+    assert len(queried) >= 4 and not queried - exposed, sorted(queried - exposed)
     stats = sidecar.client.get(f"{sidecar.base}/dashboard/stats.json").json()
     rows = stats["upstream_replicas"]
     assert [r["replica"] for r in rows] == sidecar.pool.names
     assert sum(r["requests"] for r in rows) == 4 and {r["model"] for r in rows} == {MODEL}
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
+def test_the_dashboard_draws_the_replicas_panel(sidecar_for: Any, replicas: Replicas) -> None:
+    pytest.importorskip("selenium.webdriver")
+    sidecar = sidecar_for(eject_s=600.0)          # still out when the page draws
+    home = sidecar.ask(2)[1]
+    assert home is not None
+    replicas.switches[home].down = True
+    assert sidecar.ask(2, 1)[0] == 200             # fails over; the home is ejected
+    with headless_chromium() as driver:
+        driver.get(f"{sidecar.base}/dashboard?poll_ms=300")
+        rows = wait_for_js(driver, "const r = document.querySelectorAll('#replicas tbody tr');"
+                                   "return r.length === 4 && [...r].map(tr => "
+                                   "[...tr.children].map(td => td.textContent));")
+        assert [row[1] for row in rows] == sidecar.pool.names
+        assert [row[2] for row in rows] == ["ejected" if i == home else "up"
+                                            for i in range(REPLICAS)]
+        assert sum(int(row[7]) for row in rows) == 1       # the one failover
+        assert driver.find_element("id", "replicas-panel").is_displayed()
+        assert not browser_errors(driver)
 
 
 # -- configuration ------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal, get_args
 
 import xxhash
@@ -60,9 +61,14 @@ def routing_key(tenant: str, key: str) -> bytes:
 def affinity_order(key: bytes, replicas: Sequence[str]) -> list[int]:
     """Indexes of ``replicas`` (their stable names) by rendezvous weight for ``key``, highest
     first: a replica's rank for a key does not depend on which other replicas exist."""
+    return list(_ranked(key, tuple(replicas)))
+
+
+@lru_cache(maxsize=1 << 14)  # an agent's every turn asks again: hash its replicas once
+def _ranked(key: bytes, replicas: tuple[str, ...]) -> tuple[int, ...]:
     weights = [xxhash.xxh3_64_intdigest(name.encode() + b"\x00" + key, seed=_HASH_SEED)
                for name in replicas]
-    return sorted(range(len(replicas)), key=lambda i: (-weights[i], i))
+    return tuple(sorted(range(len(replicas)), key=lambda i: (-weights[i], i)))
 
 
 def load_bound(total_in_flight: int, replicas: int, factor: float) -> int:
