@@ -314,15 +314,25 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"write the table into {DOCS.relative_to(ROOT)}")
     args = parser.parse_args(argv)
     report = run(args)
-    command = "bash bench/routing.sh " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:]) if a != "--update-docs")
-    text = table(report, args, command.strip())
+    text = table(report, args, command_line("bash bench/routing.sh", argv))
+    publish(text, report, args, MARK_START, MARK_END)
+    return 0
+
+
+def command_line(program: str, argv: list[str] | None) -> str:
+    """The command that reproduces this run, as the docs show it (without --update-docs)."""
+    given = argv if argv is not None else sys.argv[1:]
+    return " ".join([program, *(a for a in given if a != "--update-docs")])
+
+
+def publish(text: str, report: dict[str, Any], args: argparse.Namespace, start: str,
+            end: str) -> None:
+    """Print the table; write the raw figures (--json) and the docs' block (--update-docs)."""
     print(text)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     if args.update_docs:
-        update_docs(text, MARK_START, MARK_END, DOCS)
-    return 0
+        update_docs(text, start, end, DOCS)
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.engine import update_docs  # noqa: E402
+from bench.routing import command_line, publish  # noqa: E402
 from prefix_cache.service.routing import (  # noqa: E402
     DEFAULT_LOAD_FACTOR,
     ReplicaLoad,
@@ -46,7 +46,6 @@ from prefix_cache.service.routing import (  # noqa: E402
 )
 
 POLICIES = ("round_robin", "least_loaded", "prefix_affinity")
-DOCS = ROOT / "docs" / "benchmarks.md"
 MARK_START, MARK_END = "<!-- bench:routing-sim:start -->", "<!-- bench:routing-sim:end -->"
 
 
@@ -186,14 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         report["policies"][policy] = simulate(policy, args)
         print(policy, json.dumps(report["policies"][policy]), file=sys.stderr, flush=True)
     report["seconds"] = time.perf_counter() - started
-    command = "python bench/routing_sim.py " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:]) if a != "--update-docs")
-    text = table(report, args, command.strip())
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
-    if args.update_docs:
-        update_docs(text, MARK_START, MARK_END, DOCS)
+    text = table(report, args, command_line("python bench/routing_sim.py", argv))
+    publish(text, report, args, MARK_START, MARK_END)
     return 0
 
 
