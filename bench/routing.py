@@ -92,7 +92,8 @@ def servers(model: Path, policy: str, args: argparse.Namespace, home: Path,
             port = free_port()
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "prefix_cache.cli", "serve-engine", "--model", str(model),
-                 "--port", str(port), "--trust-namespace", *options], env=env, cwd=ROOT))
+                 "--port", str(port), "--trust-namespace", *options], env=env, cwd=ROOT,
+                stdout=subprocess.DEVNULL))   # its access log
             engines.append(f"http://127.0.0.1:{port}")
         for url in engines:
             wait_ready(f"{url}/health", procs)

@@ -40,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.routing import command_line, publish  # noqa: E402
 from prefix_cache.service.routing import (  # noqa: E402
     DEFAULT_LOAD_FACTOR,
+    DEFAULT_LOAD_FLOOR,
     ReplicaLoad,
     route,
     routing_key,
@@ -121,7 +122,7 @@ def simulate(policy: str, args: argparse.Namespace) -> dict[str, Any]:
             key = keys[agent] = routing_key("tenant", f"spc:tenant:model:{agent:032x}")
         loads = [ReplicaLoad(n, h) for n, h in zip(in_flight, up, strict=True)]
         chosen = route(policy, loads, names, key=key, turn=next(turns),
-                       factor=args.load_factor).order[0]
+                       factor=args.load_factor, floor=args.load_floor).order[0]
         hit = caches[chosen].touch(agent)
         hits += hit
         if agent in seen:
@@ -150,7 +151,8 @@ def table(report: dict[str, Any], args: argparse.Namespace, command: str) -> str
         f"{args.kv_prefixes} static prefixes of KV per replica (LRU), a miss {args.miss_cost:g}x "
         f"a hit's time, {args.load:g} requests in flight per replica on average at the hit "
         f"cost; a tenth of the replicas down from 30% to 50% of the run (back empty), one "
-        f"more flapping from 60% to 80%. Load factor c={args.load_factor}. Command: "
+        f"more flapping from 60% to 80%. Load factor c={args.load_factor}, floor {args.load_floor}. "
+        f"Command: "
         f"`{command}` ({report['seconds']:.0f} s)",
         "",
         "| policy | hit rate | hit rate after an agent's first request | misses (prefills) "
@@ -175,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--miss-cost", type=float, default=8.0)
     parser.add_argument("--load", type=float, default=4.0)
     parser.add_argument("--load-factor", type=float, default=DEFAULT_LOAD_FACTOR)
+    parser.add_argument("--load-floor", type=int, default=DEFAULT_LOAD_FLOOR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--update-docs", action="store_true")

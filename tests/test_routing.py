@@ -25,17 +25,19 @@ def key(i: int, tenant: str = "t") -> bytes:
     return routing_key(tenant, f"spc:{tenant}:m:{i:032x}")
 
 
-@pytest.mark.parametrize(("total", "replicas", "factor", "bound"), [
-    (0, 4, 1.25, 1),      # an idle pool: one each
-    (1, 4, 1.25, 1),      # ceil(1.25 * 2 / 4) = 1
-    (3, 4, 1.25, 2),      # ceil(1.25 * 4 / 4) = 2
-    (7, 4, 1.25, 3),      # ceil(1.25 * 8 / 4) = 3
-    (99, 4, 1.25, 32),    # ceil(125 / 4)
-    (99, 4, 1.0, 25),     # c = 1: the mean itself
-    (10, 1, 1.25, 14),    # one replica takes everything
+@pytest.mark.parametrize(("total", "replicas", "factor", "floor", "bound"), [
+    (0, 4, 1.25, 1, 1),      # an idle pool: one each
+    (1, 4, 1.25, 1, 1),      # ceil(1.25 * 2 / 4) = 1
+    (3, 4, 1.25, 1, 2),      # ceil(1.25 * 4 / 4) = 2
+    (7, 4, 1.25, 1, 3),      # ceil(1.25 * 8 / 4) = 3
+    (99, 4, 1.25, 1, 32),    # ceil(125 / 4)
+    (99, 4, 1.0, 1, 25),     # c = 1: the mean itself
+    (10, 1, 1.25, 1, 14),    # one replica takes everything
+    (3, 4, 1.25, 4, 4),      # the floor: a few in flight never spill
+    (99, 4, 1.25, 4, 32),    # ... and does not matter under load
 ])
-def test_load_bound(total: int, replicas: int, factor: float, bound: int) -> None:
-    assert load_bound(total, replicas, factor) == bound
+def test_load_bound(total: int, replicas: int, factor: float, floor: int, bound: int) -> None:
+    assert load_bound(total, replicas, factor, floor) == bound
 
 
 @pytest.mark.parametrize(("failures", "seconds"), [
@@ -92,10 +94,15 @@ def test_bounded_load_spills_to_the_next_in_the_key_order_and_comes_back() -> No
     order = affinity_order(key(3), NAMES)
     first, second = order[0], order[1]
     busy = [ReplicaLoad(2 if i == first else 0) for i in range(4)]   # bound ceil(1.25*3/4) = 1
-    spilled = route("prefix_affinity", busy, NAMES, key=key(3), turn=0)
+    spilled = route("prefix_affinity", busy, NAMES, key=key(3), turn=0, floor=1)
     assert spilled == Route((second, first, *order[2:]), "spill")
+    # Under the default floor (4 in flight) the same two requests stay home.
+    assert route("prefix_affinity", busy, NAMES, key=key(3), turn=0).choice == "affinity"
+    hot = [ReplicaLoad(6 if i == first else 1) for i in range(4)]     # bound ceil(1.25*10/4) = 4
+    assert route("prefix_affinity", hot, NAMES, key=key(3), turn=0).order[0] == second
     loaded = [ReplicaLoad(2) for _ in range(4)]                     # everyone at the mean
-    assert route("prefix_affinity", loaded, NAMES, key=key(3), turn=0).choice == "affinity"
+    assert route("prefix_affinity", loaded, NAMES, key=key(3), turn=0,
+                 floor=1).choice == "affinity"
     assert route("prefix_affinity", IDLE, NAMES, key=key(3), turn=0).order[0] == first
 
 

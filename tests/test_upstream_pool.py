@@ -142,9 +142,9 @@ def sidecar_for(replicas: Replicas, demo_tokenizer: Any) -> Iterator[Any]:
     opened: list[tuple[ServerThread, httpx.Client]] = []
 
     def start(urls: list[str] | None = None, policy: str | None = None,
-              eject_s: float = EJECT_S, **settings: Any) -> Sidecar:
+              eject_s: float = EJECT_S, load_floor: int = 4, **settings: Any) -> Sidecar:
         upstreams = [Upstream(u) for u in (urls or replicas.urls)]
-        pool = UpstreamPool(upstreams, policy, eject_s=eject_s)
+        pool = UpstreamPool(upstreams, policy, eject_s=eject_s, load_floor=load_floor)
         model = ServedModel(MODEL, model_label(MODEL), demo_tokenizer, upstreams[0], pool=pool)
         app = create_app(ServiceSettings(**settings), models=ModelRegistry([model]))
         server = ServerThread(app, log_level="critical")
@@ -174,7 +174,7 @@ def test_the_same_key_goes_to_the_same_replica(sidecar_for: Any) -> None:
 
 def test_the_load_bound_spills_to_the_next_replica_and_comes_back(sidecar_for: Any,
                                                                   replicas: Replicas) -> None:
-    sidecar = sidecar_for()
+    sidecar = sidecar_for(load_floor=1)            # the bound alone, as Mirrokni et al.
     status, home = sidecar.ask(1)
     assert status == 200 and home is not None
     # A stream held open on the home replica: it stays in flight until the test lets it end.
@@ -356,12 +356,13 @@ def test_a_models_file_names_a_pool(tmp_path: Path, demo_folder: Path) -> None:
     path.write_text(json.dumps({"pool": {
         "folder": str(demo_folder), "upstreams": ["http://a:1", "http://b:2/v1"],
         "upstream_kind": "specprefill", "routing": "least_loaded",
-        "routing_load_factor": 1.5}}))
+        "routing_load_factor": 1.5, "routing_load_floor": 2}}))
     (spec,) = load_model_specs(ServiceSettings(models_file=path, upstream="http://c:3"))
     model = load_model(spec, loader=lambda *_: None)
     assert model.pool is not None and model.upstream is not None
     assert model.pool.names == ["http://a:1/v1", "http://b:2/v1"]
-    assert (model.pool.policy, model.pool.load_factor) == ("least_loaded", 1.5)
+    assert (model.pool.policy, model.pool.load_factor, model.pool.load_floor) == (
+        "least_loaded", 1.5, 2)
     assert {r.upstream.kind for r in model.pool.replicas} == {"specprefill"}
 
 
@@ -372,6 +373,7 @@ def test_a_models_file_names_a_pool(tmp_path: Path, demo_folder: Path) -> None:
     ({"upstreams": ["ftp://a"]}, "http"),
     ({"upstreams": ["http://a:1"], "routing": "nearest"}, "routing"),
     ({"upstreams": ["http://a:1"], "routing_load_factor": 0.5}, "routing_load_factor"),
+    ({"upstreams": ["http://a:1"], "routing_load_floor": 0}, "routing_load_floor"),
     ({"upstreams": ["http://a:1"], "engine": "mlx"}, "both"),
 ])
 def test_bad_pools_are_refused(tmp_path: Path, demo_folder: Path, entry: dict[str, Any],

@@ -9,7 +9,8 @@ A model comes from ``--model DIR`` (named after its folder) or from a ``--models
       # or a pool of replicas of the model, all of one kind and settings:
       # upstreams: [http://10.0.0.1:8080/v1, http://10.0.0.2:8080/v1]
       # routing: prefix_affinity      # a pool's policy (or least_loaded, round_robin)
-      # routing_load_factor: 1.25     # prefix_affinity's load bound
+      # routing_load_factor: 1.25     # prefix_affinity's load bound (c times the mean) ...
+      # routing_load_floor: 4         # ... which never stops a replica below 4 in flight
       upstream_kind: openai           # or specprefill
       upstream_model: default_model   # optional: the name the upstream knows it by
       upstream_api_key: ...           # optional: the sidecar's key for that upstream
@@ -52,7 +53,7 @@ from ..http.errors import BadRequest, NotFound
 from ..keys import model_label
 from .config_files import read_config_file
 from .pool import UpstreamPool
-from .routing import DEFAULT_LOAD_FACTOR, Policy
+from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, Policy
 from .settings import DEFAULT_EJECT_S, AgentApi, ServiceSettings, UpstreamKind
 from .upstream import DEFAULT_HEALTH_PATH, Upstream, normalize_base_url
 
@@ -70,6 +71,7 @@ class ModelSpec(BaseModel):
     upstreams: list[str] | None = None  # a pool of replicas (``pool.py``), instead of upstream
     routing: Policy | None = None       # a pool's policy; None: prefix_affinity
     routing_load_factor: float = Field(default=DEFAULT_LOAD_FACTOR, ge=1.0)
+    routing_load_floor: int = Field(default=DEFAULT_LOAD_FLOOR, ge=1)
     upstream_eject_s: float = Field(default=DEFAULT_EJECT_S, gt=0)
     upstream_kind: UpstreamKind = "openai"
     upstream_model: str | None = None
@@ -95,6 +97,7 @@ def load_model_specs(settings: ServiceSettings,
         "upstreams": urls if len(urls) > 1 else None,
         "routing": settings.upstream_routing,
         "routing_load_factor": settings.upstream_load_factor,
+        "routing_load_floor": settings.upstream_load_floor,
         "upstream_eject_s": settings.upstream_eject_s,
         "upstream_kind": settings.upstream_kind,
         "upstream_model": settings.upstream_model,
@@ -262,7 +265,7 @@ def load_model(spec: ModelSpec, loader: Callable[..., Any] | None = None) -> Ser
                     for url in spec.upstream_urls]
         upstream = replicas[0]
         pool = UpstreamPool(replicas, spec.routing, load_factor=spec.routing_load_factor,
-                            eject_s=spec.upstream_eject_s)
+                            load_floor=spec.routing_load_floor, eject_s=spec.upstream_eject_s)
     engine = load_engine(spec) if spec.engine is not None else None
     return ServedModel(spec.name, model_label(spec.name), tokenizer, upstream, engine, pool)
 

@@ -33,6 +33,7 @@ from ..http.errors import UpstreamStatusError, UpstreamUnavailable
 from .routing import (
     CHOICES,
     DEFAULT_LOAD_FACTOR,
+    DEFAULT_LOAD_FLOOR,
     DEFAULT_POLICY,
     POLICIES,
     ReplicaLoad,
@@ -87,7 +88,8 @@ class UpstreamPool:
     """The replicas of one model (all of one kind and settings) and how requests are routed."""
 
     def __init__(self, replicas: Sequence[Upstream], policy: str | None = None, *,
-                 load_factor: float = DEFAULT_LOAD_FACTOR, eject_s: float = DEFAULT_EJECT_S,
+                 load_factor: float = DEFAULT_LOAD_FACTOR, load_floor: int = DEFAULT_LOAD_FLOOR,
+                 eject_s: float = DEFAULT_EJECT_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not replicas:
             raise ValueError("an upstream pool needs at least one replica")
@@ -100,12 +102,15 @@ class UpstreamPool:
             raise ValueError(f"routing policy {policy!r} is not one of {', '.join(POLICIES)}")
         if load_factor < 1.0:
             raise ValueError(f"routing load factor must be >= 1, got {load_factor}")
+        if load_floor < 1:
+            raise ValueError(f"routing load floor must be >= 1, got {load_floor}")
         if eject_s <= 0:
             raise ValueError(f"upstream ejection time must be > 0 s, got {eject_s}")
         self.replicas = [Replica(u) for u in replicas]
         self.names = names
         self.policy = policy
         self.load_factor = load_factor
+        self.load_floor = load_floor
         self.eject_s = eject_s
         self._clock = clock
         self._turns = itertools.count()
@@ -121,7 +126,8 @@ class UpstreamPool:
         now = self._clock()
         loads = [ReplicaLoad(r.in_flight, r.healthy(now)) for r in self.replicas]
         return route(self.policy, loads, self.names, turn=next(self._turns),
-                     key=routing_key(tenant, key) if key else None, factor=self.load_factor)
+                     key=routing_key(tenant, key) if key else None, factor=self.load_factor,
+                     floor=self.load_floor)
 
     async def open(self, client: httpx.AsyncClient, content: bytes, api: str = "chat", *,
                    tenant: str = "default", key: str = "") -> httpx.Response:

@@ -3,8 +3,8 @@
 - ``prefix_affinity`` (a pool's default): rendezvous (highest-random-weight) hashing of
   (tenant, static-prefix key) over the healthy replicas, with bounded load (consistent hashing
   with bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018): a replica whose in-flight
-  requests would pass ``c`` times the mean passes the request on to the next replica in that
-  key's order. The same key always prefers the same replica, so an agent's turns land where
+  requests would pass ``c`` times the mean -- and the floor, a few requests any replica takes --
+  passes the request on to the next replica in that key's order. The same key always prefers the same replica, so an agent's turns land where
   its earlier turns' static-prefix KV is; when a replica leaves, only its keys move (each to
   its own next replica), and they come back when it returns. A request without a static
   prefix has nothing to keep together: it goes least-loaded.
@@ -30,6 +30,10 @@ Policy = Literal["prefix_affinity", "least_loaded", "round_robin"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 DEFAULT_POLICY: Policy = "prefix_affinity"
 DEFAULT_LOAD_FACTOR = 1.25
+# A replica with fewer requests in flight than this is never too busy for its own keys: at low
+# load a spill costs a whole static-prefix prefill elsewhere, while a few more requests in one
+# engine's batch cost little (SGLang's cache-aware router has an absolute threshold likewise).
+DEFAULT_LOAD_FLOOR = 4
 # Why a replica served a request: its key's first choice, the next one because the first was
 # over the load bound, the retry after a failure, or the other two policies.
 CHOICES: tuple[str, ...] = ("affinity", "spill", "least_loaded", "round_robin", "failover")
@@ -71,10 +75,11 @@ def _ranked(key: bytes, replicas: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(sorted(range(len(replicas)), key=lambda i: (-weights[i], i)))
 
 
-def load_bound(total_in_flight: int, replicas: int, factor: float) -> int:
+def load_bound(total_in_flight: int, replicas: int, factor: float, floor: int = 1) -> int:
     """The most requests in flight one replica may hold after taking a new one:
-    ``ceil(c * (m + 1) / n)``, the bound of consistent hashing with bounded loads."""
-    return max(1, math.ceil(factor * (total_in_flight + 1) / replicas))
+    ``ceil(c * (m + 1) / n)``, the bound of consistent hashing with bounded loads, and never
+    below ``floor``."""
+    return max(1, floor, math.ceil(factor * (total_in_flight + 1) / replicas))
 
 
 def healthy_indexes(loads: Sequence[ReplicaLoad]) -> list[int]:
@@ -85,7 +90,8 @@ def healthy_indexes(loads: Sequence[ReplicaLoad]) -> list[int]:
 
 
 def route(policy: str, loads: Sequence[ReplicaLoad], names: Sequence[str], *,
-          key: bytes | None, turn: int, factor: float = DEFAULT_LOAD_FACTOR) -> Route:
+          key: bytes | None, turn: int, factor: float = DEFAULT_LOAD_FACTOR,
+          floor: int = DEFAULT_LOAD_FLOOR) -> Route:
     """The order to try the replicas in for one request (see the module docstring).
 
     ``key`` is ``routing_key(...)``, or None for a request without a static prefix; ``turn``
@@ -104,7 +110,7 @@ def route(policy: str, loads: Sequence[ReplicaLoad], names: Sequence[str], *,
     assert key is not None
     allowed = set(candidates)
     order = [i for i in affinity_order(key, names) if i in allowed]
-    bound = load_bound(sum(loads[i].in_flight for i in order), len(order), factor)
+    bound = load_bound(sum(loads[i].in_flight for i in order), len(order), factor, floor)
     for rank, index in enumerate(order):
         if loads[index].in_flight + 1 <= bound:
             rest = [i for i in order if i != index]

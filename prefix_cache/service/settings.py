@@ -21,7 +21,7 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ..prompt_tokens import DEFAULT_CHECK_RATE
-from .routing import DEFAULT_LOAD_FACTOR, Policy
+from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, Policy
 
 ENV_PREFIX = "PREFIX_CACHE_"
 UpstreamKind = Literal["openai", "specprefill"]
@@ -95,6 +95,10 @@ class ServiceSettings(BaseSettings):
     upstream_load_factor: float = Field(
         default=DEFAULT_LOAD_FACTOR, ge=1.0, description="prefix_affinity's load bound: a "
         "replica over this many times the mean requests in flight passes a key to the next")
+    upstream_load_floor: int = Field(
+        default=DEFAULT_LOAD_FLOOR, ge=1, description="prefix_affinity: a replica with fewer "
+        "requests in flight than this takes its keys whatever the mean (a spill costs a "
+        "prefill of the whole static prefix elsewhere)")
     upstream_eject_s: float = Field(
         default=DEFAULT_EJECT_S, gt=0, description="how long a failing replica of a pool is "
         "left out (doubled per failure in a row, up to 16x)")
