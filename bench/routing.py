@@ -268,6 +268,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def seconds(value: float) -> str:
+    return f"{value * 1e3:.0f} ms" if value < 10 else f"{value:.1f} s"
+
+
 def table(report: dict[str, Any], args: argparse.Namespace, command: str) -> str:
     rr, pa = (report["policies"][p] for p in POLICIES)
     kv = (f"{report['kv_bytes'] / 2**20:.0f} MiB ({args.kv_prefixes} prefixes)"
@@ -289,8 +293,8 @@ def table(report: dict[str, Any], args: argparse.Namespace, command: str) -> str
         choices = ", ".join(f"{k} {int(v)}" for k, v in sorted(r["choices"].items()))
         lines.append(
             f"| {policy} | {r['hit_rate_after_first']:.1%} | {r['misses']} | "
-            f"{r['prefill_tokens']:,} | {r['ttft_p50_s'] * 1e3:.0f} ms | "
-            f"{r['ttft_p99_s'] * 1e3:.0f} ms | {r['per_replica_requests']} | {choices} |")
+            f"{r['prefill_tokens']:,} | {seconds(r['ttft_p50_s'])} | "
+            f"{seconds(r['ttft_p99_s'])} | {r['per_replica_requests']} | {choices} |")
     ratio = (pa["hit_rate_after_first"] / rr["hit_rate_after_first"]
              if rr["hit_rate_after_first"] else float("inf"))
     lines += ["", f"prefix_affinity / round_robin: hit rate {ratio:.2f}x, prefill tokens "
