@@ -18,6 +18,7 @@
                                 they convert to is rendered (prefix_cache.chat, the sidecar's
                                 conversion). Errors under /v1/messages have Anthropic's shape.
     GET  /v1/models             the one model served (the ``model`` of a request is not checked)
+    GET  /metrics               the engine's counters, Prometheus text (prefix_cache_engine_*)
     GET  /health                {"status": "ok"}, or a 503 once the engine thread is down
                                 (what the sidecar's /readyz probes)
 
@@ -64,6 +65,7 @@ from prefix_cache.chat.responses_params import parse_responses_body
 from prefix_cache.chat.responses_routes import ResponsesScope, stored_responses_router
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
 from prefix_cache.chat.responses_stream import ResponseMeta, new_id, response_json, response_stream
+from prefix_cache.engine_metrics import engine_exposition
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.http.auth import bearer_matches, client_authorization, key_hint
 from prefix_cache.http.body import read_json_object
@@ -202,6 +204,14 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         check_key(request)
         return {"object": "list", "data": [{"id": chat.name, "object": "model",
                                             "created": started, "owned_by": "prefix-cache"}]}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        # The engine's own counters (prefix_cache_engine_*: requests, KV store hits and misses,
+        # prompt tokens reused and computed), for Prometheus and for what a pool routes to.
+        check_key(request)
+        body, content_type = engine_exposition(chat.name, chat)
+        return Response(body, media_type=content_type)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

@@ -137,3 +137,13 @@ def kv_disk_families(stats: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
         discarded.add_metric([name], float(d.discarded))
         loads.add_metric([name], count_value=float(d.loads), sum_value=d.load_seconds)
     yield from (lookups, size, entries, evictions, writes, discarded, loads)
+
+
+def engine_exposition(name: str, engine: Any) -> tuple[bytes, str]:
+    """One engine's counters in the Prometheus text format, and its content type (the
+    ``GET /metrics`` of ``serve-engine``)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(lambda: [(name, engine)]))
+    return generate_latest(registry), CONTENT_TYPE_LATEST

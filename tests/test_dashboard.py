@@ -108,7 +108,9 @@ def test_grafana_queries_exist_in_live_metrics(base: str) -> None:
                for m in re.findall(r"\b(prefix_cache_[a-z_]+)", t["expr"])}
     # The engine row's metrics exist only with an in-process engine: test_engine_serving checks
     # them against a live sidecar that has one.
-    queried = {m for m in queried if not m.startswith("prefix_cache_engine_")}
+    # Likewise the upstream pool's, which exist only with an upstream: test_upstream_pool.
+    queried = {m for m in queried
+               if not m.startswith(("prefix_cache_engine_", "prefix_cache_upstream_"))}
     assert queried and not queried - exposed, sorted(queried - exposed)
 
 

@@ -21,7 +21,7 @@ from prefix_cache import cli
 from prefix_cache.demo import HOME_ENV
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.flags import flag_overrides
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.models import ModelRegistry, load_model_specs
 from prefix_cache.service.settings import ENV_PREFIX, env_name
 from prefix_cache.service.tenants import KeysConfig
 from prefix_cache.service.upstream import DEFAULT_HEALTH_PATH
@@ -129,7 +129,8 @@ def test_the_engine_is_on_loopback_where_the_sidecar_sends_its_requests(settings
     args = parse_command(engine["command"])
     assert args.command == "serve-engine" and args.trust_namespace and args.host == "127.0.0.1"
     assert "ports" not in engine          # nothing outside the pod reaches it
-    upstream = urlsplit(settings_of(sidecar["command"], env_of(sidecar)).upstream or "")
+    (url,) = settings_of(sidecar["command"], env_of(sidecar)).upstream or [""]
+    upstream = urlsplit(url)
     assert (upstream.hostname, upstream.port) == ("127.0.0.1", args.port)
     # The sidecar's key for the engine is the engine's key: the same Secret entry.
     assert secret_ref(sidecar, "PREFIX_CACHE_UPSTREAM_API_KEY") == secret_ref(
@@ -152,6 +153,37 @@ def test_services_select_the_pods_and_ports_they_name(settings_of: Any) -> None:
     svc = one("Service", "prefix-cache-redis")
     assert (redis.scheme, redis.hostname) == ("redis", svc["metadata"]["name"])
     assert redis.port in {p["port"] for p in svc["spec"]["ports"]}
+
+
+def test_the_router_pool_lists_every_engine_pod_by_its_stable_name(settings_of: Any) -> None:
+    engines = one("StatefulSet", "prefix-cache-engines")["spec"]
+    headless = one("Service", engines["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["spec"]["selector"].items() <= engines["template"]["metadata"]["labels"].items()
+    (engine,) = engines["template"]["spec"]["containers"]
+    args = parse_command(engine["command"])
+    assert args.command == "serve-engine" and args.trust_namespace
+    router = one("Deployment", "prefix-cache-router")["spec"]["template"]
+    (sidecar,) = router["spec"]["containers"]
+    settings = settings_of(sidecar["command"], env_of(sidecar))
+    (spec,) = load_model_specs(settings, demo_dir=lambda: Path("/models"))
+    name = one("Service", "prefix-cache-engines")["metadata"]["name"]
+    assert spec.upstreams == [f"http://{engines['serviceName']}-{i}.{name}:{args.port}/v1"
+                              for i in range(engines["replicas"])]
+    assert (spec.routing, spec.upstream_kind) == ("prefix_affinity", "specprefill")
+    assert secret_ref(sidecar, "PREFIX_CACHE_UPSTREAM_API_KEY") == secret_ref(
+        engine, "PREFIX_CACHE_ENGINE_API_KEY")
+    # Only the routers reach the engines (they trust the namespace the caller names).
+    policy = one("NetworkPolicy", "prefix-cache-engines")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= engines["template"]["metadata"][
+        "labels"].items()
+    (rule,) = policy["ingress"]
+    (source,) = rule["from"]
+    assert source["podSelector"]["matchLabels"].items() <= router["metadata"]["labels"].items()
+    router_service = one("Service", "prefix-cache-router")["spec"]
+    assert router_service["selector"].items() <= router["metadata"]["labels"].items()
+    for kind, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert sidecar[kind]["httpGet"]["path"] == path
 
 
 def test_the_service_monitor_scrapes_metrics_with_a_metrics_key(tmp_path: Path) -> None:

@@ -534,6 +534,29 @@ def test_serve_engine_api_key(engine_server: tuple[str, MLXBackend]) -> None:
     assert not chat_engine._closed
 
 
+def test_serve_engine_metrics_are_its_own_counters(engine_server: tuple[str, MLXBackend]) -> None:
+    """``GET /metrics``: the engine's counters, what a pool's operator (and bench/routing.py)
+    reads per replica; behind the engine's key when it has one."""
+    url, chat_engine = engine_server
+
+    def requests_total(text: str) -> float:
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "prefix_cache_engine_requests_total")
+
+    with local_client(base_url=url) as http:
+        before = requests_total(http.get("/metrics").text)
+        openai_client(url).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+        after = http.get("/metrics")
+    assert after.headers["content-type"].startswith("text/plain")
+    assert requests_total(after.text) == before + 1
+    assert requests_total(after.text) == chat_engine.snapshot_stats().requests
+    app = create_engine_app(chat_engine, api_key="sk-engine", close_engine=False)
+    with ServerThread(app) as locked, local_client(base_url=locked) as http:
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"authorization": "Bearer sk-engine"}).status_code == 200
+
+
 def test_engine_options_reach_the_in_process_engine(tiny_model_dir: Path) -> None:
     settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", keys_file=None,
                                models_file=None, upstream=None, engine_options=[

@@ -13,6 +13,9 @@ from prefix_cache import StaticPrefixCache
 from prefix_cache.chat.backend import EngineStats
 from prefix_cache.engine_metrics import EngineCollector
 from prefix_cache.metrics import Metrics
+from prefix_cache.service.pool import UpstreamPool
+from prefix_cache.service.pool_metrics import PoolMetrics
+from prefix_cache.service.upstream import Upstream
 
 from .templates import BEHAVIOURS
 from .test_metrics import ENGINE_STATS
@@ -52,6 +55,8 @@ def test_every_dashboard_metric_is_exposed(qwen3) -> None:
     # The in-process engine's counters (stats shaped as MLXEngine.snapshot_stats(); the live
     # sidecar with a real engine is checked against the same queries in test_engine_serving).
     metrics.add_collector(EngineCollector(lambda: [("m", _StatsOnly(ENGINE_STATS))]))
+    # A pool's per-replica routing metrics (tests/test_upstream_pool.py checks a live pool).
+    PoolMetrics(metrics).watch("m", UpstreamPool([Upstream("http://a:1"), Upstream("http://b:2")]))
     exposed = exposed_metrics(metrics.exposition()[0].decode())
     missing = queried_metrics() - exposed
     assert not missing, f"dashboard queries metrics /metrics does not have: {sorted(missing)}"

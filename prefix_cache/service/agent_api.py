@@ -188,20 +188,20 @@ async def _generate(request: Request, state: ServiceState, tenant: str, model: S
     if upstream.speaks(api):
         content = upstream.forward_content(raw, body, result, namespace=tenant,
                                            with_prompt_ids=with_prompt_ids)
-        response = await _open(request, state, model, api, content)
+        response = await _open(request, state, model, api, content, tenant, result)
         return RelayResponse(response, headers, tap, error_event)
     chat = call.chat_body(call.model or model.name)
     content = upstream.forward_content(json_io.dumps(chat), chat, result, namespace=tenant)
-    response = await _open(request, state, model, "chat", content)
+    response = await _open(request, state, model, "chat", content, tenant, result)
     events = completion_events(response, stream=call.stream, prompt_tokens=len(result.prompt_ids))
     return await answer(events, len(result.prompt_ids), headers)
 
 
 async def _open(request: Request, state: ServiceState, model: ServedModel, api: str,
-                content: bytes) -> httpx.Response:
-    upstream = model.require_upstream()
-    response, disconnected = await until_disconnect(request.receive,
-                                                    upstream.open(state.http, content, api))
+                content: bytes, tenant: str, result: PrefixResult) -> httpx.Response:
+    # Routed by the tenant's static prefix: its turns go where its KV is (pool.py).
+    opened = model.require_pool().open(state.http, content, api, tenant=tenant, key=result.key)
+    response, disconnected = await until_disconnect(request.receive, opened)
     if disconnected or response is None:
         raise ClientDisconnected("the client disconnected before the upstream answered")
     return response

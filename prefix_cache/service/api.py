@@ -106,8 +106,9 @@ async def chat_completions(request: Request, state: State, tenant: Tenant) -> Re
             content = upstream.forward_content(raw, body, result, namespace=tenant)
     if model.engine is not None:
         return await respond_chat(request, model.engine, params, generation, cache_headers(result))
-    response, disconnected = await until_disconnect(request.receive,
-                                                    upstream.open(state.http, content))
+    # Routed by the tenant's static prefix: its turns go where its KV is (pool.py).
+    opened = model.require_pool().open(state.http, content, tenant=tenant, key=result.key)
+    response, disconnected = await until_disconnect(request.receive, opened)
     if disconnected or response is None:
         raise ClientDisconnected("the client disconnected before the upstream answered")
     return RelayResponse(response, cache_headers(result))

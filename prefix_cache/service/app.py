@@ -25,6 +25,7 @@ from ..store.factory import open_store
 from . import admin, agent_api, api, dashboard, health, openapi_docs
 from .limits import TenantLimits
 from .models import ModelRegistry, load_model_specs
+from .pool_metrics import PoolMetrics
 from .quota import TenantQuotaStore
 from .schemas import (
     ChatCompletionRequest,
@@ -89,6 +90,10 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     engines = [(m.name, m.engine) for m in registry if m.engine is not None]
     if engines:  # in-process engines' own counters, read at scrape time
         metrics.add_collector(EngineCollector(lambda: engines))
+    pools = PoolMetrics(metrics)  # per-replica routing metrics of the upstream pools
+    for model in registry:
+        if model.pool is not None:
+            pools.watch(model.name, model.pool)
     cache = StaticPrefixCache(store, observer=metrics,
                               tokenize_check_rate=settings.tokenize_check_rate)
     limits = TenantLimits.from_settings(settings, callers.tenant_limits)

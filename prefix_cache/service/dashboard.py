@@ -93,7 +93,15 @@ async def stats_document(state: ServiceState) -> dict[str, Any]:
         "store_health": {"breaker": breaker, "reachable": reachable},
         "models": [m.name for m in state.models],
         "engines": engine_rows(state),
+        "upstream_replicas": replica_rows(state),
     }
+
+
+def replica_rows(state: ServiceState) -> list[dict[str, Any]]:
+    """``{"model": name, "policy": ..., **replica}`` per upstream replica of every model (this
+    worker's counts: requests by routing choice, in flight, ejected, ejections, retries)."""
+    return [{"model": m.name, "policy": m.pool.policy, **row}
+            for m in state.models if m.pool is not None for row in m.pool.snapshot()]
 
 
 def engine_rows(state: ServiceState) -> list[dict[str, Any]]:

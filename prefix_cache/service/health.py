@@ -1,5 +1,5 @@
-"""``/healthz`` (the process is up) and ``/readyz`` (the store and every upstream answer, every
-in-process engine is running).
+"""``/healthz`` (the process is up) and ``/readyz`` (the store and every upstream answer -- for
+a pool, any of its replicas, each reported --, every in-process engine is running).
 
 Both are public, as probes need them: the status is for anyone; ``/readyz``'s report (models,
 upstreams, store, engines) only for a metrics or admin key, or on an unlocked service."""
@@ -28,16 +28,17 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", responses={**docs.responses(ReadyReport),
                                   503: {"model": ReadyReport, "description": docs.ERRORS[503]}})
 async def readyz(request: Request, state: State) -> JSONResponse:
-    upstreams = {m.name: m.upstream for m in state.models if m.upstream is not None}
-    # One probe per distinct upstream, however many models share it.
-    probes = {u.health_url: u for u in upstreams.values()}
+    pools = {m.name: m.pool for m in state.models if m.pool is not None}
+    # One probe per distinct replica, however many models share it.
+    probes = {r.upstream.health_url: r.upstream for p in pools.values() for r in p.replicas}
     timeout = state.settings.ready_timeout_s
     store, *answers = await asyncio.gather(
         check_store(state),
         *(u.probe(state.http, timeout) for u in probes.values()),
     )
     by_url = dict(zip(probes, answers, strict=True))
-    report = {name: by_url[u.health_url] for name, u in upstreams.items()}
+    # Each pool reads its replicas' answers (a failed one leaves that replica out: pool.py).
+    report = {name: pool.observe_probes(by_url) for name, pool in pools.items()}
     # In-process engines report themselves (no I/O: is the engine thread up, how busy it is).
     engines = {m.name: m.engine.health() for m in state.models if m.engine is not None}
     ready = store["ok"] and all(r["ok"] for r in (*report.values(), *engines.values()))

@@ -6,6 +6,11 @@ A model comes from ``--model DIR`` (named after its folder) or from a ``--models
       folder: /models/Qwen3-8B        # tokenizer files (relative paths: from the file's folder)
       template: qwen3.jinja           # optional, overrides the folder's chat template
       upstream: http://127.0.0.1:8080/v1
+      # or a pool of replicas of the model, all of one kind and settings:
+      # upstreams: [http://10.0.0.1:8080/v1, http://10.0.0.2:8080/v1]
+      # routing: prefix_affinity      # a pool's policy (or least_loaded, round_robin)
+      # routing_load_factor: 1.25     # prefix_affinity's load bound (c times the mean) ...
+      # routing_load_floor: 4         # ... which never stops a replica below 4 in flight
       upstream_kind: openai           # or specprefill
       upstream_model: default_model   # optional: the name the upstream knows it by
       upstream_api_key: ...           # optional: the sidecar's key for that upstream
@@ -15,7 +20,8 @@ A model comes from ``--model DIR`` (named after its folder) or from a ``--models
       draft_model: /models/Qwen3-0.6B # optional, with engine: the SpecPrefill draft
       engine_options: {kv_bytes: 8GiB} # optional, with engine: over --engine-option's
 
-Fields an entry leaves out fall back to the settings (``--upstream``, ``--engine``,
+Fields an entry leaves out fall back to the settings (``--upstream`` -- repeated, a pool --,
+``--engine``,
 ``--draft-model``, ``--engine-option`` and the ``PREFIX_CACHE_UPSTREAM_*`` variables; an
 entry's ``engine_options`` are laid over the settings' key by key); an entry that names an
 engine takes no default upstream, and one that names an upstream no default engine. A model
@@ -46,7 +52,9 @@ from ..errors import NoChatTemplateError
 from ..http.errors import BadRequest, NotFound
 from ..keys import model_label
 from .config_files import read_config_file
-from .settings import AgentApi, ServiceSettings, UpstreamKind
+from .pool import UpstreamPool
+from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, Policy
+from .settings import DEFAULT_EJECT_S, AgentApi, ServiceSettings, UpstreamKind
 from .upstream import DEFAULT_HEALTH_PATH, Upstream, normalize_base_url
 
 log = logging.getLogger("prefix_cache.service")
@@ -60,6 +68,11 @@ class ModelSpec(BaseModel):
     folder: Path
     template: Path | None = None
     upstream: str | None = None
+    upstreams: list[str] | None = None  # a pool of replicas (``pool.py``), instead of upstream
+    routing: Policy | None = None       # a pool's policy; None: prefix_affinity
+    routing_load_factor: float = Field(default=DEFAULT_LOAD_FACTOR, ge=1.0)
+    routing_load_floor: int = Field(default=DEFAULT_LOAD_FLOOR, ge=1)
+    upstream_eject_s: float = Field(default=DEFAULT_EJECT_S, gt=0)
     upstream_kind: UpstreamKind = "openai"
     upstream_model: str | None = None
     upstream_api_key: str | None = None
@@ -69,12 +82,23 @@ class ModelSpec(BaseModel):
     draft_model: Path | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict)
 
+    @property
+    def upstream_urls(self) -> list[str]:
+        """The model's upstream replicas (none, one, or a pool)."""
+        return list(self.upstreams or ([self.upstream] if self.upstream is not None else []))
+
 
 def load_model_specs(settings: ServiceSettings,
                      demo_dir: Callable[[], Path] | None = None) -> list[ModelSpec]:
     """The models to serve, in order: the models file's, then ``--model`` folders, else the demo."""
+    urls = settings.upstream or []
     defaults: dict[str, Any] = {
-        "upstream": settings.upstream,
+        "upstream": urls[0] if len(urls) == 1 else None,
+        "upstreams": urls if len(urls) > 1 else None,
+        "routing": settings.upstream_routing,
+        "routing_load_factor": settings.upstream_load_factor,
+        "routing_load_floor": settings.upstream_load_floor,
+        "upstream_eject_s": settings.upstream_eject_s,
         "upstream_kind": settings.upstream_kind,
         "upstream_model": settings.upstream_model,
         "upstream_api_key": settings.upstream_api_key,
@@ -129,10 +153,16 @@ def _specs_from_file(path: Path, defaults: dict[str, Any]) -> list[ModelSpec]:
                 raise ValueError(f"{where}: engine_options are for the in-process engine: "
                                  "give engine: mlx too")
             data["engine_options"] = {**defaults["engine_options"], **entry["engine_options"]}
-        if entry.get("engine") is not None and "upstream" not in entry:
-            data["upstream"] = None  # the entry runs in-process: no default upstream
-        if entry.get("upstream") is not None and "engine" not in entry:
+        named = [f for f in ("upstream", "upstreams") if entry.get(f) is not None]
+        if len(named) == 2:
+            raise ValueError(f"{where}: give one of 'upstream' and 'upstreams'")
+        if entry.get("engine") is not None and not named:
+            data["upstream"] = data["upstreams"] = None  # in-process: no default upstream
+        if named and "engine" not in entry:
             data["engine"] = data["draft_model"] = None  # forwarded: no default engine
+        if named:  # the entry's own upstream(s) replace the default ones
+            other = "upstreams" if named[0] == "upstream" else "upstream"
+            data[other] = None
         for field in ("folder", "template", "draft_model"):
             if isinstance(data.get(field), str):
                 data[field] = base / Path(data[field]).expanduser()
@@ -148,20 +178,29 @@ def _check(specs: Sequence[ModelSpec]) -> None:
                              "is for the in-process engine: give --engine mlx (engine: mlx) too")
         if spec.engine is not None:
             _check_engine_options(spec)
-        if spec.engine is not None and spec.upstream is not None:
+        if spec.engine is not None and spec.upstream_urls:
             raise ValueError(f"model {spec.name!r}: has both an in-process engine and an "
                              "upstream; give one of --engine/engine and --upstream/upstream")
-        if spec.upstream is not None:
-            try:
-                normalize_base_url(spec.upstream)
-            except ValueError as exc:
-                raise ValueError(f"model {spec.name!r}: {exc}") from None
+        if spec.upstreams is not None and not spec.upstreams:
+            raise ValueError(f"model {spec.name!r}: 'upstreams' is empty")
+        try:
+            _check_pool(spec)
+        except ValueError as exc:
+            raise ValueError(f"model {spec.name!r}: {exc}") from None
         label = model_label(spec.name)
         if label in labels:
             # Keys carry the label in the clear; two models on one label could not be purged apart.
             raise ValueError(f"models {labels[label]!r} and {spec.name!r} have the same key "
                              f"label {label!r}: rename one")
         labels[label] = spec.name
+
+
+def _check_pool(spec: ModelSpec) -> None:
+    """Every upstream URL valid, none listed twice."""
+    urls = [normalize_base_url(url) for url in spec.upstream_urls]
+    for url in urls:
+        if urls.count(url) > 1:
+            raise ValueError(f"upstream {url!r} is listed twice")
 
 
 def _check_engine_options(spec: ModelSpec) -> None:
@@ -176,13 +215,29 @@ def _check_engine_options(spec: ModelSpec) -> None:
 @dataclass(frozen=True, slots=True)
 class ServedModel:
     """A loaded model: tokenizer, key label, and where completions go: an upstream, or an
-    in-process engine; neither: boundaries only."""
+    in-process engine; neither: boundaries only.
+
+    ``upstream`` says how the model's upstream is called (kind, model name, key, APIs: the
+    same for every replica); ``pool`` holds its replicas (one, for a lone upstream) and routes
+    each request to one of them. Given an upstream and no pool, the pool is that upstream alone.
+    """
 
     name: str
     label: str
     tokenizer: Any
     upstream: Upstream | None
     engine: ChatBackend | None = None
+    pool: UpstreamPool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pool is None and self.upstream is not None:
+            object.__setattr__(self, "pool", UpstreamPool([self.upstream]))
+
+    def require_pool(self) -> UpstreamPool:
+        """The replicas to send a completion to (BadRequest as ``require_upstream``)."""
+        self.require_upstream()
+        assert self.pool is not None
+        return self.pool
 
     def require_upstream(self) -> Upstream:
         if self.upstream is None:
@@ -201,14 +256,18 @@ def load_model(spec: ModelSpec, loader: Callable[..., Any] | None = None) -> Ser
         tokenizer = (loader or load_tokenizer)(spec.folder, spec.template)
     except (NoChatTemplateError, ValueError, OSError) as exc:
         raise ValueError(f"model {spec.name!r}: {exc}") from exc
-    upstream = None
-    if spec.upstream is not None:
+    upstream = pool = None
+    if spec.upstream_urls:
         apis = None if spec.upstream_apis is None else tuple(spec.upstream_apis)
-        upstream = Upstream(spec.upstream, spec.upstream_kind, model=spec.upstream_model,
-                            api_key=spec.upstream_api_key, health_path=spec.upstream_health_path,
-                            apis=apis)
+        replicas = [Upstream(url, spec.upstream_kind, model=spec.upstream_model,
+                             api_key=spec.upstream_api_key,
+                             health_path=spec.upstream_health_path, apis=apis)
+                    for url in spec.upstream_urls]
+        upstream = replicas[0]
+        pool = UpstreamPool(replicas, spec.routing, load_factor=spec.routing_load_factor,
+                            load_floor=spec.routing_load_floor, eject_s=spec.upstream_eject_s)
     engine = load_engine(spec) if spec.engine is not None else None
-    return ServedModel(spec.name, model_label(spec.name), tokenizer, upstream, engine)
+    return ServedModel(spec.name, model_label(spec.name), tokenizer, upstream, engine, pool)
 
 
 def load_engine(spec: ModelSpec) -> ChatBackend:

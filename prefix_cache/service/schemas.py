@@ -215,3 +215,6 @@ class DashboardStats(BaseModel):
     store_health: dict[str, Any]
     models: list[str]
     engines: list[dict[str, Any]]
+    upstream_replicas: list[dict[str, Any]] = Field(
+        default_factory=list, description="per upstream replica: requests by routing choice, "
+        "in flight, ejected, ejections, retries")

@@ -21,10 +21,12 @@ from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from ..prompt_tokens import DEFAULT_CHECK_RATE
+from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, Policy
 
 ENV_PREFIX = "PREFIX_CACHE_"
 UpstreamKind = Literal["openai", "specprefill"]
 AgentApi = Literal["messages", "responses"]
+DEFAULT_EJECT_S = 5.0
 # Names an earlier release read; set, they stop the service with the name to use instead.
 RENAMED_ENV = {"PREFIX_CACHE_REDIS": "PREFIX_CACHE_REDIS_URL"}
 
@@ -81,9 +83,25 @@ class ServiceSettings(BaseSettings):
         default=None, description="YAML/JSON: name -> {folder, template, upstream, "
         "upstream_kind, upstream_model, engine, draft_model, engine_options, ...}",
         json_schema_extra=_flag("--models", "FILE"))
-    upstream: str | None = Field(
-        default=None, description="OpenAI-compatible base URL for models that name no upstream",
-        json_schema_extra=_flag("--upstream", "URL"))
+    upstream: Annotated[list[str] | None, NoDecode] = Field(
+        default=None, description="OpenAI-compatible base URL for models that name no "
+        "upstream; repeated: a pool of replicas of the model, routed by static prefix "
+        "(the variable: comma-separated or a JSON list)",
+        json_schema_extra=_flag("--upstream", "URL", repeat=True))
+    upstream_routing: Policy | None = Field(
+        default=None, description="how a pool of upstreams is routed: prefix_affinity (the "
+        "default: a tenant's static prefix sticks to one replica, within a load bound), "
+        "least_loaded, round_robin")
+    upstream_load_factor: float = Field(
+        default=DEFAULT_LOAD_FACTOR, ge=1.0, description="prefix_affinity's load bound: a "
+        "replica over this many times the mean requests in flight passes a key to the next")
+    upstream_load_floor: int = Field(
+        default=DEFAULT_LOAD_FLOOR, ge=1, description="prefix_affinity: a replica with fewer "
+        "requests in flight than this takes its keys whatever the mean (a spill costs a "
+        "prefill of the whole static prefix elsewhere)")
+    upstream_eject_s: float = Field(
+        default=DEFAULT_EJECT_S, gt=0, description="how long a failing replica of a pool is "
+        "left out (doubled per failure in a row, up to 16x)")
     upstream_kind: UpstreamKind = Field(
         default="openai", description="openai (body unchanged) | specprefill (adds "
         "specprefill_system_end, prompt_token_ids, specprefill_namespace)")
@@ -188,7 +206,13 @@ class ServiceSettings(BaseSettings):
     def _upstream_apis(cls, value: Any) -> Any:
         return _split_list(value, ",")
 
-    @field_validator("upstream", "redis_url", "upstream_model", "upstream_api_key", "engine")
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _upstream(cls, value: Any) -> Any:
+        urls = _split_list(value, ",") if value is not None else None
+        return urls or None  # an exported-but-empty variable means "not set"
+
+    @field_validator("redis_url", "upstream_model", "upstream_api_key", "engine")
     @classmethod
     def _empty_is_none(cls, value: str | None) -> str | None:
         # An exported-but-empty variable (PREFIX_CACHE_REDIS_URL=) means "not set", not "".
