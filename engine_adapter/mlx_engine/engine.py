@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from prefix_cache.chat.backend import EngineHealth, EngineStats
 
 from ..options import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
 from . import cache as kv
+from .counters import EngineCounters
 from .delivery import async_events, blocking_events
 from .kv_disk import DiskKVStore, open_kv_disk
 from .kv_store import StaticKVStore
@@ -46,23 +47,6 @@ from .specprefill import SpecPrefillConfig
 log = logging.getLogger("engine_adapter.mlx_engine")
 
 UNSUPPORTED_LAYERS = "SpecPrefill not supported: the model has sliding-window or recurrent layers"
-
-@dataclass(slots=True)
-class EngineCounters:
-    """Counters since the engine started (``snapshot_stats()`` reads them)."""
-
-    requests: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    failed: int = 0
-    specprefill: int = 0
-    fallbacks: int = 0
-    reused_tokens: int = 0
-    prefilled_tokens: int = 0
-    generated_tokens: int = 0
-    parked: int = 0            # waited for a request computing the same static prefix
-    conversation_hits: int = 0  # restored more than the static prefix from an earlier prompt
-    last_fallback: str | None = None
 
 
 class MLXEngine:
