@@ -360,6 +360,18 @@ def table(args: argparse.Namespace, s: dict[str, Any]) -> str:
     ])
 
 
+def diagnostics(args: argparse.Namespace) -> dict[str, str]:
+    """The sidecar's extra environment for ``--trace-heap`` and ``--malloc-arena-max``."""
+    extra = {}
+    if args.trace_heap:
+        extra["PREFIX_CACHE_HEAP_DIR"] = str(args.trace_heap.resolve())
+        extra["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "bench" / "heapdiag"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    if args.malloc_arena_max:
+        extra["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
+    return extra
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=600.0, help="measured seconds")
@@ -375,6 +387,12 @@ def main() -> int:
                         help="the sidecar's Redis timeout in seconds (default: its own)")
     parser.add_argument("--output", help="write the markdown table here")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    parser.add_argument("--trace-heap", type=Path, metavar="DIR",
+                        help="trace the sidecar's Python heap (tracemalloc): each process writes "
+                        "its top allocation sites every minute to DIR/<pid>.jsonl "
+                        "(bench/heapdiag; slower, for diagnosis only)")
+    parser.add_argument("--malloc-arena-max", type=int, metavar="N",
+                        help="MALLOC_ARENA_MAX for the sidecar (glibc's arenas per process)")
     parser.add_argument("--plot", type=Path, help="draw RSS over time here (.png or .svg; needs "
                         "matplotlib, the bench extra)")
     args = parser.parse_args()
@@ -407,13 +425,14 @@ def main() -> int:
         if redis_url:
             serve += ["--redis", redis_url]
         sidecar = subprocess.Popen(serve, cwd=ROOT, env={
-            **env, "PREFIX_CACHE_LOG_LEVEL": "warning", "PREFIX_CACHE_KEYS_FILE": str(keys),
+            **env, **diagnostics(args), "PREFIX_CACHE_LOG_LEVEL": "warning",
+            "PREFIX_CACHE_KEYS_FILE": str(keys),
             "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
             **({"PREFIX_CACHE_REDIS_TIMEOUT_S": str(args.redis_timeout)} if args.redis_timeout else {})})
         procs.append(sidecar)
         up_url, side_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{side_port}"
         wait_ready(f"{up_url}/health")
-        wait_ready(f"{side_url}/healthz")
+        wait_ready(f"{side_url}/healthz", timeout=600.0)  # slow to start on a loaded machine
         load_start = os.getloadavg()[0]
         stats, rss = asyncio.run(drive(args, side_url, up_url, tenants, sidecar.pid))
         summary = summarize(args, stats, rss, redis_url, (load_start, os.getloadavg()[0]))
