@@ -64,7 +64,7 @@ class Sidecar:
              "--redis", redis_url], cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> Sidecar:
-        wait_ready(f"{self.url}/healthz")
+        wait_ready(f"{self.url}/healthz", timeout=600.0)
         return self
 
     def __exit__(self, *_: object) -> None:

@@ -364,7 +364,7 @@ def diagnostics(args: argparse.Namespace) -> dict[str, str]:
     """The sidecar's extra environment for ``--trace-heap`` and ``--malloc-arena-max``."""
     extra = {}
     if args.trace_heap:
-        extra["PREFIX_CACHE_HEAP_DIR"] = str(args.trace_heap.resolve())
+        extra["SOAK_HEAP_DIR"] = str(args.trace_heap.resolve())
         extra["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT / "bench" / "heapdiag"), str(ROOT), os.environ.get("PYTHONPATH", "")])
     if args.malloc_arena_max:

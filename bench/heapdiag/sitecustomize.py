@@ -1,8 +1,8 @@
 """Heap diagnostics for ``bench/soak.py --trace-heap DIR`` (imported at start by every Python
 process whose PYTHONPATH begins with this folder; it does nothing unless asked).
 
-With ``PREFIX_CACHE_HEAP_DIR`` set, each process traces Python allocations (tracemalloc, one
-frame) and every ``PREFIX_CACHE_HEAP_EVERY_S`` seconds appends one JSON line to
+With ``SOAK_HEAP_DIR`` set, each process traces Python allocations (tracemalloc, one
+frame) and every ``SOAK_HEAP_EVERY_S`` seconds appends one JSON line to
 ``DIR/<pid>.jsonl``: seconds since start, RSS, the traced total, and the 40 source lines holding
 the most memory. Comparing a process's lines over the run shows what grows; the RSS that the
 traced total does not explain is the allocator's and native code's.
@@ -17,7 +17,7 @@ import threading
 import time
 import tracemalloc
 
-_DIR = os.environ.get("PREFIX_CACHE_HEAP_DIR")
+_DIR = os.environ.get("SOAK_HEAP_DIR")
 TOP = 40
 
 
@@ -48,4 +48,4 @@ if _DIR:
     os.makedirs(_DIR, exist_ok=True)
     threading.Thread(target=_record, daemon=True, name="heap-diag",
                      args=(os.path.join(_DIR, f"{os.getpid()}.jsonl"),
-                           float(os.environ.get("PREFIX_CACHE_HEAP_EVERY_S", "60")))).start()
+                           float(os.environ.get("SOAK_HEAP_EVERY_S", "60")))).start()

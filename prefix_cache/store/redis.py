@@ -10,8 +10,8 @@ not one per request. It reconnects by itself: the half-open probe is an ordinary
 Setting a connection up (TCP connect and redis-py's handshake) has its own, longer timeout than a
 call's answer: a burst of new connections to a healthy server queues on busy local cores, and a
 slow set-up is contention, not an outage (a dead server still refuses or times out, once per
-probe window). The pools are also opened ahead of the traffic (``awarm``, at start and again
-while the breaker is closed), so a burst finds its connections made.
+probe window). The pools are also opened ahead of the traffic (``awarm``: at start, and again
+once errors have dropped connections and the breaker is closed), so a burst finds them made.
 
 The sync client serves ``get``/``put``/``delete`` (used from render threads and sync callers),
 the asyncio client serves ``aget``/``adelete``/``apurge``/``aping`` (what runs on the event loop:
@@ -197,7 +197,10 @@ class RedisStore(Store):
     def warm(self, connections: int) -> int:
         """Open up to ``connections`` of the sync client's connections now (each taken through
         the gate, all held at once so each is its own); how many are open. Best effort: a busy
-        gate or a failed connect ends it early, and the breaker is not moved."""
+        gate or a failed connect ends it early, and the breaker is not moved. Redis Cluster's
+        clients keep a pool per node, made as they discover the nodes: not warmed here."""
+        if self.cluster:
+            return 0
         pool = self._client().connection_pool
         opened = 0
         try:
@@ -214,7 +217,8 @@ class RedisStore(Store):
         """``warm`` for the running loop's asyncio client, and the sync client's in a thread.
         Skipped (0) while the breaker is not closed (an outage is the probes' business) and
         when no call failed since the last warm-up (a failure is what drops connections)."""
-        if self.breaker.state != CLOSED or connections <= 0 or self._warm_errors == self.errors:
+        if (self.cluster or self.breaker.state != CLOSED or connections <= 0
+                or self._warm_errors == self.errors):
             return 0
         self._warm_errors = self.errors
         client, gate = self._aclient()
