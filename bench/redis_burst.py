@@ -1,6 +1,6 @@
 """A burst of lookups against a fresh ``prefix-cache serve --redis``: hits out of N, on M starts.
 
-    python bench/redis_burst.py [--requests 128] [--starts 10] [--compare]
+    python bench/redis_burst.py [--requests 128] [--starts 10] [--answer-timeout S] [--compare]
 
 A redis-server on a free port (loopback), N agents' entries stored in it once by a first sidecar,
 then M times: a fresh ``serve --redis URL`` (nothing in its memory tier, no connection made by a
@@ -116,6 +116,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=128, help="concurrent lookups per start")
     parser.add_argument("--starts", type=int, default=10, help="fresh sidecars, one burst each")
+    parser.add_argument("--answer-timeout", type=float, metavar="S",
+                        help="PREFIX_CACHE_REDIS_TIMEOUT_S for every start (default: the "
+                        "service's 50 ms; a machine far busier than two cores can serve may "
+                        "need more, connections or not)")
     parser.add_argument("--compare", action="store_true",
                         help="also run the starts as main did (50 ms set-up, no warm-up)")
     args = parser.parse_args()
@@ -123,6 +127,8 @@ def main() -> int:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "TOKENIZERS_PARALLELISM": "false", "PREFIX_CACHE_LOG_LEVEL": "warning",
            "PREFIX_CACHE_TENANT_MAX_CONCURRENCY": str(args.requests)}
+    if args.answer_timeout:
+        env["PREFIX_CACHE_REDIS_TIMEOUT_S"] = str(args.answer_timeout)
     redis, redis_url = start_redis(workdir)
     try:
         wait_redis(redis_url)
@@ -132,6 +138,7 @@ def main() -> int:
                     client.post("/v1/prefix/boundary", content=body(i),
                                 headers={"content-type": "application/json"}).raise_for_status()
         out = {"requests": args.requests, "starts": args.starts,
+               "answer_timeout_s": args.answer_timeout or 0.05,
                "now": starts(args, redis_url, workdir, env)}
         if args.compare:
             out["as_main"] = starts(args, redis_url, workdir, {**env, **MAIN_LIKE})

@@ -26,7 +26,7 @@ pytestmark = needs_redis
 SLOW_OK_S = 2.0
 # Answers in the burst test: the service's 50 ms times a margin for a test machine at a load
 # average of 20 (where even answers from a healthy server wait that long for a core); its
-# set-up gets SLOW_OK_S (the service's 1 s ran out once in 10 starts at that load).
+# set-up gets SLOW_OK_S. At a load average of 22 even that ran out once in 20 starts.
 BURST_ANSWER_S = 0.25
 
 
