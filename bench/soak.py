@@ -51,6 +51,7 @@ from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name 
 RSS_SAMPLE_S = 5.0
 STREAM_SHARE = 0.25
 ADMIN_KEY = "sk-soak-admin"
+ADMIN = {"authorization": f"Bearer {ADMIN_KEY}"}
 HARD_STOP_EXTRA_S = 120.0  # the whole run ends by then, whatever happens
 
 
@@ -70,7 +71,13 @@ class Stats:
 
 def rss_bytes(pid: int) -> int:
     """Resident memory of ``pid`` and all its descendants."""
-    total, pending = 0, [pid]
+    return sum(rss_by_process(pid).values())
+
+
+def rss_by_process(pid: int) -> dict[int, int]:
+    """Resident memory of ``pid`` and of each of its descendants, by pid."""
+    found: dict[int, int] = {}
+    pending = [pid]
     parents: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -84,10 +91,10 @@ def rss_bytes(pid: int) -> int:
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
+                    found[p] = int(line.split()[1]) * 1024
         except OSError:
             continue
-    return total
+    return found
 
 
 class Agents:
@@ -185,19 +192,29 @@ async def drive(args: argparse.Namespace, side_url: str, up_url: str, tenants: l
         stop_at = time.monotonic() + args.duration
 
         trace: list[tuple[float, int]] = [(0.0, rss["start"])]
+        tier: list[tuple[float, int, int]] = []  # (s, entries, bytes) of the memory tiers
 
         async def sample_rss() -> None:
             while time.monotonic() < stop_at:
                 await asyncio.sleep(min(RSS_SAMPLE_S, max(0.0, stop_at - time.monotonic())))
                 trace.append((time.monotonic() - started, rss_bytes(serve_pid)))
                 rss["max"] = max(rss["max"], trace[-1][1])
+                try:
+                    scrape = await sidecar.get("/metrics", headers=ADMIN)
+                except httpx.HTTPError:
+                    continue
+                if scrape.status_code == 200:
+                    tier.append((trace[-1][0], *memory_tier(scrape.text)))
 
         started = time.monotonic()
         await asyncio.gather(sample_rss(), *(client_loop(stop_at, agents, stats, sidecar, direct,
                                                          rngs[i], True)
                                              for i in range(args.clients)))
-        rss["end"] = rss_bytes(serve_pid)
-        scrape = await sidecar.get("/metrics", headers={"authorization": f"Bearer {ADMIN_KEY}"})
+        by_pid = rss_by_process(serve_pid)
+        rss["end"] = sum(by_pid.values())
+        rss["end_parent"] = by_pid.pop(serve_pid, 0)
+        rss["end_workers"] = sorted(by_pid.values())
+        scrape = await sidecar.get("/metrics", headers=ADMIN)
         rss["store_errors"] = (  # every worker's, summed; None if the scrape is refused
             int(sum(float(line.rsplit(" ", 1)[1]) for line in scrape.text.splitlines()
                     if line.startswith("prefix_cache_store_errors_total{")))
@@ -206,13 +223,67 @@ async def drive(args: argparse.Namespace, side_url: str, up_url: str, tenants: l
         rss["wall_s"] = time.monotonic() - started
         rss["agents"] = len(agents.known)
         rss["trace"] = [*trace, (rss["wall_s"], rss["end"])]
+        rss["tier"] = tier
     return stats, rss
 
 
-def by_tenths(trace: list[tuple[float, int]], wall_s: float) -> list[float]:
-    """RSS (MB) at the start and at the end of each tenth of the run (the sample nearest it)."""
+def memory_tier(metrics_text: str) -> tuple[int, int]:
+    """Entries and bytes in the workers' in-process memory tiers (summed), from /metrics."""
+    found = {"entries": 0, "bytes": 0}
+    for line in metrics_text.splitlines():
+        for what in found:
+            if line.startswith(f'prefix_cache_store_{what}{{store="memory"}}'):
+                found[what] = int(float(line.rsplit(" ", 1)[1]))
+    return found["entries"], found["bytes"]
+
+
+def slope_mb_per_min(trace: list[tuple[float, int]], since_s: float) -> float | None:
+    """Least-squares slope of the samples taken from ``since_s`` on, in MB a minute."""
+    points = [(t / 60, b / 2**20) for t, b in trace if t >= since_s]
+    if len(points) < 2:
+        return None
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return round(sum((x - mx) * (y - my) for x, y in points) / var, 2) if var else None
+
+
+def plot(path: Path, s: dict[str, Any], trace: list[tuple[float, int]],
+         tier: list[tuple[float, int, int]]) -> None:
+    """The sidecar's RSS (and the memory tiers' own bytes) over the run, as PNG or SVG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.2), dpi=110)
+    ax.plot([t / 60 for t, _ in trace], [b / 2**20 for _, b in trace],
+            label=f"RSS, parent and {s['workers']} workers")
+    if tier:
+        ax.plot([t / 60 for t, _, _ in tier], [b / 2**20 for _, _, b in tier],
+                label="memory tiers' entries (bytes they count)")
+    half = s["duration_s"] / 120
+    ax.axvline(half, color="grey", linestyle=":", linewidth=1)
+    slope = s["rss_slope_last_half_mb_per_min"]
+    ax.set_title(f"Soak: {s['requests']:,} requests in {s['duration_s'] / 60:.0f} min; RSS over "
+                 f"the last half {slope:+.2f} MB/min", fontsize=10)
+    ax.set_xlabel("minutes (after the warm-up)")
+    ax.set_ylabel("MB")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def by_tenths(trace: list[tuple[float, int]], wall_s: float, unit: int = 2**20) -> list[float]:
+    """A sampled value (bytes, as MB by default) at the start and at the end of each tenth of
+    the run (the sample nearest it); [] without samples."""
+    if not trace:
+        return []
     marks = [wall_s * k / 10 for k in range(11)]
-    return [round(min(trace, key=lambda t: abs(t[0] - m))[1] / 2**20, 1) for m in marks]
+    return [round(min(trace, key=lambda t: abs(t[0] - m))[1] / unit, 1) for m in marks]
 
 
 def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -238,7 +309,13 @@ def summarize(args: argparse.Namespace, stats: Stats, rss: dict[str, Any], redis
         "hit_rate": round(stats.hits / looked, 3) if looked else 0.0,
         "rss_start_mb": round(rss["start"] / 2**20, 1), "rss_end_mb": round(rss["end"] / 2**20, 1),
         "rss_max_mb": round(rss["max"] / 2**20, 1),
+        "rss_end_parent_mb": round(rss["end_parent"] / 2**20, 1),
+        "rss_end_workers_mb": [round(b / 2**20, 1) for b in rss["end_workers"]],
         "rss_by_tenth_mb": by_tenths(rss["trace"], rss["wall_s"]),
+        "rss_slope_last_half_mb_per_min": slope_mb_per_min(rss["trace"], rss["wall_s"] / 2),
+        "memory_tier_by_tenth_mb": by_tenths([(t, b) for t, _, b in rss["tier"]], rss["wall_s"]),
+        "memory_tier_entries_by_tenth": by_tenths([(t, n) for t, n, _ in rss["tier"]],
+                                                  rss["wall_s"], unit=1),
         "load_average_start_end": [round(load[0], 2), round(load[1], 2)],
         "machine": f"{cpu_name()}, {os.cpu_count()} cores",
     }
@@ -272,9 +349,27 @@ def table(args: argparse.Namespace, s: dict[str, Any]) -> str:
         f"{s['rss_start_mb']} MB | {s['rss_end_mb']} MB | {s['rss_max_mb']} MB |",
         "",
         "RSS of the sidecar's processes at the start and after each tenth of the run (MB): "
-        + ", ".join(f"{mb:g}" for mb in s["rss_by_tenth_mb"]) + ".",
+        + ", ".join(f"{mb:g}" for mb in s["rss_by_tenth_mb"]) + f"; over the last half "
+        f"{s['rss_slope_last_half_mb_per_min']} MB a minute (least squares over the 5 s samples). "
+        "Bytes the workers' memory tiers count, at the same marks (MB): "
+        + ", ".join(f"{mb:g}" for mb in s["memory_tier_by_tenth_mb"]) + ". At the end: the "
+        f"parent {s['rss_end_parent_mb']} MB; its other processes (the workers and "
+        "multiprocessing's helper) "
+        + ", ".join(f"{mb:g}" for mb in s["rss_end_workers_mb"]) + " MB.",
         "",
     ])
+
+
+def diagnostics(args: argparse.Namespace) -> dict[str, str]:
+    """The sidecar's extra environment for ``--trace-heap`` and ``--malloc-arena-max``."""
+    extra = {}
+    if args.trace_heap:
+        extra["SOAK_HEAP_DIR"] = str(args.trace_heap.resolve())
+        extra["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "bench" / "heapdiag"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    if args.malloc_arena_max:
+        extra["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
+    return extra
 
 
 def main() -> int:
@@ -292,6 +387,14 @@ def main() -> int:
                         help="the sidecar's Redis timeout in seconds (default: its own)")
     parser.add_argument("--output", help="write the markdown table here")
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON line")
+    parser.add_argument("--trace-heap", type=Path, metavar="DIR",
+                        help="trace the sidecar's Python heap (tracemalloc): each process writes "
+                        "its top allocation sites every minute to DIR/<pid>.jsonl "
+                        "(bench/heapdiag; slower, for diagnosis only)")
+    parser.add_argument("--malloc-arena-max", type=int, metavar="N",
+                        help="MALLOC_ARENA_MAX for the sidecar (glibc's arenas per process)")
+    parser.add_argument("--plot", type=Path, help="draw RSS over time here (.png or .svg; needs "
+                        "matplotlib, the bench extra)")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="prefix-cache-soak-"))
@@ -322,16 +425,19 @@ def main() -> int:
         if redis_url:
             serve += ["--redis", redis_url]
         sidecar = subprocess.Popen(serve, cwd=ROOT, env={
-            **env, "PREFIX_CACHE_LOG_LEVEL": "warning", "PREFIX_CACHE_KEYS_FILE": str(keys),
+            **env, **diagnostics(args), "PREFIX_CACHE_LOG_LEVEL": "warning",
+            "PREFIX_CACHE_KEYS_FILE": str(keys),
             "PROMETHEUS_MULTIPROC_DIR": str(workdir / "metrics"),
             **({"PREFIX_CACHE_REDIS_TIMEOUT_S": str(args.redis_timeout)} if args.redis_timeout else {})})
         procs.append(sidecar)
         up_url, side_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{side_port}"
         wait_ready(f"{up_url}/health")
-        wait_ready(f"{side_url}/healthz")
+        wait_ready(f"{side_url}/healthz", timeout=600.0)  # slow to start on a loaded machine
         load_start = os.getloadavg()[0]
         stats, rss = asyncio.run(drive(args, side_url, up_url, tenants, sidecar.pid))
         summary = summarize(args, stats, rss, redis_url, (load_start, os.getloadavg()[0]))
+        if args.plot:
+            plot(args.plot, summary, rss["trace"], rss["tier"])
     finally:
         signal.alarm(0)
         for p in reversed(procs):

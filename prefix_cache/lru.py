@@ -49,6 +49,12 @@ class ByteLRU(Generic[K, V]):
         item = self._items.get(key)
         return None if item is None else item[0]
 
+    def oldest(self) -> tuple[K, V] | None:
+        """The least recently used pair, left in place; None when empty."""
+        for key, (value, _) in self._items.items():
+            return key, value
+        return None
+
     def get(self, key: K) -> V | None:
         """The value, now the most recently used."""
         item = self._items.get(key)

@@ -59,6 +59,22 @@ class TestMemoryStore(StoreContract):
         self.tick(store, 0.2)
         assert store.get("k") is None and store.stats().memory.expirations == 1
 
+    def test_expired_entries_nobody_reads_are_dropped_by_later_puts(self) -> None:
+        # The tier in front of Redis: a 10 s TTL and far more room than the live entries need.
+        # Entries never read again must not stay until the byte bound evicts them.
+        store = self.make_store(ttl_seconds=10)
+        for i in range(1000):
+            store.put(f"old{i}", b"v" * 100)
+        self.tick(store, 5)
+        store.put("recent", b"v")
+        self.tick(store, 5.5)
+        store.put("new", b"v")
+        assert store.keys() == ["recent", "new"] and store.stats().memory.expirations == 1000
+        self.tick(store, 5)
+        store.put("newer", b"v")
+        assert store.keys() == ["new", "newer"]
+        assert store.stats().memory.bytes == 3 + 5 + 2 * (1 + ENTRY_OVERHEAD_BYTES)
+
     @pytest.mark.parametrize("options", [{"max_bytes": 0}, {"max_entries": 0}, {"ttl_seconds": -1}])
     def test_bad_settings_name_the_value(self, options: dict[str, Any]) -> None:
         with pytest.raises(ValueError, match=next(iter(options))):

@@ -109,6 +109,12 @@ class TestClusterStore(StoreContract):
         assert all(int(node.cli("dbsize")) > 0 for node in self.cluster.nodes)
         assert store.purge("spc:ns:*:*") == 60
 
+    async def test_warming_leaves_a_cluster_to_its_own_pools(self) -> None:
+        store = self.make_store()
+        assert await store.awarm(8) == 0 and store.warm(8) == 0  # nothing opened, no error
+        store.put("spc:ns:m:w", b"v")
+        assert await store.aget("spc:ns:m:w") == b"v"
+
 
 @pytest.mark.parametrize("url,backend", [
     (None, "memory"), ("memory://", "memory"),

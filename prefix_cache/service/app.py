@@ -46,6 +46,7 @@ BODY_MODELS = (ChatCompletionRequest, PrefixBoundaryRequest, MessagesRequest, Co
 MAX_UPSTREAM_CONNECTIONS = 512
 UPSTREAM_KEEPALIVE_EXPIRY_S = 2.0
 RESPONSES_TIMEOUT_S = 1.0  # the longest wait for a stored response in the shared store
+KEEP_WARM_SECONDS = 5.0
 
 
 def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
@@ -54,7 +55,8 @@ def open_backing_store(settings: ServiceSettings, n_tenants: int) -> Store:
     if settings.uses_memory_store:
         return open_store(None, max_bytes=n_tenants * settings.tenant_max_bytes)
     try:
-        return open_store(settings.redis_url, timeout_seconds=settings.redis_timeout_s)
+        return open_store(settings.redis_url, timeout_seconds=settings.redis_timeout_s,
+                          connect_timeout_seconds=settings.redis_connect_timeout_s)
     except ImportError as exc:
         raise ValueError(f"--redis {settings.redis_url}: the Redis store is not available: "
                          f"{exc}") from exc
@@ -69,9 +71,17 @@ def open_response_store(settings: ServiceSettings) -> ResponseStore:
     # Its own connections, breaker and a longer wait than a lookup's: a response is data the
     # client needs back, not a cache entry a recompute replaces.
     shared = open_store(settings.redis_url, tiered=False, timeout_seconds=max(
-        settings.redis_timeout_s, RESPONSES_TIMEOUT_S))
+        settings.redis_timeout_s, RESPONSES_TIMEOUT_S),
+        connect_timeout_seconds=max(settings.redis_connect_timeout_s, RESPONSES_TIMEOUT_S))
     return SharedResponses(shared, max_bytes=settings.responses_store_bytes,
                            ttl_seconds=settings.responses_store_ttl_s)
+
+
+async def keep_warm(store: Store, connections: int) -> None:
+    """Reopen the store's connections every few seconds once errors have dropped some."""
+    while True:
+        await asyncio.sleep(KEEP_WARM_SECONDS)
+        await store.awarm(connections)
 
 
 def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) -> ServiceState:
@@ -119,6 +129,9 @@ def create_app(settings: ServiceSettings | None = None, *,
                                 keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY_S),
             trust_env=False,  # upstreams are configured here, never picked from proxy variables
         )
+        # Redis connections made before the first burst, and again after errors dropped them.
+        await state.store.awarm(s.redis_warm_connections)
+        warm = asyncio.create_task(keep_warm(state.store, s.redis_warm_connections))
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
         restore_sigterm = drain_on_sigterm(state.drain)
         try:
@@ -126,6 +139,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         finally:
             restore_sigterm()
             gauges.cancel()
+            warm.cancel()
             await state.client.aclose()
             await asyncio.to_thread(state.models.close)  # in-process engines, if any
             await state.store.aclose()  # the loop's Redis connections, closed on their loop

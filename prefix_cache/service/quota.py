@@ -185,6 +185,9 @@ class TenantQuotaStore(Store):
                            pending_deletes=pending)
         return replace(self.inner.stats(), quota=quota)
 
+    async def awarm(self, connections: int) -> int:
+        return await self.inner.awarm(connections)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -137,8 +137,16 @@ class ServiceSettings(BaseSettings):
         "redis+cluster:// (default: in-process memory)",
         json_schema_extra=_flag("--redis", "URL"))
     redis_timeout_s: float = Field(
-        default=0.05, gt=0, description="longest wait for Redis (a connection, then an answer) "
-        "before a lookup is computed instead; a timeout opens the circuit breaker")
+        default=0.05, gt=0, description="longest wait for Redis's answer before a lookup is "
+        "computed instead; a timeout opens the circuit breaker")
+    redis_connect_timeout_s: float = Field(
+        default=1.0, gt=0, description="longest a new Redis connection may take to set up "
+        "(connect and handshake; a burst of them queues on busy cores: not an outage), and "
+        "longest a call waits for a free connection", json_schema_extra=_flag(
+            "--redis-connect-timeout", "SECONDS"))
+    redis_warm_connections: int = Field(
+        default=32, ge=0, description="Redis connections each worker opens at start and "
+        "reopens once Redis is back after errors (per client, at most its pool of 32)")
     keys_file: Path | None = Field(default=None, description="YAML/JSON {tenants: {KEY: "
                                    "tenant}, admin_keys: [...], metrics_keys: [...], "
                                    "tenant_limits: {tenant: {max_concurrency, max_queue, "

@@ -112,6 +112,11 @@ class Store(ABC):
     async def aping(self) -> bool:
         return self.ping()
 
+    async def awarm(self, connections: int) -> int:
+        """Open up to ``connections`` connections to the backend ahead of the traffic (from the
+        event loop that will use them); how many are open. Nothing to open in-process."""
+        return 0
+
     def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
         """(key, value bytes) for every key matching ``pattern``, for inventories; may be slow."""
         raise NotImplementedError(f"{type(self).__name__} cannot list its keys")

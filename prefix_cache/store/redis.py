@@ -7,6 +7,12 @@ converted to ``StoreUnavailableError`` in one place (``_guard``), and a circuit 
 calls while the server is known to be down, so a dead Redis costs one timeout per probe window,
 not one per request. It reconnects by itself: the half-open probe is an ordinary call.
 
+Setting a connection up (TCP connect and redis-py's handshake) has its own, longer timeout than a
+call's answer: a burst of new connections to a healthy server queues on busy local cores, and a
+slow set-up is contention, not an outage (a dead server still refuses or times out, once per
+probe window). The pools are also opened ahead of the traffic (``awarm``: at start, and again
+once errors have dropped connections and the breaker is closed), so a burst finds them made.
+
 The sync client serves ``get``/``put``/``delete`` (used from render threads and sync callers),
 the asyncio client serves ``aget``/``adelete``/``apurge``/``aping`` (what runs on the event loop:
 a request's lookup, an admin purge of any size, readiness), so nothing here blocks a loop. Both
@@ -21,17 +27,19 @@ import asyncio
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 from ..errors import StoreBusyError, StoreUnavailableError
 from .base import RemoteStats, Store, StoreStats
-from .breaker import OPEN, CircuitBreaker, ExponentialBackoff
+from .breaker import CLOSED, OPEN, CircuitBreaker, ExponentialBackoff
 from .gate import ConnectionGate
 
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT_SECONDS = 0.05
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 1.0
 DEFAULT_TTL_SECONDS = 7 * 24 * 3600.0
 DEFAULT_MAX_CONNECTIONS = 32
 SCAN_COUNT = 1000
@@ -61,7 +69,7 @@ class RedisStore(Store):
         cluster: bool = False,
         ttl_seconds: float | None = DEFAULT_TTL_SECONDS,
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
-        connect_timeout_seconds: float | None = None,
+        connect_timeout_seconds: float | None = DEFAULT_CONNECT_TIMEOUT_SECONDS,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         pool_wait_seconds: float | None = None,
         breaker: CircuitBreaker | None = None,
@@ -74,18 +82,25 @@ class RedisStore(Store):
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
         if pool_wait_seconds is not None and pool_wait_seconds <= 0:
             raise ValueError(f"pool_wait_seconds must be positive or None, got {pool_wait_seconds}")
+        if connect_timeout_seconds is not None and connect_timeout_seconds <= 0:
+            raise ValueError("connect_timeout_seconds must be positive or None, got "
+                             f"{connect_timeout_seconds}")
+        # Never shorter than an answer may take: a set-up includes a round trip.
+        connect = max(timeout_seconds, connect_timeout_seconds or DEFAULT_CONNECT_TIMEOUT_SECONDS)
         self.url = url
         self.cluster = cluster
         self.ttl_seconds = ttl_seconds
         self.breaker = breaker or CircuitBreaker(ExponentialBackoff(0.5, 30.0))
         self._options: dict[str, Any] = {
             "socket_timeout": timeout_seconds,
-            "socket_connect_timeout": connect_timeout_seconds or timeout_seconds,
+            "socket_connect_timeout": connect,
             "max_connections": max_connections,
         }
         self.timeout_seconds = timeout_seconds
-        # A call waits for a connection at most as long as it may wait for the answer.
-        self.pool_wait_seconds = pool_wait_seconds or timeout_seconds
+        self.connect_timeout_seconds = connect
+        # A call waits for a connection at most as long as one may take to set up (in a cold
+        # pool the holders ahead of it are connecting); a busy warm pool frees one much sooner.
+        self.pool_wait_seconds = pool_wait_seconds or connect
         self._sync: Any = None
         self._gate = ConnectionGate(max_connections, self.pool_wait_seconds)
         # One asyncio client (and its gate) per event loop: a client's connections belong to
@@ -96,6 +111,7 @@ class RedisStore(Store):
         self.calls = 0          # calls that reached the network (for tests and stats)
         self.errors = 0
         self.skipped = 0        # calls refused by the open breaker
+        self._warm_errors: int | None = None  # ``errors`` at the last warm-up
 
     # -- clients ---------------------------------------------------------------------------
 
@@ -131,10 +147,11 @@ class RedisStore(Store):
             from redis.cluster import RedisCluster  # type: ignore[assignment]
             from redis.retry import Retry  # type: ignore[assignment]
         no_retry = Retry(NoBackoff(), 0)  # the breaker and the recompute are our retry
-        if self.cluster:
+        if self.cluster:  # the cluster clients set up their connections themselves
             return RedisCluster.from_url(self.url, retry=no_retry, cluster_error_retry_attempts=1,
                                          **self._options)
-        return Redis.from_url(self.url, retry=no_retry, **self._options)
+        set_up = _aset_up if asyncio_client else _set_up
+        return Redis.from_url(self.url, retry=no_retry, redis_connect_func=set_up, **self._options)
 
     # -- the one place errors are converted ----------------------------------------------------
 
@@ -174,6 +191,49 @@ class RedisStore(Store):
                 raise self._failed(exc) from exc
         self.breaker.record_success()
         return result
+
+    # -- warm pools ----------------------------------------------------------------------------
+
+    def warm(self, connections: int) -> int:
+        """Open up to ``connections`` of the sync client's connections now (each taken through
+        the gate, all held at once so each is its own); how many are open. Best effort: a busy
+        gate or a failed connect ends it early, and the breaker is not moved. Redis Cluster's
+        clients keep a pool per node, made as they discover the nodes: not warmed here."""
+        if self.cluster:
+            return 0
+        pool = self._client().connection_pool
+        opened = 0
+        try:
+            with ExitStack() as held:
+                for _ in range(min(connections, self._gate.slots)):
+                    held.enter_context(self._gate.hold())
+                    held.callback(pool.release, pool.get_connection())
+                    opened += 1
+        except Exception:  # noqa: BLE001 - warming is an optimisation; calls report outages
+            pass
+        return opened
+
+    async def awarm(self, connections: int) -> int:
+        """``warm`` for the running loop's asyncio client, and the sync client's in a thread.
+        Skipped (0) while the breaker is not closed (an outage is the probes' business) and
+        when no call failed since the last warm-up (a failure is what drops connections)."""
+        if (self.cluster or self.breaker.state != CLOSED or connections <= 0
+                or self._warm_errors == self.errors):
+            return 0
+        self._warm_errors = self.errors
+        client, gate = self._aclient()
+        pool = client.connection_pool
+        opened = 0
+        sync = asyncio.ensure_future(asyncio.to_thread(self.warm, connections))
+        try:
+            async with AsyncExitStack() as held:
+                for _ in range(min(connections, gate.slots)):
+                    await held.enter_async_context(gate.ahold())
+                    held.push_async_callback(pool.release, await pool.get_connection())
+                    opened += 1
+        except Exception:  # noqa: BLE001 - as in warm
+            pass
+        return opened + await sync
 
     def _px(self, ttl_seconds: float | None) -> int | None:
         ttl = self.ttl_seconds if ttl_seconds is None else ttl_seconds
@@ -289,6 +349,26 @@ class RedisStore(Store):
         if self._sync is not None:
             self._sync.close()
         self._async.clear()
+
+
+def _set_up(connection: Any) -> None:
+    """redis-py's handshake on a new sync connection, under the connect timeout."""
+    connection._sock.settimeout(connection.socket_connect_timeout)
+    try:
+        connection.on_connect()
+    finally:
+        if connection._sock is not None:
+            connection._sock.settimeout(connection.socket_timeout)
+
+
+async def _aset_up(connection: Any) -> None:
+    """``_set_up`` for an asyncio connection (its reads take ``socket_timeout`` each time)."""
+    answer = connection.socket_timeout
+    connection.socket_timeout = connection.socket_connect_timeout
+    try:
+        await connection.on_connect()
+    finally:
+        connection.socket_timeout = answer
 
 
 def _redact(url: str) -> str:

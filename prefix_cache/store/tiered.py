@@ -80,6 +80,9 @@ class TieredStore(Store):
     async def aping(self) -> bool:
         return await self.remote.aping()
 
+    async def awarm(self, connections: int) -> int:
+        return await self.remote.awarm(connections)
+
     def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
         return self.remote.scan(pattern)  # the shared tier is the inventory
 
