@@ -45,7 +45,9 @@ class KVSnapshot:
 
     A dense snapshot stores prompt positions ``0 .. n_tokens - 1``. A sparse one (a
     SpecPrefill's KV) stores only some: ``positions`` says each stored token's prompt position
-    (increasing), and ``span`` how many prompt tokens the snapshot stands for.
+    (increasing), ``span`` how many prompt tokens the snapshot stands for, and ``keep_pct`` the
+    keep share its dropped tokens were chosen at (None: not known, so its sparse part serves
+    no request).
     """
 
     layers: tuple[tuple[mx.array, mx.array], ...]
@@ -53,6 +55,7 @@ class KVSnapshot:
     nbytes: int
     positions: tuple[int, ...] | None = None
     span: int | None = None
+    keep_pct: float | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -100,9 +103,11 @@ def cache_size(cache: Sequence[Any]) -> int:
 
 
 def snapshot(cache: Sequence[KVCache], n_tokens: int, *,
-             positions: Sequence[int] | None = None, span: int | None = None) -> KVSnapshot:
+             positions: Sequence[int] | None = None, span: int | None = None,
+             keep_pct: float | None = None) -> KVSnapshot:
     """Copy of the first ``n_tokens`` stored tokens of a per-sequence cache, evaluated; with
-    ``positions`` (one per stored token, increasing) and ``span``, a sparse snapshot."""
+    ``positions`` (one per stored token, increasing), ``span`` and ``keep_pct``, a sparse
+    snapshot."""
     if any(c.keys is None or c.offset < n_tokens for c in cache):
         raise ValueError(f"cache holds fewer than {n_tokens} tokens")
     if positions is not None:
@@ -120,7 +125,7 @@ def snapshot(cache: Sequence[KVCache], n_tokens: int, *,
     nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
     if positions is None:
         return KVSnapshot(layers, n_tokens, nbytes)
-    return KVSnapshot(layers, n_tokens, nbytes, positions, span)
+    return KVSnapshot(layers, n_tokens, nbytes, positions, span, keep_pct)
 
 
 def restore(snap: KVSnapshot, n_tokens: int | None = None, *,

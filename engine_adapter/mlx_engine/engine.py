@@ -338,7 +338,7 @@ class MLXEngine:
         # What an earlier prompt of this conversation left dense comes back whole; SpecPrefill
         # is for what is left to compute (as oMLX admits it after its prefix cache), so a long
         # conversation of short turns stays dense instead of re-sparsifying its history.
-        conv = self.reuse.conversation_hit(req, ids, static)
+        conv = self.reuse.conversation_hit(req, ids, static, self._keep_share(req, ids, static))
         sparse = self._wants_specprefill(req, len(ids) - (conv.tokens if conv else static))
         if may_park and conv is None and self.reuse.park(seq, ids, static):
             self.stats.parked += 1
@@ -352,6 +352,13 @@ class MLXEngine:
             return
         fallback = "no draft model" if req.specprefill and self.draft_model is None else None
         self._start_dense(seq, ids, static, fallback, conv)
+
+    def _keep_share(self, req: GenerationRequest, ids: list[int], static: int) -> float | None:
+        """The share of its prompt after ``static`` that this request keeps when nothing is
+        restored; None: it would compute all of it (what a sparse history may serve it)."""
+        if not self._wants_specprefill(req, len(ids) - static):
+            return None
+        return req.specprefill_keep_pct or self.specprefill.keep_pct
 
     def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
         if self.draft_model is None or not self.reuse.positioned or req.specprefill is False:
@@ -414,7 +421,9 @@ class MLXEngine:
         log.warning("SpecPrefill failed, dense prefill instead: %s", fallback)
         self.stats.fallbacks += 1
         self.stats.last_fallback = fallback
-        conv = self.reuse.conversation_hit(job.seq.request, job.ids, job.static)
+        req = job.seq.request
+        conv = self.reuse.conversation_hit(req, job.ids, job.static,
+                                           self._keep_share(req, job.ids, job.static))
         self._start_dense(job.seq, job.ids, job.static, fallback, conv)
 
     def _insert_sparse(self, job: SparseJob, done: SparsePrefill) -> None:
@@ -427,6 +436,7 @@ class MLXEngine:
             protected = (done.protected_positions if done.protected_positions is not None
                          else tuple(range(done.protected)))
             seq.plan = ReusePlan(restored=n - 1, restored_positions=protected + done.kept,
+                                 keep_pct=self._keep_share(seq.request, ids, job.static),
                                  conversation_at=n - 1, conversation_ready=True)
         conversation = done.reused if done.from_conversation else 0
         computed = (done.protected - done.reused) + len(done.kept) + 1
