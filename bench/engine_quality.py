@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +91,42 @@ def server_answer(url: str, messages: list[dict[str, Any]], tools: list[dict[str
     return (ttft if ttft is not None else time.perf_counter() - started), "".join(parts)
 
 
+@dataclass(frozen=True)
+class Models:
+    """The demo chat model, its layer-truncated draft, and what renders prompts for them."""
+
+    target_dir: Path
+    target: Any
+    draft: Any
+    tokenizer: Any
+    renderer: Any
+    stop: list[int]
+
+
+def load_models(draft_layers: int) -> Models:
+    """SmolLM2-135M-Instruct (converted on first use) and its first ``draft_layers`` layers."""
+    from mlx_lm import load
+    from mlx_lm.utils import load_model
+
+    from engine_adapter.demo_model import demo_chat_model_dir
+    from prefix_cache.render import get_renderer, unwrap_tokenizer
+
+    target_dir = demo_chat_model_dir()
+    target, wrapper = load(str(target_dir))[:2]
+    draft = load_model(demo_chat_model_dir(layers=draft_layers))[0]
+    tok = unwrap_tokenizer(wrapper)
+    return Models(target_dir, target, draft, tok, get_renderer(tok),
+                  sorted(wrapper.eos_token_ids))
+
+
 def engine_answer(engine: Any, tokenizer: Any, ids: list[int], end: int, namespace: str,
-                  max_tokens: int) -> tuple[float, Any, str, Any]:
+                  max_tokens: int, keep_pct: float | None = None) -> tuple[float, Any, str, Any]:
     """(TTFT, first next-token logprobs, greedy answer, PrefillInfo) through ``MLXEngine``."""
     from engine_adapter.mlx_engine import GenerationRequest
 
     request = GenerationRequest(ids, max_tokens=max_tokens, specprefill_system_end=end,
-                                namespace=namespace, return_logprobs=True)
+                                namespace=namespace, return_logprobs=True,
+                                specprefill_keep_pct=keep_pct)
     events = list(engine.generate(request))
     stops = set(engine.stop_token_ids)
     text = tokenizer.decode([e.token for e in events if e.token not in stops])
@@ -105,25 +135,18 @@ def engine_answer(engine: Any, tokenizer: Any, ids: list[int], end: int, namespa
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.utils import load_model
 
-    from engine_adapter.demo_model import demo_chat_model_dir
     from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig
     from engine_adapter.testing.reference import kl_divergence
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.render import get_renderer, unwrap_tokenizer
 
-    target_dir = demo_chat_model_dir()
-    draft_dir = demo_chat_model_dir(layers=args.draft_layers)
-    target, wrapper = load(str(target_dir))[:2]
-    draft = load_model(draft_dir)[0]
-    tok = unwrap_tokenizer(wrapper)
-    renderer = get_renderer(tok)
+    models = load_models(args.draft_layers)
+    target_dir, target, draft = models.target_dir, models.target, models.draft
+    tok, renderer = models.tokenizer, models.renderer
     cache = StaticPrefixCache()
     config = SpecPrefillConfig(keep_pct=args.keep_pct, threshold=256,
                                tail_tokens=args.tail_tokens)
-    stop: dict[str, Any] = {"stop_token_ids": sorted(wrapper.eos_token_ids)}
+    stop: dict[str, Any] = {"stop_token_ids": models.stop}
     engine = MLXEngine(target, draft_model=draft, specprefill=config, **stop)          # (d)
     baseline = MLXEngine(target, draft_model=draft, specprefill=config,                # (b), (c)
                          reuse_conversation_kv=False, **stop)
