@@ -36,7 +36,13 @@ sys.path.insert(0, str(BENCH))
 
 from agent_workload import agent_prompt  # noqa: E402
 from engine import machine, naive_boundary, start_server, timed, update_docs  # noqa: E402
-from engine_quality import engine_answer, load_models, server_answer  # noqa: E402
+from engine_quality import (  # noqa: E402
+    close_all,
+    engine_answer,
+    load_models,
+    make_engines,
+    server_answer,
+)
 
 DOCS = ROOT / "docs" / "engine.md"
 PLOT = ROOT / "docs" / "engine-frontier.svg"
@@ -56,7 +62,7 @@ def greedy_answer(engine: Any, ids: list[int], end: int, namespace: str, max_tok
                                 namespace=namespace, return_logprobs=True,
                                 specprefill_keep_pct=keep)
     events = engine.generate(request)
-    ttft, logprobs, tokens = 0.0, None, []
+    ttft, logprobs, tokens = 0.0, None, list[int]()
     try:
         for event in events:
             if not tokens:
@@ -72,19 +78,13 @@ def greedy_answer(engine: Any, ids: list[int], end: int, namespace: str, max_tok
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig
     from engine_adapter.testing.reference import kl_divergence
     from prefix_cache import StaticPrefixCache
 
     models = load_models(args.draft_layers)
     tok, renderer = models.tokenizer, models.renderer
     cache = StaticPrefixCache()
-    config = SpecPrefillConfig(threshold=256, tail_tokens=args.tail_tokens)
-    stop: dict[str, Any] = {"stop_token_ids": models.stop}
-    engine = MLXEngine(models.target, draft_model=models.draft, specprefill=config, **stop)
-    baseline = MLXEngine(models.target, draft_model=models.draft, specprefill=config,
-                         reuse_conversation_kv=False, **stop)
-    dense = MLXEngine(models.target, reuse_conversation_kv=False, **stop)
+    engine, baseline, dense = make_engines(models, None, args.tail_tokens)
     server, url = start_server(models.target_dir)
     report: dict[str, Any] = {"command": args.command, "machine": machine(),
                               "draft_layers": args.draft_layers,
@@ -138,10 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for k, r in row.items() if isinstance(r, dict)), flush=True)
             mx.clear_cache()
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-        for eng in (engine, baseline, dense):
-            eng.close()
+        close_all(server, (engine, baseline, dense))
     return report
 
 

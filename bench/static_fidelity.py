@@ -37,7 +37,7 @@ sys.path.insert(0, str(BENCH))
 
 from agent_workload import static_prompt  # noqa: E402
 from engine import machine, naive_boundary, update_docs  # noqa: E402
-from engine_quality import engine_answer, load_models  # noqa: E402
+from engine_quality import close_all, engine_answer, load_models, make_engines  # noqa: E402
 
 DOCS = ROOT / "docs" / "engine.md"
 MARK_START, MARK_END = "<!-- bench:fidelity:start -->", "<!-- bench:fidelity:end -->"
@@ -47,16 +47,13 @@ LABELS = {"b": "(b) no boundary", "c": "(c) naive boundary", "d": "(d) cached bo
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig
     from prefix_cache import StaticPrefixCache
 
     models = load_models(args.draft_layers)
     tok, renderer = models.tokenizer, models.renderer
     cache = StaticPrefixCache()
-    config = SpecPrefillConfig(threshold=256, tail_tokens=args.tail_tokens)
-    stop: dict[str, Any] = {"stop_token_ids": models.stop}
-    engine = MLXEngine(models.target, draft_model=models.draft, specprefill=config, **stop)
-    dense = MLXEngine(models.target, reuse_conversation_kv=False, **stop)
+    engines = make_engines(models, None, args.tail_tokens)
+    engine, baseline, dense = engines
     log = print if args.verbose else (lambda *a, **k: None)
     turns: list[dict[str, Any]] = []
     try:
@@ -76,7 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for v in args.variants:
                     boundary = {"b": 0, "c": naive, "d": end}[v]
                     # One namespace per variant and share: no run restores another's KV.
-                    _, _, text, info = engine_answer(engine, tok, ids, boundary, f"{v}{keep}",
+                    eng = engine if v == "d" else baseline
+                    _, _, text, info = engine_answer(eng, tok, ids, boundary, f"{v}{keep}",
                                                      args.max_tokens, keep_pct=keep)
                     row[f"{v}{keep}"] = {"text": text, "mode": info.mode,
                                          "correct": _correct(prompt.answer, text),
@@ -90,14 +88,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 f"{r['text'][:40]!r}" for k, r in row.items() if isinstance(r, dict)))
             mx.clear_cache()
     finally:
-        engine.close()
-        dense.close()
+        close_all(None, engines)
     return _report(args, turns)
 
 
 def _report(args: argparse.Namespace, turns: list[dict[str, Any]]) -> dict[str, Any]:
     return {"turns": turns, "machine": machine(), "draft_layers": args.draft_layers,
             "keep_pcts": args.keep_pcts, "variants": args.variants, "command": args.command,
+            "prompts": args.prompts,
             "tail_tokens": args.tail_tokens, "max_tokens": args.max_tokens}
 
 
@@ -113,7 +111,9 @@ def table(report: dict[str, Any], command: str) -> str:
     lines = [
         f"Machine: {report['machine']}; shared with other engineers' jobs while it ran.",
         f"Command: `{command}`.",
-        f"{n} turns, prompts {min(t['prompt_tokens'] for t in turns)}-"
+        f"{n} turns" + (f" (of {report['prompts']} asked: the run was stopped there, for "
+                        f"time)" if n < report.get("prompts", n) else "")
+        + f", prompts {min(t['prompt_tokens'] for t in turns)}-"
         f"{max(t['prompt_tokens'] for t in turns)} tokens, cached boundary {first['boundary']}"
         f"-{max(t['boundary'] for t in turns)}, naive boundary {first['naive_boundary']}; draft: "
         f"the first {report['draft_layers']} layers; tail {report['tail_tokens']} tokens, "

@@ -98,7 +98,8 @@ def _assert_protected(engine: Any, ids: list[int], end: int, namespace: str, nam
 # What the engine's stores hold before the request: (name, prompt, boundary, request fields,
 # whether the request must then compute exactly as on a fresh engine: all the earlier entry holds
 # dense is within the boundary, so nothing of it may serve).
-HISTORIES = [
+History = tuple[str, str, int | str, dict[str, Any], bool]
+HISTORIES: list[History] = [
     ("the same prompt, boundary 0", "ids", 0, {}, True),
     ("the same prompt, half its boundary", "ids", "half", {}, True),
     ("the same prompt, boundary 0 at another keep share", "ids", 0,
@@ -111,6 +112,13 @@ HISTORIES = [
 ]
 
 
+def _boundary(spec: int | str, end: int) -> int:
+    """A history's boundary: a number, or the prompt's boundary ("end") or half of it."""
+    if isinstance(spec, int):
+        return spec
+    return {"end": end, "half": end // 2}[spec]
+
+
 def test_the_static_prefix_is_never_sparsified_whatever_the_stores_held(demo):
     ids, end = demo["ids"], demo["end"]
     fresh = _engine(demo)
@@ -120,8 +128,7 @@ def test_the_static_prefix_is_never_sparsified_whatever_the_stores_held(demo):
         assert alone[0].prefill.mode == "specprefill"
         assert set(range(end)) <= _kept(fresh, ids, "alone")
         for k, (name, which, boundary, fields, computes) in enumerate(HISTORIES):
-            before = {"end": end, "half": end // 2}.get(boundary, boundary)
-            _send(engine, demo[which], before, f"case-{k}", **fields)
+            _send(engine, demo[which], _boundary(boundary, end), f"case-{k}", **fields)
             events = _send(engine, ids, end, f"case-{k}")
             _assert_protected(engine, ids, end, f"case-{k}", name)
             if computes:
@@ -133,8 +140,7 @@ def test_the_static_prefix_is_never_sparsified_whatever_the_stores_held(demo):
                 assert [e.token for e in events] == [e.token for e in alone], name
         # And one namespace that has held all of them, in turn.
         for _, which, boundary, fields, _ in HISTORIES:
-            before = {"end": end, "half": end // 2}.get(boundary, boundary)
-            _send(engine, demo[which], before, "all", **fields)
+            _send(engine, demo[which], _boundary(boundary, end), "all", **fields)
         _send(engine, ids, end, "all")
         _assert_protected(engine, ids, end, "all", "all of them")
     finally:
