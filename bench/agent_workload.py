@@ -175,3 +175,46 @@ def agent_prompt(seed: int, filler: int = 24) -> AgentPrompt:
     messages = [{"role": "system", "content": SYSTEM_PROMPT},
                 {"role": "user", "content": USER_TURN.format(text=text, question=question)}]
     return AgentPrompt(messages, TOOLS, values[field], question)
+
+
+# -- static-prefix fidelity: questions whose answer lives in the system prompt or the tools ----
+
+CODE_WORDS = ["PELICAN", "MARIGOLD", "TANGERINE", "COBALT", "NIGHTINGALE", "JUNIPER", "SAFFRON",
+              "GRANITE"]
+CHANNELS = ["war-room", "ops-alerts", "sev-bridge", "incident-desk", "red-phone", "pager-hub"]
+MANAGERS = ["Beatrix Quill", "Orson Vale", "Marisol Dunne", "Casimir Holt", "Ottilie Frost",
+            "Leopold Grey"]
+HOUSE_RULES = ("House rules of this team: the team's code word is {word}. Incidents are "
+               "announced in the #{channel} channel. The on-call manager this week is "
+               "{manager}.")
+# (question, what the answer must contain: a house fact, or a tool's name)
+STATIC_QUESTIONS = [
+    ("What is the team's code word?", "word"),
+    ("In which channel are incidents announced?", "channel"),
+    ("Who is the on-call manager this week?", "manager"),
+    ("Which tool pages the on-call engineer of a service? Answer with the tool's name.",
+     "page_oncall"),
+    ("Which tool rolls a service back to its previous version? Answer with the tool's name.",
+     "rollback_deploy"),
+    ("Which tool runs a PromQL query? Answer with the tool's name.", "query_metrics"),
+]
+# As the quality benchmark's turn, the question before and after the document; the user says
+# where the answer is (a 135M model otherwise answers from the document it just read).
+STATIC_TURN = ("{question} (See your instructions.) A postmortem for context:\n\n{text}\n\n"
+               "Question: {question} Answer from your instructions, not from the postmortem.")
+
+
+def static_prompt(seed: int, filler: int = 12) -> AgentPrompt:
+    """Turn ``seed`` of the fidelity workload: the agent's system prompt with its house rules
+    (picked by the seed) and tools, a fresh postmortem pasted (``filler`` paragraphs, ~500
+    tokens: half the quality benchmark's, for a shared 2-core machine), and a question that only
+    the static prefix answers (a house fact, or which tool does a described task)."""
+    rng = random.Random(10_000 + seed)
+    facts = {"word": rng.choice(CODE_WORDS), "channel": rng.choice(CHANNELS),
+             "manager": rng.choice(MANAGERS)}
+    text, _ = incident_report(rng, filler)
+    question, field = STATIC_QUESTIONS[seed % len(STATIC_QUESTIONS)]
+    system = SYSTEM_PROMPT + " " + HOUSE_RULES.format(**facts)
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": STATIC_TURN.format(text=text, question=question)}]
+    return AgentPrompt(messages, TOOLS, facts.get(field, field), question)

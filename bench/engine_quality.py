@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,13 +91,68 @@ def server_answer(url: str, messages: list[dict[str, Any]], tools: list[dict[str
     return (ttft if ttft is not None else time.perf_counter() - started), "".join(parts)
 
 
+@dataclass(frozen=True)
+class Models:
+    """The demo chat model, its layer-truncated draft, and what renders prompts for them."""
+
+    target_dir: Path
+    target: Any
+    draft: Any
+    tokenizer: Any
+    renderer: Any
+    stop: list[int]
+
+
+def load_models(draft_layers: int) -> Models:
+    """SmolLM2-135M-Instruct (converted on first use) and its first ``draft_layers`` layers."""
+    from mlx_lm import load
+    from mlx_lm.utils import load_model
+
+    from engine_adapter.demo_model import demo_chat_model_dir
+    from prefix_cache.render import get_renderer, unwrap_tokenizer
+
+    target_dir = demo_chat_model_dir()
+    target, wrapper = load(str(target_dir))[:2]
+    draft = load_model(demo_chat_model_dir(layers=draft_layers))[0]
+    tok = unwrap_tokenizer(wrapper)
+    return Models(target_dir, target, draft, tok, get_renderer(tok),
+                  sorted(wrapper.eos_token_ids))
+
+
+def make_engines(models: Models, keep_pct: float | None,
+                 tail_tokens: int) -> tuple[Any, Any, Any]:
+    """The benchmarks' three engines on one set of weights: (d)'s (its conversation store on),
+    (b) and (c)'s (off: no turn restores another's KV), and dense's (no draft). SpecPrefill
+    engages above 256 tokens (the default 8192 is this model's whole context)."""
+    from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig
+
+    config = (SpecPrefillConfig(threshold=256, tail_tokens=tail_tokens) if keep_pct is None
+              else SpecPrefillConfig(keep_pct=keep_pct, threshold=256, tail_tokens=tail_tokens))
+    stop: dict[str, Any] = {"stop_token_ids": models.stop}
+    engine = MLXEngine(models.target, draft_model=models.draft, specprefill=config, **stop)
+    baseline = MLXEngine(models.target, draft_model=models.draft, specprefill=config,
+                         reuse_conversation_kv=False, **stop)
+    dense = MLXEngine(models.target, reuse_conversation_kv=False, **stop)
+    return engine, baseline, dense
+
+
+def close_all(server: Any, engines: tuple[Any, ...]) -> None:
+    """Stop mlx_lm.server (when one runs) and the engines."""
+    if server is not None:
+        server.terminate()
+        server.wait(timeout=30)
+    for eng in engines:
+        eng.close()
+
+
 def engine_answer(engine: Any, tokenizer: Any, ids: list[int], end: int, namespace: str,
-                  max_tokens: int) -> tuple[float, Any, str, Any]:
+                  max_tokens: int, keep_pct: float | None = None) -> tuple[float, Any, str, Any]:
     """(TTFT, first next-token logprobs, greedy answer, PrefillInfo) through ``MLXEngine``."""
     from engine_adapter.mlx_engine import GenerationRequest
 
     request = GenerationRequest(ids, max_tokens=max_tokens, specprefill_system_end=end,
-                                namespace=namespace, return_logprobs=True)
+                                namespace=namespace, return_logprobs=True,
+                                specprefill_keep_pct=keep_pct)
     events = list(engine.generate(request))
     stops = set(engine.stop_token_ids)
     text = tokenizer.decode([e.token for e in events if e.token not in stops])
@@ -105,29 +161,14 @@ def engine_answer(engine: Any, tokenizer: Any, ids: list[int], end: int, namespa
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.utils import load_model
 
-    from engine_adapter.demo_model import demo_chat_model_dir
-    from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig
     from engine_adapter.testing.reference import kl_divergence
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.render import get_renderer, unwrap_tokenizer
 
-    target_dir = demo_chat_model_dir()
-    draft_dir = demo_chat_model_dir(layers=args.draft_layers)
-    target, wrapper = load(str(target_dir))[:2]
-    draft = load_model(draft_dir)[0]
-    tok = unwrap_tokenizer(wrapper)
-    renderer = get_renderer(tok)
+    models = load_models(args.draft_layers)
+    target_dir, tok, renderer = models.target_dir, models.tokenizer, models.renderer
     cache = StaticPrefixCache()
-    config = SpecPrefillConfig(keep_pct=args.keep_pct, threshold=256,
-                               tail_tokens=args.tail_tokens)
-    stop: dict[str, Any] = {"stop_token_ids": sorted(wrapper.eos_token_ids)}
-    engine = MLXEngine(target, draft_model=draft, specprefill=config, **stop)          # (d)
-    baseline = MLXEngine(target, draft_model=draft, specprefill=config,                # (b), (c)
-                         reuse_conversation_kv=False, **stop)
-    dense = MLXEngine(target, reuse_conversation_kv=False, **stop)                     # (e)
+    engine, baseline, dense = make_engines(models, args.keep_pct, args.tail_tokens)
     server, url = start_server(target_dir)
     log = print if args.verbose else (lambda *a, **k: None)
     turns: list[dict[str, Any]] = []
@@ -174,10 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     f"{row[v]['text'][:60]!r}" for v in VARIANTS))
             mx.clear_cache()
     finally:
-        server.terminate()
-        server.wait(timeout=30)
-        for eng in (engine, baseline, dense):
-            eng.close()
+        close_all(server, (engine, baseline, dense))
     return {"turns": turns, "machine": machine(), "draft_layers": args.draft_layers,
             "keep_pct": args.keep_pct, "tail_tokens": args.tail_tokens,
             "max_tokens": args.max_tokens,

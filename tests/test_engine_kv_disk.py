@@ -124,7 +124,7 @@ def test_a_sparse_snapshot_keeps_its_positions_on_disk(disks, target):
     model(mx.array([ids]), cache=cache)
     positions = tuple(range(0, 2 * (len(ids) // 2), 2))   # every other token, as if sparse
     stored = len(positions)
-    snap = kv.snapshot(cache, stored, positions=positions, span=positions[-1] + 1)
+    snap = kv.snapshot(cache, stored, positions=positions, span=positions[-1] + 1, keep_pct=0.2)
     disk = disks()
     assert disk.submit("conversation", "ns", "target", ids[:snap.span], snap)
     assert disk.flush()
@@ -133,6 +133,7 @@ def test_a_sparse_snapshot_keeps_its_positions_on_disk(disks, target):
     n, loaded, entry_ids = back
     assert n == snap.span and entry_ids == ids[:snap.span]
     assert loaded.positions == positions and loaded.span == snap.span
+    assert loaded.keep_pct == 0.2   # what the request kept, so a lookup can tell whether it fits
     assert loaded.dense_tokens == snap.dense_tokens == 1
     for (k, v), (k2, v2) in zip(snap.layers, loaded.layers, strict=True):
         assert mx.array_equal(k, k2) and mx.array_equal(v, v2)

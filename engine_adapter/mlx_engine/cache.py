@@ -47,7 +47,9 @@ class KVSnapshot:
 
     A dense snapshot stores prompt positions ``0 .. n_tokens - 1``. A sparse one (a
     SpecPrefill's KV) stores only some: ``positions`` says each stored token's prompt position
-    (increasing), and ``span`` how many prompt tokens the snapshot stands for.
+    (increasing), ``span`` how many prompt tokens the snapshot stands for, and ``keep_pct`` the
+    keep share its dropped tokens were chosen at (None: not known, so its sparse part serves
+    no request).
     """
 
     layers: tuple[tuple[mx.array, mx.array], ...]
@@ -55,6 +57,7 @@ class KVSnapshot:
     nbytes: int
     positions: tuple[int, ...] | None = None
     span: int | None = None
+    keep_pct: float | None = None
     trimmable = True    # restores any leading part (``LayeredSnapshot``: only the whole)
 
     @property
@@ -113,11 +116,12 @@ def cache_size(cache: Sequence[Any]) -> int:
 
 
 def snapshot(cache: Sequence[Any], n_tokens: int, *,
-             positions: Sequence[int] | None = None,
-             span: int | None = None) -> KVSnapshot | LayeredSnapshot:
+             positions: Sequence[int] | None = None, span: int | None = None,
+             keep_pct: float | None = None) -> KVSnapshot | LayeredSnapshot:
     """Copy of the first ``n_tokens`` stored tokens of a per-sequence cache, evaluated; with
-    ``positions`` (one per stored token, increasing) and ``span``, a sparse snapshot. A cache
-    with other layers than plain KV must hold exactly ``n_tokens``: a ``LayeredSnapshot``."""
+    ``positions`` (one per stored token, increasing), ``span`` and ``keep_pct``, a sparse
+    snapshot. A cache with other layers than plain KV must hold exactly ``n_tokens``: a
+    ``LayeredSnapshot``."""
     if any(type(c) not in (KVCache, PositionedKVCache) for c in cache):
         if positions is not None:
             raise ValueError("only plain KV caches are stored sparse")
@@ -139,7 +143,7 @@ def snapshot(cache: Sequence[Any], n_tokens: int, *,
     nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
     if positions is None:
         return KVSnapshot(layers, n_tokens, nbytes)
-    return KVSnapshot(layers, n_tokens, nbytes, positions, span)
+    return KVSnapshot(layers, n_tokens, nbytes, positions, span, keep_pct)
 
 
 def restore(snap: KVSnapshot | LayeredSnapshot, n_tokens: int | None = None, *,

@@ -336,7 +336,7 @@ class MLXEngine:
         # What an earlier prompt of this conversation left dense comes back whole; SpecPrefill
         # is for what is left to compute (as oMLX admits it after its prefix cache), so a long
         # conversation of short turns stays dense instead of re-sparsifying its history.
-        conv = self.reuse.conversation_hit(req, ids, static)
+        conv = self.reuse.conversation_hit(req, ids, static, self._keep_share(req, ids, static))
         rest = len(ids) - (conv.tokens if conv else static)
         sparse = self._wants_specprefill(req, rest)
         if may_park and conv is None and self.reuse.park(seq, ids, static):
@@ -354,16 +354,17 @@ class MLXEngine:
             fallback = UNSUPPORTED_LAYERS
         self._start_dense(seq, ids, static, fallback, conv)
 
+    def _keep_share(self, req: GenerationRequest, ids: list[int], static: int) -> float | None:
+        """What this request keeps of its prompt after ``static`` when nothing is restored
+        (None: it computes it all); what a sparse history may serve it."""
+        wants = self._wants_specprefill(req, len(ids) - static)
+        return self.specprefill.keep_share(req) if wants else None
+
     def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
         return self.reuse.positioned and self._asks_specprefill(req, rest)
 
     def _asks_specprefill(self, req: GenerationRequest, rest: int) -> bool:
-        """SpecPrefill is on for this request (a draft, not turned off, over the threshold),
-        whatever the model's layers."""
-        if self.draft_model is None or req.specprefill is False:
-            return False
-        threshold = req.specprefill_threshold
-        return rest > (self.specprefill.threshold if threshold is None else threshold)
+        return self.specprefill.asked(req, rest, self.draft_model is not None)
 
     def _start_dense(self, seq: EngineSequence, ids: list[int], static: int, fallback: str | None,
                      conv: ConversationHit | None) -> None:
@@ -420,7 +421,9 @@ class MLXEngine:
         log.warning("SpecPrefill failed, dense prefill instead: %s", fallback)
         self.stats.fallbacks += 1
         self.stats.last_fallback = fallback
-        conv = self.reuse.conversation_hit(job.seq.request, job.ids, job.static)
+        req = job.seq.request
+        conv = self.reuse.conversation_hit(req, job.ids, job.static,
+                                           self._keep_share(req, job.ids, job.static))
         self._start_dense(job.seq, job.ids, job.static, fallback, conv)
 
     def _insert_sparse(self, job: SparseJob, done: SparsePrefill) -> None:
@@ -433,6 +436,7 @@ class MLXEngine:
             protected = (done.protected_positions if done.protected_positions is not None
                          else tuple(range(done.protected)))
             seq.plan = ReusePlan(restored=n - 1, restored_positions=protected + done.kept,
+                                 keep_pct=self._keep_share(seq.request, ids, job.static),
                                  conversation_at=n - 1, conversation_ready=True)
         conversation = done.reused if done.from_conversation else 0
         computed = (done.protected - done.reused) + len(done.kept) + 1

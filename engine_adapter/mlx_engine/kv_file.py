@@ -2,8 +2,8 @@
 
     tensors   k.<layer>, v.<layer>                    (the snapshot's keys and values)
     metadata  format, version, tier, namespace, model_id, fingerprint (the weights and config
-              the KV came from), ids (the packed prefix ids, base64), n_tokens, positions and
-              span (sparse snapshots), checksum (xxh3_64 of the tensors' bytes)
+              the KV came from), ids (the packed prefix ids, base64), n_tokens, positions,
+              span and keep_pct (sparse snapshots), checksum (xxh3_64 of the tensors' bytes)
 
 Everything a lookup needs before it reads any KV is in the header (``read_header`` reads only
 that), so the startup scan costs one small read per file. A file that does not check out on
@@ -73,6 +73,7 @@ def encode(snap: KVSnapshot, *, tier: str, namespace: str, model_id: str, finger
             "n_tokens": str(snap.n_tokens), "dense_tokens": str(snap.dense_tokens),
             "positions": "" if snap.positions is None else _b64(pack_ids(snap.positions)),
             "span": "" if snap.span is None else str(snap.span),
+            "keep_pct": "" if snap.keep_pct is None else repr(snap.keep_pct),
             "checksum": _checksum(arrays)}
     return arrays, meta
 
@@ -160,6 +161,8 @@ def load(path: Path, fingerprints: Mapping[str, str]) -> tuple[KVFileHeader, KVS
         positions = (tuple(unpack_ids(base64.b64decode(meta["positions"])))
                      if meta["positions"] else None)
         span = int(meta["span"]) if meta["span"] else None
+        # The keep share a sparse snapshot was chosen at (none: it serves only its dense part).
+        keep_pct = float(meta["keep_pct"]) if meta.get("keep_pct") else None
     except (KeyError, ValueError) as exc:
         raise KVFileError(f"bad metadata: {exc}") from None
     if (not layers or len(arrays) != 2 * len(layers)
@@ -167,7 +170,7 @@ def load(path: Path, fingerprints: Mapping[str, str]) -> tuple[KVFileHeader, KVS
             or (positions is not None and len(positions) != n_tokens)):
         raise KVFileError("tensors do not match the metadata")
     nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-    return header, KVSnapshot(layers, n_tokens, nbytes, positions, span)
+    return header, KVSnapshot(layers, n_tokens, nbytes, positions, span, keep_pct)
 
 
 def folder_fingerprint(folder: str | Path, sample_bytes: int = 1 << 20) -> str:

@@ -51,6 +51,7 @@ class ReusePlan:
     # Prompt positions of the tokens stored for [0, restored) when some were dropped (a
     # SpecPrefill's KV, or a restore of one); None: dense, all of them.
     restored_positions: tuple[int, ...] | None = None
+    keep_pct: float | None = None   # the keep share that chose them (sparse only)
     static_at: int = 0          # >0: snapshot [0, static_at) into the static store then
     conversation_at: int = 0    # >0: store [0, conversation_at) in the conversation store ...
     conversation_ready: bool = False  # ... that segment is prefilled: after the first token
@@ -90,11 +91,12 @@ class KVReuse:
 
     # -- admission ---------------------------------------------------------------------------
 
-    def conversation_hit(self, req: GenerationRequest, ids: list[int],
-                         static: int) -> ConversationHit | None:
+    def conversation_hit(self, req: GenerationRequest, ids: list[int], static: int,
+                         keep_pct: float | None) -> ConversationHit | None:
         """The stored prompt of this namespace that shares the longest prefix with ``ids``
         (an earlier turn it extends, or a sibling), when that shared part is longer than the
-        static prefix; else None (the static path)."""
+        static prefix; else None (the static path). ``keep_pct``: the share this request keeps
+        when it SpecPrefills from its static prefix, None when it would compute it all."""
         if self.conversation_store is None or not self.reusable:
             return None
         hit = self.conversation_store.longest_common_prefix(req.namespace, TARGET_ID, ids,
@@ -104,10 +106,15 @@ class KVReuse:
         n, snap = hit
         if not getattr(snap, "trimmable", True) and n != snap.prompt_tokens:
             return None  # a recurrent state or a window stands for all its tokens, no fewer
-        if req.specprefill is False:
-            # A request that turned SpecPrefill off gets exact attention over its whole prompt:
-            # of a sparse entry only the part stored whole (its protected prefix) is restored.
-            n = min(n, snap.dense_tokens)
+        dense = snap.dense_tokens
+        if n > dense and not (dense >= static and keep_pct is not None
+                              and snap.keep_pct == keep_pct):
+            # A sparse entry serves only what this request would keep itself: all before its
+            # boundary (an entry SpecPrefilled with an earlier boundary sparsified part of this
+            # static prefix), and after it what the same keep share chose (a request that
+            # computes its whole prompt, or keeps another share, gets none of that). Otherwise
+            # only the part stored whole is restored, and the rest computed.
+            n = dense
             if n <= static:
                 return None
         if snap.stored_before(n) == 0:
@@ -135,6 +142,7 @@ class KVReuse:
         if conv is not None:
             reused = plan.restored = conv.tokens
             plan.restored_positions = conv.snapshot.positions_before(reused)
+            plan.keep_pct = conv.snapshot.keep_pct
             plan.conversation_at = last if last > reused else 0
             cache = kv.restore(conv.snapshot, reused, copy=False)
             return DensePrefill([ids[reused:]], cache, plan, reused, reused)
@@ -236,7 +244,8 @@ class KVReuse:
                 log.warning("prompt KV of %s not there; not stored", seq.request.request_id)
                 return
             snap = (kv.snapshot(cache, n) if positions is None
-                    else kv.snapshot(cache, stored, positions=positions, span=n))
+                    else kv.snapshot(cache, stored, positions=positions, span=n,
+                                     keep_pct=plan.keep_pct))
             store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n], snap,
                       supersede=True)
         except Exception:

@@ -52,6 +52,18 @@ class SpecPrefillConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
+    def asked(self, req: Any, rest: int, has_draft: bool) -> bool:
+        """SpecPrefill is on for this request (a draft, not turned off, more than the threshold
+        of ``rest`` tokens to compute), whatever the model's layers."""
+        if not has_draft or req.specprefill is False:
+            return False
+        threshold = req.specprefill_threshold
+        return rest > (self.threshold if threshold is None else threshold)
+
+    def keep_share(self, req: Any) -> float:
+        """The share of what is left to compute that this request keeps."""
+        return float(req.specprefill_keep_pct or self.keep_pct)
+
 
 def avg_pool(x: mx.array, kernel: int) -> mx.array:
     """Average over a centred window of ``kernel`` along the last axis, zero-padded, same length."""
