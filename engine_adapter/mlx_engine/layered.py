@@ -63,6 +63,7 @@ class LayeredSnapshot:
     nbytes: int
     positions: None = None
     span: None = None
+    keep_pct: None = None   # always dense: no keep share chose what it holds
     trimmable = False
 
     @property
