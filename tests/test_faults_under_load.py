@@ -52,7 +52,10 @@ def truth(demo_tokenizer: Any) -> Truth:
 def sidecar(redis: RedisServer, recorder_url: str, tokenizer: Any) -> Any:
     models = ModelRegistry([served("rec", tokenizer, Upstream(recorder_url)),
                             served("dead", tokenizer, Upstream(f"http://127.0.0.1:{free_port()}"))])
-    app = create_app(ServiceSettings(redis_url=redis.url, ready_timeout_s=1.0), models=models)
+    # A connection set-up timeout as short as the answer timeout: the probe windows below are
+    # shorter than the default 1 s set-up, and each phase lasts about a second.
+    app = create_app(ServiceSettings(redis_url=redis.url, ready_timeout_s=1.0,
+                                     redis_connect_timeout_s=0.05), models=models)
     tiered = app.state.service.store.inner
     # Short probe windows, so a restarted Redis is used again within the test's phases, and a
     # memory tier that forgets at once, so every lookup goes to Redis.
