@@ -33,7 +33,7 @@ from .load_client import (
     wait_for_tasks,
 )
 from .redis_server import RedisServer, needs_redis
-from .service_helpers import Recorder, ServerThread, free_port, served
+from .service_helpers import Recorder, ServerThread, free_port, served, wait_until
 
 pytestmark = needs_redis
 pytest_plugins = ["tests.service_fixtures"]
@@ -94,6 +94,10 @@ def test_redis_killed_hung_and_restarted_under_load(redis: RedisServer, recorder
             load.wait_for(PHASE_REQUESTS)
             hits_before = load.tally.caches["hit"]
             load.wait_for(PHASE_REQUESTS)
+            # The breaker's next probe window ends at its own pace: wait for hits (bounded),
+            # not for a fixed number of requests.
+            wait_until(lambda: load.tally.caches["hit"] > hits_before, "hits to resume",
+                       timeout=30.0, interval=0.05)
             tally = load.stop()
         tasks = wait_for_tasks(loop_of(server), idle + SLACK_TASKS)
         connections = tcp_connections(os.getpid(), port_of(redis.url))

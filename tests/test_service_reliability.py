@@ -100,7 +100,8 @@ def test_a_large_purge_leaves_the_event_loop_serving(redis: RedisServer, models:
     # A blocked loop answers nothing until the purge ends: no beat answered inside the window,
     # and the first one sent in it waits for (nearly) the whole purge. Bounds are generous and
     # relative (to the purge, to this run's idle /healthz), never absolute.
-    assert len(answered) >= 5, (len(answered), duration)
+    # Answers all through it: at least one per 100 ms of purge (five for a purge that long).
+    assert len(answered) >= min(5, max(2, int(duration / 0.1))), (len(answered), duration)
     assert worst < max(duration / 2, 50 * statistics.median(baseline)), (worst, duration)
 
 
