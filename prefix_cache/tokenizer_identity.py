@@ -2,6 +2,10 @@
 renders and tokenizes, computed once per tokenizer state and re-checked cheaply on every call
 (vocabulary size, special tokens, ``split_special_tokens``, the added-tokens table and its
 flags), so a tokenizer changed after first use (``add_tokens``) gets a new one.
+
+The added-tokens table of a fast tokenizer is compared again only when a call that can change
+it has returned since the last comparison (``tokenizer_watch``); every other field is read on
+every call.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from typing import Any
 import orjson
 import xxhash
 
-__all__ = ["current_fingerprint", "encode_settings", "tokenizer_fingerprint"]
+from . import tokenizer_watch
+
+__all__ = ["current_fingerprint", "encode_settings", "quick_settings", "tokenizer_fingerprint"]
 
 def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
     """What can change how an already fingerprinted tokenizer encodes, read in microseconds: its
@@ -77,19 +83,57 @@ _SLOW_FLAGS = ("legacy", "add_prefix_space", "do_lower_case", "add_dummy_prefix"
                "sp_model_kwargs", "spaces_between_special_tokens")
 
 
-_fingerprints: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], bytes]] = (
-    weakref.WeakKeyDictionary())
+class _Memo:
+    """One tokenizer's fingerprint, the full settings it was made from, and the quick reading
+    under which those settings were last compared."""
+
+    __slots__ = ("fingerprint", "quick", "settings")
+
+    def __init__(self, quick: tuple[Any, ...] | None, settings: tuple[Any, ...],
+                 fingerprint: bytes) -> None:
+        self.quick = quick
+        self.settings = settings
+        self.fingerprint = fingerprint
+
+
+def quick_settings(tokenizer: Any) -> tuple[Any, ...] | None:
+    """What changes whenever ``encode_settings`` may have changed, read in about a microsecond:
+    the backend object, the count of watched calls (``tokenizer_watch``: what changes the
+    added-tokens table), the backend's base vocabulary size, ``split_special_tokens`` and the
+    special tokens. None for a tokenizer without a watched Rust backend (a slow one): its table
+    is compared on every call."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or type(backend) is not tokenizer_watch.watched_class():
+        return None
+    return (
+        id(backend),
+        tokenizer_watch.generation(),
+        backend.get_vocab_size(with_added_tokens=False),
+        bool(getattr(tokenizer, "split_special_tokens", False)),
+        tokenizer.special_tokens_map,
+    )
+
+
+_fingerprints: weakref.WeakKeyDictionary[Any, _Memo] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
 def current_fingerprint(tokenizer: Any) -> bytes:
-    """The tokenizer's fingerprint, recomputed only when its encode settings changed."""
+    """The tokenizer's fingerprint, recomputed only when its encode settings changed; those are
+    compared in full only when the quick reading says they may have."""
+    quick = quick_settings(tokenizer)  # read before the full settings: a change in between is
+    memo = _fingerprints.get(tokenizer)  # seen by the next call's quick reading
+    if memo is not None and quick is not None and memo.quick == quick:
+        return memo.fingerprint
     settings = encode_settings(tokenizer)
-    memo = _fingerprints.get(tokenizer)
-    if memo is not None and memo[0] == settings:
-        return memo[1]
+    if memo is not None and memo.settings == settings:
+        memo.quick = quick
+        return memo.fingerprint
     with _lock:  # fingerprinting a large vocab takes a while: once per tokenizer state
         memo = _fingerprints.get(tokenizer)
-        if memo is None or memo[0] != settings:
-            memo = _fingerprints[tokenizer] = (settings, tokenizer_fingerprint(tokenizer))
-    return memo[1]
+        if memo is None or memo.settings != settings:
+            memo = _fingerprints[tokenizer] = _Memo(quick, settings,
+                                                     tokenizer_fingerprint(tokenizer))
+        else:
+            memo.quick = quick
+    return memo.fingerprint
