@@ -29,6 +29,7 @@ from typing import Any
 from . import boundary, keys
 from .entry import Entry, decode_entry, encode_entry
 from .errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
+from .messages import dynamic_chars
 from .observer import CacheObserver, ObserverGroup
 from .plan import Plan as _Plan
 from .plan import make_plan
@@ -43,6 +44,11 @@ from .token_ids import TokenIds, checked_token_ids, pack_ids
 log = logging.getLogger("prefix_cache")
 
 HIT, MISS, NONE = "hit", "miss", "none"
+# aresolve renders and tokenizes a hit's prompt on the event loop when the text its non-static
+# messages give the template is at most this long (~0.1-0.3 ms of work; a hop to a render thread
+# and back costs about as much, more on a busy machine); longer prompts, sampled full checks and
+# misses run in the render threads.
+INLINE_HIT_CHARS = 8192
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +56,7 @@ class PrefixResult:
     """The answer for one request."""
 
     specprefill_system_end: int
-    prompt_ids: list[int]
+    prompt: TokenIds    # the prompt's ids, packed; ``prompt_ids`` makes the list on first use
     cache: str          # "hit", "miss", or "none" when there is no static part
     key: str            # "" when cache == "none", or when the render cannot be cached
     static_tokens: int = 0  # length of the template's static scaffold (>= the boundary)
@@ -59,6 +65,16 @@ class PrefixResult:
     @property
     def hit(self) -> bool:
         return self.cache == HIT
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The prompt's token ids."""
+        return self.prompt.ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        """How many ids the prompt has (without making their list)."""
+        return len(self.prompt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,9 +200,18 @@ class StaticPrefixCache:
                 end, past_cap = self._cut(plan, given, entry)
                 if past_cap:
                     end = await loop.run_in_executor(run, self._capped, plan, given, entry, end)
-            elif stored is not None:  # a hit: render, tokenize and cut in one hop to a thread
+            elif stored is not None:
                 entry = stored
-                prompt, end = await loop.run_in_executor(run, self._prepare, plan, None, entry)
+                check = self._tokens.sampled()
+                if check or dynamic_chars(plan.messages, plan.n_static) > INLINE_HIT_CHARS:
+                    prompt, end = await loop.run_in_executor(run, self._prepare, plan, None,
+                                                             entry, check)
+                else:  # a short dynamic part: rendered and tokenized faster than a thread hop
+                    prompt = self._prompt(plan, None, entry, check)
+                    end, past_cap = self._cut(plan, prompt, entry)
+                    if past_cap:  # one more render of the whole prompt: off the loop
+                        end = await loop.run_in_executor(run, self._capped, plan, prompt, entry,
+                                                         end)
             else:  # the prompt first: a request whose own render fails stores nothing
                 text = await loop.run_in_executor(run, self._render, plan)
                 entry = await self._await_flight(plan, loop)
@@ -223,10 +248,17 @@ class StaticPrefixCache:
                                                      memo_key=plan.memo_key, options=plan.options)
         return _Text(text, plan.tools is None and tools is not None)
 
-    def _prepare(self, plan: _Plan, text: _Text | None, entry: Entry | None
-                 ) -> tuple[TokenIds, int]:
-        """The rendered prompt's ids (from the entry's split when its text allows) and its
-        boundary; the prompt is rendered here unless ``text`` is given."""
+    def _prepare(self, plan: _Plan, text: _Text | None, entry: Entry | None,
+                 check: bool | None = None) -> tuple[TokenIds, int]:
+        """The rendered prompt's ids and its boundary (``_prompt``)."""
+        prompt = self._prompt(plan, text, entry, check)
+        return prompt, (0 if entry is None else self._cut_capped(plan, prompt, entry))
+
+    def _prompt(self, plan: _Plan, text: _Text | None, entry: Entry | None,
+                check: bool | None = None) -> TokenIds:
+        """The rendered prompt's ids (from the entry's split when its text allows); the prompt
+        is rendered here unless ``text`` is given. ``check``: whether this is a sampled full
+        check (None: drawn here)."""
         if text is None:
             text = self._render(plan)
         if entry is not None and text.empty_tools != entry.empty_tools:
@@ -234,8 +266,7 @@ class StaticPrefixCache:
         def official() -> str:  # what a sampled check compares a direct render with
             tools = [] if text.empty_tools else plan.tools
             return plan.renderer.official_text(plan.messages, tools, plan.kwargs, plan.options)
-        prompt = self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official)
-        return prompt, (0 if entry is None else self._cut_capped(plan, prompt, entry))
+        return self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official, check)
 
     def _rerender(self, plan: _Plan, text: _Text, entry: Entry) -> _Text:
         """The prompt again, in the rare case its tools argument is not the probes'."""
@@ -277,13 +308,13 @@ class StaticPrefixCache:
         return min(end, boundary.packed_prefix_len(prompt.packed, pack_ids(ids)))
 
     def _none(self, plan: _Plan, prompt: TokenIds) -> PrefixResult:
-        return self._report(plan, PrefixResult(0, prompt.ids, NONE, ""))
+        return self._report(plan, PrefixResult(0, prompt, NONE, ""))
 
     def _answer(self, plan: _Plan, prompt: TokenIds, end: int, entry: Entry,
                 cache: str) -> PrefixResult:
         if cache == HIT:
             self._events.saved(model=plan.model, seconds=entry.render_seconds)
-        return self._report(plan, PrefixResult(end, prompt.ids, cache, plan.key, entry.n_static,
+        return self._report(plan, PrefixResult(end, prompt, cache, plan.key, entry.n_static,
                                                plan.renderer.uncacheable))
 
     def _report(self, plan: _Plan, result: PrefixResult) -> PrefixResult:

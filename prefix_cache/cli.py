@@ -105,7 +105,7 @@ def cmd_boundary(args: argparse.Namespace) -> int:
             continue
         _emit({
             "specprefill_system_end": result.specprefill_system_end,
-            "prompt_tokens": len(result.prompt_ids),
+            "prompt_tokens": result.prompt_tokens,
             "cache": result.cache,
             "key": result.key,
         })

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import orjson
+
 from .errors import InvalidRequestError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -27,6 +29,23 @@ def count_static(messages: Sequence[Mapping[str, Any]]) -> int:
             break
         n += 1
     return n
+
+
+def dynamic_chars(messages: Sequence[Mapping[str, Any]], n_static: int) -> int:
+    """About how much text the messages after the static run give the template: a string
+    content's length, or the JSON size of a message with anything else (parts, tool calls).
+    A measure of the work a render and a tokenization of them take, not a limit."""
+    total = 0
+    for message in messages[n_static:]:
+        content = message.get("content")
+        if isinstance(content, str) and len(message) <= 2:  # role and content only
+            total += len(content)
+            continue
+        try:
+            total += len(orjson.dumps(message, default=repr))
+        except TypeError:  # an integer past 64 bits, a lone surrogate: measured another way
+            total += len(repr(message))
+    return total
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:

@@ -53,13 +53,17 @@ class PromptTokenizer:
         self._lock = threading.Lock()
 
     def tokenize(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
-                 model: str, official: Callable[[], str] | None = None) -> TokenIds:
+                 model: str, official: Callable[[], str] | None = None,
+                 check: bool | None = None) -> TokenIds:
         """The prompt's ids, equal to ``renderer.tokenize(text)``. ``official``: the prompt
         rendered through ``apply_chat_template`` itself, for a sampled check of a direct render
-        (``direct_render``) along with the tokenization."""
+        (``direct_render``) along with the tokenization. ``check``: whether this call is one of
+        the sampled checks, drawn beforehand with ``sampled()`` (None: drawn here)."""
         ids, reason = self._fast(renderer, text, entry)
         direct = official is not None and renderer.renders_direct
-        if (ids is None and not direct) or not self._sampled():
+        if check is None:
+            check = self.sampled()
+        if (ids is None and not direct) or not check:
             if ids is None:
                 self._events.tokenized(model=model, fast=False, reason=reason)
                 return TokenIds.of_rendered(renderer.tokenize(text))
@@ -84,7 +88,8 @@ class PromptTokenizer:
         self._events.tokenized(model=model, fast=False, reason=reason or OFF)
         return TokenIds.of_rendered(full)
 
-    def _sampled(self) -> bool:
+    def sampled(self) -> bool:
+        """Whether the next tokenization is checked in full (true at ``check_rate``)."""
         return bool(self.check_rate) and self._rng.random() < self.check_rate
 
     def _fast(self, renderer: TemplateRenderer, text: str, entry: Entry | None
@@ -102,7 +107,7 @@ class PromptTokenizer:
         if tail is None:
             return None, why
         head = entry.packed_ids[: 4 * split.index]
-        return TokenIds(unpack_ids(head) + tail, head + pack_ids(tail)), ""
+        return TokenIds(None, head + pack_ids(tail)), ""  # a list only if read
 
     def _turn_off(self, renderer: TemplateRenderer, model: str, full: list[int],
                   fast: list[int]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from .errors import InvalidRequestError
@@ -38,17 +37,41 @@ def unpack_ids(packed: bytes) -> list[int]:
     return ids.tolist()
 
 
-@dataclass(frozen=True, slots=True)
 class TokenIds:
-    """A checked list of token ids and its packed form."""
+    """A checked sequence of token ids: its packed form, and the list of ints made from it on
+    first use only. A hit builds the prompt's ids as stored bytes plus its tail's: the list of
+    Python ints (~20 ns each, ~0.2 ms for 10,000 ids) is made only for a caller that reads it;
+    the boundary and the count need the packed form alone."""
 
-    ids: list[int]
-    packed: bytes
+    __slots__ = ("_ids", "packed")
+
+    def __init__(self, ids: list[int] | None, packed: bytes) -> None:
+        self._ids = ids
+        self.packed = packed
 
     @classmethod
     def of_rendered(cls, ids: list[int]) -> TokenIds:
         """Ids a tokenizer produced (trusted to fit)."""
         return cls(ids, pack_ids(ids))
+
+    @property
+    def ids(self) -> list[int]:
+        """The ids as a list (made once; a race makes two equal lists, either is kept)."""
+        if self._ids is None:
+            self._ids = unpack_ids(self.packed)
+        return self._ids
+
+    def __len__(self) -> int:
+        return len(self.packed) // 4
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TokenIds) and self.packed == other.packed
+
+    def __hash__(self) -> int:
+        return hash(self.packed)
+
+    def __repr__(self) -> str:
+        return f"TokenIds({self.ids!r})"
 
 
 def checked_token_ids(value: Any, what: str = "prompt_ids") -> TokenIds:

@@ -38,22 +38,23 @@ def cache_headers(result: PrefixResult) -> dict[str, str]:
 
 
 async def resolve(state: ServiceState, model: ServedModel, tenant: str, body_size: int,
-                  conversation: Conversation) -> PrefixResult:
+                  conversation: Conversation, prompt_ids: Any = None) -> PrefixResult:
     """The boundary of a validated conversation (of any API), in the tenant's namespace,
-    within the tenant's prompt size limit; renders run off the loop."""
+    within the tenant's prompt size limit; long renders run off the loop. ``prompt_ids``: the
+    client's own (checked by the cache: a 400 unless token ids)."""
     c = conversation
     state.limits.check_prompt(tenant, body_size, c.messages, c.tools, c.chat_template_kwargs)
     return await state.cache.aresolve(
         model.tokenizer, c.messages, c.tools, c.chat_template_kwargs, namespace=tenant,
         model=model.label, chat_template=c.chat_template,
         add_generation_prompt=c.add_generation_prompt,
-        continue_final_message=c.continue_final_message)
+        continue_final_message=c.continue_final_message, prompt_ids=prompt_ids)
 
 
 async def resolve_chat(state: ServiceState, model: ServedModel, body: dict[str, Any],
-                       tenant: str, body_size: int) -> PrefixResult:
+                       tenant: str, body_size: int, prompt_ids: Any = None) -> PrefixResult:
     """The boundary of a validated chat body, rendered as its request-level fields say."""
-    return await resolve(state, model, tenant, body_size, chat_conversation(body))
+    return await resolve(state, model, tenant, body_size, chat_conversation(body), prompt_ids)
 
 
 @router.get("/v1/models", response_model=None, responses=docs.responses(ModelList, 401, 403))
@@ -71,11 +72,12 @@ async def prefix_boundary(request: Request, state: State, tenant: Tenant) -> Res
     async with state.limits.slot(tenant):  # the tenant's share of this worker
         raw, body = await read_body(request, state)
         req = BoundaryRequest.model_validate(body)
+        # Prompt ids the client sends are the ids the boundary is cut against (no render).
         result = await resolve_chat(state, state.models.get(req.model), body, tenant,
-                                    len(raw))
+                                    len(raw), body.get("prompt_ids"))
     out: dict[str, Any] = {
         "specprefill_system_end": result.specprefill_system_end,
-        "prompt_tokens": len(result.prompt_ids),
+        "prompt_tokens": result.prompt_tokens,
         "cache": result.cache,
         "key": result.key,
     }

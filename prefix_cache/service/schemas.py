@@ -106,9 +106,13 @@ class ChatCompletionRequest(ChatRequest):
 
 
 class PrefixBoundaryRequest(ChatCompletionRequest):
-    """``POST /v1/prefix/boundary``: a chat body, optionally asking for the prompt ids."""
+    """``POST /v1/prefix/boundary``: a chat body, optionally asking for the prompt ids, or
+    giving them."""
 
     return_prompt_ids: StrictBool = False
+    prompt_ids: list[int] | None = Field(
+        default=None, description="the prompt's token ids as the engine has them: the boundary "
+        "is cut against these, and the prompt is not rendered (integers in [0, 2**32))")
 
 
 class BoundaryResponse(BaseModel):
