@@ -44,10 +44,8 @@ from .token_ids import TokenIds, checked_token_ids, pack_ids
 log = logging.getLogger("prefix_cache")
 
 HIT, MISS, NONE = "hit", "miss", "none"
-# aresolve renders and tokenizes a hit's prompt on the event loop when the text its non-static
-# messages give the template is at most this long (~0.1-0.3 ms of work; a hop to a render thread
-# and back costs about as much, more on a busy machine); longer prompts, sampled full checks and
-# misses run in the render threads.
+# A hit whose non-static messages are at most this long is rendered and tokenized on the event
+# loop (~0.1-0.3 ms; a hop to a render thread and back costs as much, more on a busy machine).
 INLINE_HIT_CHARS = 8192
 
 
