@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import msgpack
@@ -37,6 +38,7 @@ def validate_label(value: str, what: str) -> str:
     return value
 
 
+@lru_cache(maxsize=1024)  # a pure function of a few model names, called on every request
 def model_label(name: str) -> str:
     """Turn any model name or path into a key-safe label (last path part, odd chars replaced)."""
     base = name.rstrip("/").rsplit("/", 1)[-1] or "model"

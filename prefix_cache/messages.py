@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import repeat
 from typing import Any
 
 import orjson
@@ -80,10 +81,10 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
         return None
     if not isinstance(tools, list):
         raise InvalidRequestError("tools must be a list of tool objects")
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise InvalidRequestError(f"tools[{i}] must be an object")
-    return tools
+    if all(map(isinstance, tools, repeat(dict))):  # one C loop: a hit checks 64 tools each time
+        return tools
+    i = next(i for i, tool in enumerate(tools) if not isinstance(tool, dict))
+    raise InvalidRequestError(f"tools[{i}] must be an object")
 
 
 def validate_kwargs(kwargs: Any) -> dict[str, Any]:
