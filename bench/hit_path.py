@@ -9,7 +9,7 @@
 3. throughput of one worker, several keep-alive clients: boundary hits per second against
    `/healthz` requests per second, in alternating slices.
 
-    PYTHONPATH=$PWD python bench/hit_path.py [--seconds 20] [--clients 8] [--base REF]
+    PYTHONPATH=$PWD python bench/hit_path.py [--seconds 20] [--clients 8] [--base REF] [--check-rate R]
         [--output docs/benchmarks-hit-path.table.md]
 
 `prefix-cache serve` (demo model, memory store, one worker) runs as its own process; with
@@ -83,10 +83,13 @@ class Server:
 
 
 @contextmanager
-def server(pythonpath: Path, log: Path) -> Iterator[Server]:
-    """``prefix-cache serve`` of the tree at ``pythonpath`` on a free port."""
+def server(pythonpath: Path, log: Path, check_rate: float | None = None) -> Iterator[Server]:
+    """``prefix-cache serve`` of the tree at ``pythonpath`` on a free port (``check_rate``: its
+    sampled full tokenization checks, default the server's own)."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+    if check_rate is not None:
+        env["PREFIX_CACHE_TOKENIZE_CHECK_RATE"] = str(check_rate)
     with log.open("wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "prefix_cache.cli", "serve", "--host",
                                  "127.0.0.1", "--port", str(port)], env=env, stdout=out,
@@ -297,7 +300,8 @@ def report(args: argparse.Namespace, inproc: dict[str, float] | None,
     lines = [f"Machine: {machine()}; load average {loads[0][0]:.2f} at the start, "
              f"{loads[1][0]:.2f} at the end (shared with other work).",
              f"Command: `PYTHONPATH=$PWD python bench/hit_path.py --seconds {args.seconds:g} "
-             f"--clients {args.clients}{' --base ' + args.base if args.base else ''}`", ""]
+             f"--clients {args.clients}{' --base ' + args.base if args.base else ''}"
+             f"{f' --check-rate {args.check_rate:g}' if args.check_rate is not None else ''}`", ""]
     if inproc is not None:
         lines += ["In process, 64 tools, Qwen3.5 tokenizer and template, prompt ids given "
                   f"({inproc['prompt_tokens']:.0f} prompt tokens, boundary "
@@ -334,6 +338,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=8, help="for the throughput part")
     parser.add_argument("--requests", type=int, default=200, help="in-process requests")
     parser.add_argument("--base", help="also serve this commit's package, side by side")
+    parser.add_argument("--check-rate", type=float, help="the servers' sampled full "
+                        "tokenization checks (PREFIX_CACHE_TOKENIZE_CHECK_RATE; default theirs)")
     parser.add_argument("--no-in-process", action="store_true")
     parser.add_argument("--output", help="write the tables here too (Markdown)")
     args = parser.parse_args()
@@ -343,7 +349,7 @@ def main() -> None:
         trees = {"this tree": ROOT}
         if args.base:
             trees[f"base {args.base}"] = extract(args.base, Path(tmp) / "base")
-        with _servers(trees, Path(tmp)) as servers:
+        with _servers(trees, Path(tmp), args.check_rate) as servers:
             lat = latency(servers, args.seconds)
             rate = throughput(servers, args.seconds, args.clients)
     table = report(args, inproc, lat, rate, (start_load, os.getloadavg()))
@@ -353,9 +359,10 @@ def main() -> None:
 
 
 @contextmanager
-def _servers(trees: dict[str, Path], tmp: Path) -> Iterator[dict[str, Server]]:
+def _servers(trees: dict[str, Path], tmp: Path, check_rate: float | None
+             ) -> Iterator[dict[str, Server]]:
     with ExitStack() as stack:
-        yield {name: stack.enter_context(server(path, tmp / f"server{i}.log"))
+        yield {name: stack.enter_context(server(path, tmp / f"server{i}.log", check_rate))
                for i, (name, path) in enumerate(trees.items())}
 
 
