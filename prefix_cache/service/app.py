@@ -136,11 +136,13 @@ def create_app(settings: ServiceSettings | None = None, *,
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
         restore_sigterm = drain_on_sigterm(state.drain)
         # What start made (tokenizers, templates, the app: ~125k objects) lives as long as the
-        # process: out of every collection, which then scans only what requests made.
+        # app: out of every collection, which then scans only what requests made. Thawed at
+        # the end, so an app stopped in a longer-lived process can be collected.
         gc.freeze()
         try:
             yield
         finally:
+            gc.unfreeze()
             restore_sigterm()
             gauges.cancel()
             warm.cancel()
