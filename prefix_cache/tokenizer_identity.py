@@ -103,7 +103,7 @@ def quick_settings(tokenizer: Any) -> tuple[Any, ...] | None:
     special tokens. None for a tokenizer without a watched Rust backend (a slow one): its table
     is compared on every call."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or type(backend) is not tokenizer_watch.watched_class():
+    if backend is None or not tokenizer_watch.watches(backend):
         return None
     return (
         id(backend),

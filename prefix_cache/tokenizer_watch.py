@@ -37,6 +37,12 @@ def generation() -> int:
     return _generation
 
 
+def watches(backend: Any) -> bool:
+    """Whether ``backend``'s mutators are counted (it is a ``tokenizers.Tokenizer``)."""
+    watched = watched_class()
+    return watched is not None and type(backend) is watched
+
+
 def watched_class() -> type | None:
     """``tokenizers.Tokenizer`` with its mutators counted (wrapped on the first call); None
     where the class cannot be wrapped (the caller then compares the whole table every time)."""

@@ -120,5 +120,7 @@ def test_the_watched_methods_behave_as_before() -> None:
     assert "<|deploy|>" in backend.encode("ship <|deploy|> now").tokens
     restored = pickle.loads(pickle.dumps(backend))
     assert restored.to_str() == backend.to_str()
-    with pytest.raises(Exception):  # a failing call still counts, and still raises
+    count = tokenizer_watch.generation()
+    with pytest.raises(TypeError):  # a failing call still raises, and still counts
         backend.add_tokens(None)
+    assert tokenizer_watch.generation() != count
