@@ -106,7 +106,7 @@ def quick_settings(tokenizer: Any) -> tuple[Any, ...] | None:
     if backend is None or not tokenizer_watch.watches(backend):
         return None
     return (
-        id(backend),
+        backend,  # the object, not its id: the memo keeps it, so no new one takes its address
         tokenizer_watch.generation(),
         backend.get_vocab_size(with_added_tokens=False),
         bool(getattr(tokenizer, "split_special_tokens", False)),
