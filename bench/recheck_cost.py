@@ -42,8 +42,8 @@ def median_us(calls: dict[str, Callable[[], Any]], reps: int, batch: int = 50) -
 
 
 def recheck_rows(reps: int) -> list[str]:
-    from prefix_cache.tokenizer_identity import encode_settings
     from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer
+    from prefix_cache.tokenizer_identity import encode_settings
 
     rows = ["| tokenizer | added tokens | re-check before | re-check now | added |",
             "|---|---:|---:|---:|---:|"]

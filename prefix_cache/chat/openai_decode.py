@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from .. import json_io
+from ..engine_protocol import BackendError, Usage
 from ..http.sse import EventStreamError, SSEDecoder
-from .backend import BackendError, Usage
 from .events import Finish, OutputEvent, TextDelta, ToolCallDelta
 
 MAX_COMPLETION_BYTES = 64 << 20
