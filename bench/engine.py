@@ -385,7 +385,9 @@ def update_docs(text: str, start: str = MARK_START, end: str = MARK_END,
 
 def families(args: argparse.Namespace, command: str, started: float) -> int:
     """The ``--families`` run: its table, printed and (``--update-docs``) written."""
-    from engine_families import MARK_END as END, MARK_START as START, families_table, run_families
+    from engine_families import MARK_END as END
+    from engine_families import MARK_START as START
+    from engine_families import families_table, run_families
 
     rows = run_families(args)
     text = (families_table(rows, machine(), command)

@@ -19,7 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.chat.backend import (
+from prefix_cache.engine_protocol import (
     BackendOutput,
     BackendRequest,
     EngineHealth,
@@ -29,8 +29,8 @@ from prefix_cache.chat.backend import (
 )
 
 from .decoding import IncrementalDecoder, StopStrings
+from .defaults import DEFAULT_MAX_TOKENS
 from .mlx_engine.request import GenerationRequest
-from .options import DEFAULT_MAX_TOKENS
 from .tool_calls import ToolCallSplitter
 
 

@@ -12,8 +12,8 @@ The KV stores' defaults (1 GiB each) suit small models; a real one needs more: Q
 one entry rejects it (counted as ``rejected``). Sizes take units (``512MiB``, ``8GiB``, ``2GB``)
 or plain bytes. No mlx import here: the sidecar checks options before it loads an engine.
 
-Every engine default lives here, the knobs an operator cannot set included; the engine's
-modules take theirs from these constants.
+Every engine default lives in ``engine_adapter.defaults``, the knobs an operator cannot set
+included; the engine's modules and these options take theirs from there.
 """
 
 from __future__ import annotations
@@ -23,22 +23,15 @@ from typing import Any
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
 
-GIB = 1 << 30
+from prefix_cache.errors import validation_problems
 
-DEFAULT_KV_BYTES = GIB              # each of the two KV stores (static prefixes, conversations)
-DEFAULT_KV_DISK_BYTES = 16 * GIB    # the disk tier under both stores (per model)
-DEFAULT_KV_DISK_QUEUE = 16          # snapshots waiting for the disk writer; more are dropped
-DEFAULT_MAX_BATCH_SIZE = 16         # sequences decoded together
-DEFAULT_PREFILL_BATCH_SIZE = 8      # prompts BatchGenerator prefills together
-DEFAULT_PREFILL_STEP = 2048         # tokens per model call of a prefill chunk
-DEFAULT_MAX_TOKENS = 512            # a chat request that names no max_tokens (cut to the context)
-# SpecPrefill (arXiv 2502.02789)
-DEFAULT_KEEP_PCT = 0.2              # share of the scored chunks kept
-DEFAULT_SPECPREFILL_THRESHOLD = 8192  # engages above this many tokens left to compute
-DEFAULT_CHUNK_SIZE = 32             # tokens kept or dropped together
-DEFAULT_TAIL_TOKENS = 512           # always kept at the end of the prompt (template structure)
-DEFAULT_LOOKAHEAD = 8               # draft decode steps whose attention scores the prompt
-DEFAULT_POOL_KERNEL = 13            # smoothing window of the scores
+from .defaults import (
+    DEFAULT_KEEP_PCT,
+    DEFAULT_KV_BYTES,
+    DEFAULT_KV_DISK_BYTES,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_SPECPREFILL_THRESHOLD,
+)
 
 
 class EngineOptions(BaseModel):
@@ -74,15 +67,14 @@ class EngineOptions(BaseModel):
         try:
             return cls.model_validate(dict(values or {}))
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'engine options'}: "
-                                 f"{e['msg']}" for e in exc.errors())
+            problems = validation_problems(exc, "engine options")
             raise ValueError(f"invalid engine options: {problems} (known: "
                              f"{', '.join(cls.model_fields)})") from None
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``MLXEngine`` (and so ``MLXEngine.load``); imports mlx."""
         from .mlx_engine import SpecPrefillConfig
-        from .mlx_engine.kv_store import StaticKVStore
+        from .mlx_engine.kv_store import KVSnapshotStore
 
         kwargs: dict[str, Any] = {
             "reuse_static_kv": self.kv_bytes > 0,
@@ -98,8 +90,8 @@ class EngineOptions(BaseModel):
                                              threshold=self.specprefill_threshold),
         }
         if self.kv_bytes > 0:
-            kwargs["kv_store"] = StaticKVStore(int(self.kv_bytes))
+            kwargs["kv_store"] = KVSnapshotStore(int(self.kv_bytes))
         if self.conversation_bytes > 0:
-            kwargs["conversation_store"] = StaticKVStore(int(self.conversation_bytes))
+            kwargs["conversation_store"] = KVSnapshotStore(int(self.conversation_bytes))
         return kwargs
 

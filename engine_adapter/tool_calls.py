@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prefix_cache.chat.backend import ToolCall
+from prefix_cache.engine_protocol import ToolCall
 
 log = logging.getLogger("engine_adapter.tool_calls")
 

@@ -158,26 +158,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_serve_engine(args: argparse.Namespace) -> int:
-    from .chat.engines import engine_factory
-    from .service.settings import parse_key_values
+    from pydantic import ValidationError
+
+    from .engines import engine_factory
+    from .service.flags import flag_overrides
+    from .service.settings import EngineServerSettings
 
     try:
-        options = parse_key_values(args.engine_option or [])
+        settings = EngineServerSettings(**flag_overrides(vars(args), EngineServerSettings))
         factory = engine_factory("mlx")
         # No --model: the engine's default (the demo chat model, converted on first use).
-        model = Path(args.model) if args.model else factory.default_model()
-    except ValueError as exc:
+        model = settings.model or factory.default_model()
+    except (ValueError, ValidationError) as exc:
         print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    draft = Path(args.draft_model) if args.draft_model else None
-    return factory.serve(model, draft, host=args.host, port=args.port,
-                         trust_namespace=args.trust_namespace, api_key=args.api_key,
-                         options=options)
+    return factory.serve(model, settings.draft_model, host=settings.host, port=settings.port,
+                         trust_namespace=settings.trust_namespace, api_key=settings.api_key,
+                         options=settings.options)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
     if args.chat:
-        from .chat.engines import engine_factory
+        from .engines import engine_factory
 
         try:
             print(engine_factory("mlx").default_model())
@@ -193,8 +195,8 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .prompt_tokens import DEFAULT_CHECK_RATE
-    from .service.flags import add_serve_flags
-    from .service.settings import env_name
+    from .service.flags import add_flags, add_serve_flags
+    from .service.settings import EngineServerSettings, env_name
 
     redis_env = env_name("redis_url")
     parser = argparse.ArgumentParser(prog="prefix-cache", description=__doc__.splitlines()[0])
@@ -246,23 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
     se = sub.add_parser("serve-engine", help="run the MLX engine as an OpenAI-compatible server "
                         "that takes specprefill_system_end and prompt_token_ids")
-    se.add_argument("--model", metavar="DIR", help="mlx-lm model folder (default: the demo chat "
-                    "model, SmolLM2-135M-Instruct, converted on first use)")
-    se.add_argument("--draft-model", metavar="DIR", help="SpecPrefill draft model folder")
-    se.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    se.add_argument("--port", type=int, default=8001, help="TCP port (default 8001)")
-    se.add_argument("--trust-namespace", action="store_true",
-                    help="take the KV namespace from the request's specprefill_namespace (only "
-                         "behind a sidecar that alone can reach this port); default: all "
-                         "requests share namespace 'default'")
-    se.add_argument("--api-key", metavar="KEY",
-                    default=os.environ.get("PREFIX_CACHE_ENGINE_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1 "
-                         "(env PREFIX_CACHE_ENGINE_API_KEY)")
-    se.add_argument("--engine-option", action="append", metavar="KEY=VALUE",
-                    help="an engine option, e.g. kv_bytes=8GiB, conversation_bytes=16GiB, "
-                         "max_context=32768, specprefill_keep_pct=0.2 (repeatable; "
-                         "engine_adapter.options lists them)")
+    add_flags(se, EngineServerSettings)  # from its settings model: flags, help, variables
     se.set_defaults(func=cmd_serve_engine)
     demo = sub.add_parser("demo-model", help="make the demo model folder (real Qwen3 tokenizer, "
                           "tool-rendering template) and print its path")

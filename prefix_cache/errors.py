@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class PrefixCacheError(Exception):
     """Base of every error this package raises on purpose."""
@@ -46,3 +48,15 @@ class StoreBusyError(StoreUnavailableError):
 
 class EntryError(PrefixCacheError):
     """A stored entry is corrupt, of another format version, or belongs to other inputs."""
+
+
+def validation_problems(exc: Any, whole: str = "") -> str:
+    """A pydantic ``ValidationError`` of configuration as one line: ``loc: msg; loc: msg``
+    (``whole``: the name given to an error of the whole value, which has no location). Bodies
+    of HTTP requests have their own wording, in ``http.errors``."""
+    parts = []
+    for e in exc.errors():
+        where = ".".join(map(str, e["loc"])) or whole
+        parts.append(f"{where}: {e['msg']}" if where else e["msg"])
+    return "; ".join(parts)
+

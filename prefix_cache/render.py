@@ -265,18 +265,19 @@ class TemplateRenderer:
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def render_ids(self, messages: Messages, tools: Tools,
-                   kwargs: Mapping[str, Any]) -> list[int]:
+    def render_ids(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                   options: RenderOptions = DEFAULT_OPTIONS) -> list[int]:
         """``apply`` with the documented fallback: no tools that fail as None render as ``[]``."""
-        return self.render_with_choice(messages, tools, kwargs)[0]
+        return self.render_with_choice(messages, tools, kwargs, options)[0]
 
-    def render_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any]
+    def render_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
+                           options: RenderOptions = DEFAULT_OPTIONS
                            ) -> tuple[list[int], list[Mapping[str, Any]] | None]:
         """``render_ids`` and the ``tools`` argument it rendered with."""
         choices = tool_choices(tools)
         for i, choice in enumerate(choices):
             try:
-                return self.apply(messages, choice, kwargs), choice
+                return self.apply(messages, choice, kwargs, options), choice
             except TemplateRenderError:
                 if i == len(choices) - 1:
                     raise

@@ -31,7 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from prefix_cache.keys import model_label
-from prefix_cache.service.models import ServedModel
+from prefix_cache.service.served_models import ServedModel
 from prefix_cache.service.upstream import Upstream
 
 STARTUP_TIMEOUT_S = 15.0

@@ -5,7 +5,6 @@ and the CLI reading all three body shapes."""
 from __future__ import annotations
 
 import asyncio
-
 import json
 from pathlib import Path
 from typing import Any

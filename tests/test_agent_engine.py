@@ -17,12 +17,12 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 
 from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.server import create_engine_app  # noqa: E402
-from prefix_cache.chat.anthropic_stream import MessageMeta, message_json  # noqa: E402
-from prefix_cache.chat.backend import BackendRequest, SamplingParams, Usage  # noqa: E402
+from prefix_cache.chat.anthropic_encode import MessageMeta, message_json  # noqa: E402
 from prefix_cache.chat.events import backend_events  # noqa: E402
+from prefix_cache.engine_protocol import BackendRequest, SamplingParams, Usage  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.models import ModelRegistry  # noqa: E402
+from prefix_cache.service.served_models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
 from .agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
@@ -327,9 +327,8 @@ CALL_TEXT = ('Sure.<tool_call>\n{"name": "read_file", "arguments": {"path": "a.t
 
 
 async def test_tool_calls_are_cut_out_of_the_engine_text(tool_tokenizer: Any) -> None:
-    from prefix_cache.chat.openai_params import parse_chat_params
-    from prefix_cache.chat.openai_stream import complete
-    from prefix_cache.chat.responses_stream import ResponseMeta, response_json
+    from prefix_cache.chat.openai_encode import ChatMeta, completion_json
+    from prefix_cache.chat.responses_encode import ResponseMeta, response_json
 
     backend = scripted(tool_tokenizer, CALL_TEXT)
     request = backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT]))
@@ -339,8 +338,8 @@ async def test_tool_calls_are_cut_out_of_the_engine_text(tool_tokenizer: Any) ->
     assert (call["type"], call["name"], call["input"]) == ("tool_use", "read_file",
                                                            {"path": "a.txt"})
     assert message["stop_reason"] == "tool_use"
-    chat = await complete(backend, parse_chat_params({}, "m"),
-                          backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT])))
+    chat = await completion_json(ChatMeta("m"), backend_events(
+        backend, backend.check(BackendRequest([1, 2, 3], 2, tools=[READ_CHAT]))))
     choice = chat["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure."
     assert choice["message"]["tool_calls"][0]["function"] == {

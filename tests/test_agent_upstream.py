@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from .agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
@@ -390,7 +390,7 @@ def test_bad_responses_are_openai_400s(base: str, rec: AgentRecorder) -> None:
 
 
 def test_upstream_apis_come_from_the_models_file(tmp_path: Any, demo_folder: Any) -> None:
-    from prefix_cache.service.models import load_model, load_model_specs
+    from prefix_cache.service.served_models import load_model, load_model_specs
 
     models = tmp_path / "models.yaml"
     models.write_text(

@@ -12,7 +12,7 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("prefix_cache", "engine_adapter")
 MAX_RUNTIME_LINES = 450
 # The one place prefix_cache reaches engine_adapter: the engine lookup by name.
-ENGINE_LOOKUP = "prefix_cache.chat.engines"
+ENGINE_LOOKUP = "prefix_cache.engines"
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,7 @@ class Import:
     module: str        # the importing module
     target: str        # the imported module, absolute
     top_level: bool    # at module load (not inside a function)
+    type_only: bool = False  # under ``if TYPE_CHECKING:`` (never runs)
 
 
 def module_name(path: Path) -> str:
@@ -36,9 +37,12 @@ def imports_of(path: Path) -> list[Import]:
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(encoding="utf-8"))
     in_function: set[int] = set()
+    type_only: set[int] = set()
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             in_function.update(id(child) for child in ast.walk(node) if child is not node)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            type_only.update(id(child) for child in ast.walk(node) if child is not node)
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -52,7 +56,8 @@ def imports_of(path: Path) -> list[Import]:
             targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
         else:
             continue
-        found += [Import(name, t, id(node) not in in_function) for t in targets]
+        found += [Import(name, t, id(node) not in in_function, id(node) in type_only)
+                  for t in targets]
     return found
 
 
@@ -84,15 +89,90 @@ def test_prefix_cache_never_imports_mlx() -> None:
 
 
 def test_the_lower_layers_never_import_the_higher_ones() -> None:
-    """The HTTP layer sits below both servers, the chat layer below the sidecar; the core below
-    all of them."""
-    below = {"prefix_cache.http": ("prefix_cache.service", "prefix_cache.chat"),
-             "prefix_cache.chat": ("prefix_cache.service",),
-             "prefix_cache.store": ("prefix_cache.service", "prefix_cache.http",
-                                    "prefix_cache.chat")}
+    """core < store < http < chat < api < service: the HTTP plumbing below both servers, the
+    APIs' bodies and answers above it, the routes both servers mount above those, the sidecar
+    on top."""
+    order = ["prefix_cache.store", "prefix_cache.http", "prefix_cache.chat", "prefix_cache.api",
+             "prefix_cache.service"]
+    below = {lower: tuple(order[i + 1:]) for i, lower in enumerate(order)}
     bad = {(i.module, i.target) for i in _all_imports() for lower, higher in below.items()
            if _under(i.module, lower) and any(_under(i.target, h) for h in higher)}
     assert bad == set()
+
+
+# The engine server and its host mount the API layer; the engine itself knows only the
+# engine protocol (prefix_cache.engine_protocol) and the core.
+ENGINE_SERVER = ("engine_adapter.server", "engine_adapter.engine_host")
+API_LAYERS = ("prefix_cache.api", "prefix_cache.chat", "prefix_cache.http",
+              "prefix_cache.service")
+
+
+def test_the_engine_imports_nothing_from_the_api_layers() -> None:
+    bad = {(i.module, i.target) for i in _all_imports()
+           if _under(i.module, "engine_adapter") and i.module not in ENGINE_SERVER
+           and ".testing" not in i.module and any(_under(i.target, a) for a in API_LAYERS)}
+    assert bad == set()
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    """Among the runtime modules, counting imports inside functions too."""
+    known = {module_name(p) for p in modules()}
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for i in _all_imports():
+        if i.target in known and i.target != i.module and not i.type_only:
+            graph[i.module].add(i.target)
+    # ``from pkg import mod`` also names pkg; that edge is not an import of pkg's own code
+    # when pkg is the importer's own package (its __init__ imports its modules).
+    for module in known:
+        graph[module] -= {p for p in graph[module] if module.startswith(p + ".")}
+    assert _cycles(graph) == []
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_one_definition_per_route() -> None:
+    """Both servers mount the same routers: an API route (method and path under /v1/) is
+    declared once in the source. (Each server's own /health or /metrics says its own things.)"""
+    declared: dict[tuple[str, str], list[str]] = {}
+    pattern = re.compile(r"\.(get|post|delete|put|patch)\(\s*\"(/v1/[^\"]*)\"")
+    for path in modules():
+        for route in pattern.findall(path.read_text(encoding="utf-8")):
+            declared.setdefault(route, []).append(module_name(path))
+    assert {r: m for r, m in declared.items() if len(m) > 1} == {}
+    assert ("post", "/v1/chat/completions") in declared and ("post", "/v1/messages") in declared
 
 
 def test_runtime_modules_load_no_test_tooling() -> None:

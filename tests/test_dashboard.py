@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 
 from .service_helpers import (
     ARTIFACTS,

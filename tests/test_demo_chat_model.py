@@ -90,7 +90,7 @@ def test_serve_engine_command_without_a_model_serves_the_demo(fast_blas: None) -
 def test_sidecar_settings_with_engine_mlx_and_no_model_take_the_demo_chat_model(
         demo_chat_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from prefix_cache.service import ServiceSettings
-    from prefix_cache.service.models import load_model_specs
+    from prefix_cache.service.served_models import load_model_specs
 
     monkeypatch.setenv("PREFIX_CACHE_HOME", str(demo_chat_dir.parent))
     settings = ServiceSettings(engine="mlx", model_dirs=[], models_file=None, upstream=None)

@@ -21,8 +21,8 @@ from prefix_cache import cli
 from prefix_cache.demo import HOME_ENV
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.flags import flag_overrides
-from prefix_cache.service.models import ModelRegistry, load_model_specs
-from prefix_cache.service.settings import ENV_PREFIX, env_name
+from prefix_cache.service.served_models import ModelRegistry, load_model_specs
+from prefix_cache.service.settings import ENV_PREFIX, EngineServerSettings, env_name
 from prefix_cache.service.tenants import KeysConfig
 from prefix_cache.service.upstream import DEFAULT_HEALTH_PATH
 from prefix_cache.tokenizer_folders import CACHE_ENV
@@ -36,7 +36,7 @@ K8S = DEPLOY / "kubernetes"
 PLIST = DEPLOY / "launchd" / "io.prefix-cache.sidecar.plist"
 SETTINGS_VARS = {env_name(name) for name in ServiceSettings.model_fields}
 FOLDER_VARS = {HOME_ENV, CACHE_ENV}   # where serve makes files (serve --help lists them)
-ENGINE_VARS = {"PREFIX_CACHE_ENGINE_API_KEY"}          # serve-engine --api-key
+ENGINE_VARS = {env_name(name, EngineServerSettings) for name in EngineServerSettings.model_fields}
 FROM_SECRET = "sk-from-a-secret"
 PUBLIC_PROBES = {"/healthz", "/readyz"}
 
@@ -127,7 +127,10 @@ def test_the_engine_is_on_loopback_where_the_sidecar_sends_its_requests(settings
     engine, sidecar = container("engine"), container("sidecar")
     assert set(v for v in env_of(engine) if v.startswith(ENV_PREFIX)) <= ENGINE_VARS
     args = parse_command(engine["command"])
-    assert args.command == "serve-engine" and args.trust_namespace and args.host == "127.0.0.1"
+    assert args.command == "serve-engine"
+    # The engine's settings as serve-engine reads them (flags over its variables).
+    args = EngineServerSettings(**flag_overrides(vars(args), EngineServerSettings))
+    assert args.trust_namespace and args.host == "127.0.0.1"
     assert "ports" not in engine          # nothing outside the pod reaches it
     (url,) = settings_of(sidecar["command"], env_of(sidecar)).upstream or [""]
     upstream = urlsplit(url)
@@ -249,7 +252,7 @@ def test_the_launchd_job_runs_serve_with_valid_settings(settings_of: Any) -> Non
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)   # loopback, the documented port
     assert settings.engine == "mlx" and settings.workers == 1      # in-process MLX: one worker
     assert settings.engine_options == json.loads(env["PREFIX_CACHE_ENGINE_OPTIONS"])
-    from prefix_cache.chat.engines import engine_factory
+    from prefix_cache.engines import engine_factory
 
     engine_factory("mlx").check_options(settings.engine_options)   # no mlx needed to check
     assert job["StandardOutPath"] and job["StandardErrorPath"]

@@ -15,8 +15,8 @@ pytest.importorskip("mlx_lm")
 
 from engine_adapter.mlx_engine import (  # noqa: E402
     GenerationRequest,
+    KVSnapshotStore,
     MLXEngine,
-    StaticKVStore,
 )
 from engine_adapter.mlx_engine.model_info import context_length  # noqa: E402
 from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
@@ -82,7 +82,7 @@ def test_restored_kv_is_not_changed_by_the_requests_that_use_it(make_engine, tar
 
 def test_two_namespaces_with_the_same_prefix_never_share_kv(make_engine, target):
     _, tok = target
-    store = StaticKVStore()
+    store = KVSnapshotStore()
     engine = make_engine(kv_store=store)
     ids, end = turn(tok, 10, "Hello.")
     a1 = run(engine, ids, end, namespace="tenant-a")
@@ -99,10 +99,10 @@ def test_two_namespaces_with_the_same_prefix_never_share_kv(make_engine, target)
 def test_the_kv_store_stays_within_its_byte_bound(make_engine, target):
     _, tok = target
     ids, end = turn(tok, 10, "Hello.")
-    probe = make_engine(kv_store=StaticKVStore())
+    probe = make_engine(kv_store=KVSnapshotStore())
     run(probe, ids, end)
     one_entry = probe.kv_store.nbytes
-    store = StaticKVStore(int(one_entry * 1.5))
+    store = KVSnapshotStore(int(one_entry * 1.5))
     engine = make_engine(kv_store=store)
     for ns in ("a", "b", "c"):
         run(engine, ids, end, namespace=ns)
@@ -327,7 +327,7 @@ def test_a_cancelled_leader_hands_the_static_prefix_to_a_parked_request(make_eng
 
 def test_a_prefix_too_big_for_the_store_does_not_hold_up_the_others(make_engine, target):
     model, tok = target
-    engine = make_engine(kv_store=StaticKVStore(1024))
+    engine = make_engine(kv_store=KVSnapshotStore(1024))
     prompts = [turn(tok, 30, f"q{i}") for i in range(3)]
     requests = [GenerationRequest(ids, max_tokens=2, specprefill_system_end=e,
                                   return_logprobs=True) for ids, e in prompts]

@@ -12,7 +12,7 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_adapter.mlx_engine import MLXEngine, StaticKVStore  # noqa: E402
+from engine_adapter.mlx_engine import KVSnapshotStore, MLXEngine  # noqa: E402
 from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
 from prefix_cache.boundary import common_prefix_len  # noqa: E402
 from tests.engine_fixtures import (  # noqa: E402
@@ -116,7 +116,7 @@ def test_a_prompt_sharing_no_more_than_the_static_prefix_uses_the_static_store(m
 
 def test_conversation_reuse_never_crosses_namespaces(make_engine, target):
     model, tok = target
-    conversations = StaticKVStore()
+    conversations = KVSnapshotStore()
     engine = make_engine(conversation_store=conversations, reuse_static_kv=False)
     first, end = turn(tok, 10, "Hello.")
     second = next_turn(tok, first, "Hi.", "What can you do?")
@@ -140,7 +140,7 @@ def test_the_conversation_store_stays_within_its_byte_bound(make_engine, target)
     run(probe, first, end)
     one_entry = probe.conversation_store.nbytes
     assert one_entry > 0
-    store = StaticKVStore(int(one_entry * 1.5))
+    store = KVSnapshotStore(int(one_entry * 1.5))
     engine = make_engine(conversation_store=store, reuse_static_kv=False)
     for ns in ("a", "b", "c"):
         run(engine, first, end, namespace=ns)
@@ -152,7 +152,7 @@ def test_the_conversation_store_stays_within_its_byte_bound(make_engine, target)
     assert_matches_dense(model, second, events)
     assert store.nbytes <= store.max_bytes                 # turn 2 superseded turn 1
     assert len(store) == 1 and store.stats.evictions == 2 and store.stats.superseded == 1
-    tiny = StaticKVStore(1)                                # nothing fits: reuse none, still right
+    tiny = KVSnapshotStore(1)                                # nothing fits: reuse none, still right
     small = make_engine(conversation_store=tiny, reuse_static_kv=False)
     run(small, first, end)
     events = run(small, second, end)

@@ -14,8 +14,11 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_adapter.mlx_engine import GenerationRequest, MLXEngine  # noqa: E402
-from engine_adapter.mlx_engine import cache as kv  # noqa: E402
+from engine_adapter.mlx_engine import (  # noqa: E402
+    GenerationRequest,
+    MLXEngine,
+    kv_cache,  # noqa: E402
+)
 from engine_adapter.mlx_engine.engine import UNSUPPORTED_LAYERS  # noqa: E402
 from engine_adapter.mlx_engine.layered import supports_layered_cache  # noqa: E402
 from engine_adapter.mlx_engine.model_info import context_length, vocab_size  # noqa: E402
@@ -60,8 +63,8 @@ def run_together(engine: MLXEngine, requests: list[GenerationRequest]) -> dict[s
 
 def test_the_families_caches_are_reused(family):
     arch, model, tok = family
-    assert kv.supports_reuse(model)
-    assert kv.supports_positioned_cache(model) == (arch == "qwen3_moe")
+    assert kv_cache.supports_reuse(model)
+    assert kv_cache.supports_positioned_cache(model) == (arch == "qwen3_moe")
     # Read through Qwen3.5's nested text_config too: requests are validated against them.
     assert vocab_size(model) == len(tok)
     # (mlx-lm's gpt-oss ModelArgs have no max_position_embeddings: no window known)
@@ -135,14 +138,14 @@ def test_a_layered_snapshot_restores_only_whole(engine_models_dir, qwen3):
     model = load_tiny(engine_models_dir, "qwen3_next")
     cache = model.make_cache()
     model(mx.array(qwen3.encode("a few tokens of a prompt"))[None], cache=cache)
-    n = kv.cache_size(cache)
-    snap = kv.snapshot(cache, n)
+    n = kv_cache.cache_size(cache)
+    snap = kv_cache.snapshot(cache, n)
     assert not snap.trimmable and snap.prompt_tokens == n and snap.nbytes > 0
-    assert [type(c) for c in kv.restore(snap)] == [type(c) for c in cache]
+    assert [type(c) for c in kv_cache.restore(snap)] == [type(c) for c in cache]
     with pytest.raises(ValueError, match="exactly"):
-        kv.restore(snap, n - 1)
+        kv_cache.restore(snap, n - 1)
     with pytest.raises(ValueError, match="sparse"):
-        kv.snapshot(cache, n, positions=range(n))
+        kv_cache.snapshot(cache, n, positions=range(n))
 
 
 @pytest.mark.parametrize("arch", LAYERED)

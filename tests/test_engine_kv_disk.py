@@ -22,11 +22,13 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from engine_adapter.backend import MLXBackend  # noqa: E402
-from engine_adapter.mlx_engine import MLXEngine  # noqa: E402
-from engine_adapter.mlx_engine import kv_file  # noqa: E402
+from engine_adapter.mlx_engine import (
+    MLXEngine,  # noqa: E402
+    kv_file,  # noqa: E402
+)
 from engine_adapter.mlx_engine.kv_disk import DiskKVStore, kv_disk_folder  # noqa: E402
 from engine_adapter.options import EngineOptions  # noqa: E402
-from prefix_cache.chat.backend import BackendRequest, SamplingParams  # noqa: E402
+from prefix_cache.engine_protocol import BackendRequest, SamplingParams  # noqa: E402
 from tests.engine_fixtures import assert_matches_dense, load_tiny, run, turn  # noqa: E402
 
 pytest_plugins = ["tests.engine_fixtures", "tests.service_fixtures"]
@@ -116,15 +118,15 @@ def test_after_a_restart_the_kv_comes_from_disk_and_matches_dense(engines, disks
 
 
 def test_a_sparse_snapshot_keeps_its_positions_on_disk(disks, target):
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 10, "Hi.")
-    cache = kv.make_cache(model)
+    cache = kv_cache.make_cache(model)
     model(mx.array([ids]), cache=cache)
     positions = tuple(range(0, 2 * (len(ids) // 2), 2))   # every other token, as if sparse
     stored = len(positions)
-    snap = kv.snapshot(cache, stored, positions=positions, span=positions[-1] + 1, keep_pct=0.2)
+    snap = kv_cache.snapshot(cache, stored, positions=positions, span=positions[-1] + 1, keep_pct=0.2)
     disk = disks()
     assert disk.submit("conversation", "ns", "target", ids[:snap.span], snap)
     assert disk.flush()
@@ -177,13 +179,13 @@ def test_a_bad_file_is_deleted_and_its_kv_computed_again(engines, disks, target,
 
 
 def test_a_full_write_queue_drops_and_never_blocks(disks, target, monkeypatch):
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 5, "Hi.")
-    cache = kv.make_cache(model)
+    cache = kv_cache.make_cache(model)
     model(mx.array([ids]), cache=cache)
-    snap = kv.snapshot(cache, len(ids))
+    snap = kv_cache.snapshot(cache, len(ids))
     stuck, release = threading.Event(), threading.Event()
     write = kv_file.write
 
@@ -199,7 +201,7 @@ def test_a_full_write_queue_drops_and_never_blocks(disks, target, monkeypatch):
     def submit_many() -> None:
         for i in range(10):
             results.append(disk.submit("static", "ns", "target", ids[: len(ids) - i],
-                                       kv.snapshot(cache, len(ids) - i)))
+                                       kv_cache.snapshot(cache, len(ids) - i)))
 
     assert disk.submit("static", "ns", "target", ids + [1], snap)
     assert stuck.wait(30)                 # the writer holds the first, waiting on the disk
@@ -364,15 +366,15 @@ def test_load_fingerprints_the_weights_not_the_folder_name(tmp_path, engine_mode
 
 
 def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, tmp_path):
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 5, "Hi.")
-    cache = kv.make_cache(model)
+    cache = kv_cache.make_cache(model)
     model(mx.array([ids]), cache=cache)
     disk = disks()
-    assert not disk.submit("static", "ns", "draft", ids, kv.snapshot(cache, len(ids)))
-    assert disk.submit("static", "ns", "target", ids, kv.snapshot(cache, len(ids)))
+    assert not disk.submit("static", "ns", "draft", ids, kv_cache.snapshot(cache, len(ids)))
+    assert disk.submit("static", "ns", "target", ids, kv_cache.snapshot(cache, len(ids)))
     assert disk.flush()
     (path,) = files(tmp_path / "kv")
     for folder in (path.parent, path.parents[1], path.parents[2], tmp_path / "kv"):
@@ -384,14 +386,14 @@ def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, 
 def test_a_layered_snapshot_stays_in_ram_and_is_not_written(disks, tmp_path, engine_models_dir):
     """Sliding-window and recurrent families (layered.py) have no file format yet: their
     snapshots are not submitted, and nothing is counted as a write error."""
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
     model = load_tiny(engine_models_dir, "gemma3_text")
     ids = list(range(1, 40))
-    cache = kv.make_cache(model)
+    cache = kv_cache.make_cache(model)
     model(mx.array([ids]), cache=cache)
-    snap = kv.snapshot(cache, len(ids))
-    assert not isinstance(snap, kv.KVSnapshot)
+    snap = kv_cache.snapshot(cache, len(ids))
+    assert not isinstance(snap, kv_cache.KVSnapshot)
     disk = disks(fingerprints={"target": "x"})
     assert not disk.submit("static", "ns", "target", ids, snap)
     assert disk.flush() and files(tmp_path / "kv") == []
@@ -399,18 +401,18 @@ def test_a_layered_snapshot_stays_in_ram_and_is_not_written(disks, tmp_path, eng
 
 
 def test_files_another_process_wrote_are_indexed_within_the_bound(disks, target, tmp_path):
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 5, "Hi.")
-    cache = kv.make_cache(model)
+    cache = kv_cache.make_cache(model)
     model(mx.array([ids]), cache=cache)
     prefixes = [ids[:len(ids) - i] for i in range(3)]
-    size = kv.snapshot(cache, len(ids)).nbytes
+    size = kv_cache.snapshot(cache, len(ids)).nbytes
     reader = disks(int(size * 1.5))       # scanned an empty folder; room for one file
     writer = disks()                      # stands for another process
     for prefix in prefixes:
-        assert writer.submit("static", "ns", "target", prefix, kv.snapshot(cache, len(prefix)))
+        assert writer.submit("static", "ns", "target", prefix, kv_cache.snapshot(cache, len(prefix)))
     assert writer.flush()
     assert len(files(tmp_path / "kv")) == 3
     for prefix in prefixes:               # the reader finds each by its path, and indexes it

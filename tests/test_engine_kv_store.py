@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("mlx.core")
 
-from engine_adapter.mlx_engine.kv_store import StaticKVStore, prefix_key  # noqa: E402
+from engine_adapter.mlx_engine.kv_store import KVSnapshotStore, prefix_key  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -19,14 +19,14 @@ class Blob:
     tag: str = ""
 
 
-def tag(store: StaticKVStore, namespace: str, model: str, ids: list[int]) -> str:
+def tag(store: KVSnapshotStore, namespace: str, model: str, ids: list[int]) -> str:
     snap = store.get(namespace, model, ids)
     assert snap is not None, "expected a hit"
     return snap.tag
 
 
 def test_get_returns_what_was_put_for_exactly_those_ids():
-    store = StaticKVStore(1000)
+    store = KVSnapshotStore(1000)
     snap = Blob(10, "a")
     assert store.put("t1", "target", [1, 2, 3], snap)
     assert store.get("t1", "target", [1, 2, 3]) is snap
@@ -37,7 +37,7 @@ def test_get_returns_what_was_put_for_exactly_those_ids():
 
 
 def test_namespaces_and_models_never_share_an_entry():
-    store = StaticKVStore(1000)
+    store = KVSnapshotStore(1000)
     store.put("tenant-a", "target", [5, 6, 7], Blob(10, "a"))
     assert store.get("tenant-b", "target", [5, 6, 7]) is None
     assert store.get("tenant-a", "draft", [5, 6, 7]) is None
@@ -55,7 +55,7 @@ def test_keys_differ_by_namespace_in_the_clear():
 
 
 def test_lru_evicts_least_recently_used_to_stay_within_bytes():
-    store = StaticKVStore(100)
+    store = KVSnapshotStore(100)
     store.put("n", "m", [1], Blob(40, "one"))
     store.put("n", "m", [2], Blob(40, "two"))
     assert store.get("n", "m", [1]) is not None        # [1] is now the most recently used
@@ -67,14 +67,14 @@ def test_lru_evicts_least_recently_used_to_stay_within_bytes():
 
 
 def test_replacing_an_entry_does_not_count_its_bytes_twice():
-    store = StaticKVStore(100)
+    store = KVSnapshotStore(100)
     store.put("n", "m", [1], Blob(60))
     store.put("n", "m", [1], Blob(70))
     assert store.nbytes == 70 and len(store) == 1 and store.stats.evictions == 0
 
 
 def test_an_entry_larger_than_the_store_is_rejected_and_evicts_nothing(caplog):
-    store = StaticKVStore(100)
+    store = KVSnapshotStore(100)
     store.put("n", "m", [1], Blob(50))
     with caplog.at_level("WARNING", logger="engine_adapter.mlx_engine"):
         assert not store.put("n", "m", [2], Blob(101))
@@ -87,7 +87,7 @@ def test_an_entry_larger_than_the_store_is_rejected_and_evicts_nothing(caplog):
 
 
 def test_purge_one_namespace():
-    store = StaticKVStore(1000)
+    store = KVSnapshotStore(1000)
     store.put("a", "m", [1], Blob(10))
     store.put("a", "m", [2], Blob(10))
     store.put("b", "m", [1], Blob(10))
@@ -97,7 +97,7 @@ def test_purge_one_namespace():
 
 
 def test_longest_common_prefix_finds_prefixes_and_siblings_of_one_namespace():
-    store = StaticKVStore(1000)
+    store = KVSnapshotStore(1000)
     store.put("n", "m", [1, 2, 3], Blob(10, "turn1"))
     store.put("n", "m", [1, 2, 3, 4, 5, 6], Blob(10, "turn2"))
     store.put("n", "m", [1, 2, 9, 9], Blob(10, "other"))
@@ -118,7 +118,7 @@ def test_longest_common_prefix_finds_prefixes_and_siblings_of_one_namespace():
 
 
 def test_supersede_drops_the_entries_a_new_one_extends_and_nothing_else():
-    store = StaticKVStore(1000)
+    store = KVSnapshotStore(1000)
     store.put("n", "m", [1, 2], Blob(10, "turn1"))
     store.put("n", "m", [1, 2, 3, 4], Blob(10, "turn2"))              # plain put: both kept
     store.put("n", "m", [1, 2, 9], Blob(10, "sibling"))
@@ -138,66 +138,66 @@ def test_supersede_drops_the_entries_a_new_one_extends_and_nothing_else():
 def test_restore_of_a_shorter_prefix_and_views_for_the_batch():
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
-    c = kv.PositionedKVCache()
+    c = kv_cache.PositionedKVCache()
     k = mx.arange(2 * 5 * 4, dtype=mx.float32).reshape(1, 2, 5, 4)
     c.update_and_fetch(k, k + 100)
-    snap = kv.snapshot([c], 4)
+    snap = kv_cache.snapshot([c], 4)
     for copy in (True, False):
-        (part,) = kv.restore(snap, 3, copy=copy)
-        assert part.offset == 3 and kv.cache_size([part]) == 3
+        (part,) = kv_cache.restore(snap, 3, copy=copy)
+        assert part.offset == 3 and kv_cache.cache_size([part]) == 3
         assert mx.array_equal(part.keys, k[..., :3, :]).item()
         assert mx.array_equal(part.values, k[..., :3, :] + 100).item()
     for bad in (0, 5):
         with pytest.raises(ValueError, match="cannot restore"):
-            kv.restore(snap, bad)
+            kv_cache.restore(snap, bad)
 
 
 def test_a_sparse_snapshot_restores_the_stored_tokens_of_a_prefix_rotated_past_the_dropped():
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
-    c = kv.PositionedKVCache()
+    c = kv_cache.PositionedKVCache()
     k = mx.arange(2 * 4 * 4, dtype=mx.float32).reshape(1, 2, 4, 4)
     c.update_and_fetch(k, k)
     # Four stored tokens standing for a 10-token prompt: positions 0, 1, 5, 6.
-    snap = kv.snapshot([c], 4, positions=[0, 1, 5, 6], span=10)
+    snap = kv_cache.snapshot([c], 4, positions=[0, 1, 5, 6], span=10)
     assert snap.prompt_tokens == 10 and snap.positions_before(6) == (0, 1, 5)
-    assert snap.dense_tokens == 2 and kv.snapshot([c], 3).dense_tokens == 3
-    assert kv.snapshot([c], 3, positions=[0, 1, 2], span=9).dense_tokens == 3
+    assert snap.dense_tokens == 2 and kv_cache.snapshot([c], 3).dense_tokens == 3
+    assert kv_cache.snapshot([c], 3, positions=[0, 1, 2], span=9).dense_tokens == 3
     for n, stored in ((10, 4), (6, 3), (5, 2), (1, 1)):
-        (part,) = kv.restore(snap, n)
-        assert kv.cache_size([part]) == stored and part.position_shift == n - stored
+        (part,) = kv_cache.restore(snap, n)
+        assert kv_cache.cache_size([part]) == stored and part.position_shift == n - stored
         assert mx.array_equal(part.keys, k[..., :stored, :]).item()
-    assert kv.restore(snap)[0].position_shift == 6
+    assert kv_cache.restore(snap)[0].position_shift == 6
     with pytest.raises(ValueError, match="cannot restore"):
-        kv.restore(kv.snapshot([c], 2, positions=[3, 4], span=6), 3)   # nothing stored before 3
+        kv_cache.restore(kv_cache.snapshot([c], 2, positions=[3, 4], span=6), 3)   # nothing stored before 3
     for positions, span in (([0, 1, 2], 10), ([0, 2, 1, 3], 10), ([0, 1, 2, 9], 9)):
         with pytest.raises(ValueError, match="sparse snapshot"):
-            kv.snapshot([c], 4, positions=positions, span=span)   # 3 for 4, unordered, past span
+            kv_cache.snapshot([c], 4, positions=positions, span=span)   # 3 for 4, unordered, past span
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, None])
 def test_bad_size_is_refused(bad):
     with pytest.raises(ValueError, match="max_bytes"):
-        StaticKVStore(bad)
+        KVSnapshotStore(bad)
 
 
 def test_restore_is_a_deep_copy_that_writes_never_reach_the_snapshot():
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import cache as kv
+    from engine_adapter.mlx_engine import kv_cache
 
-    c = kv.PositionedKVCache()
+    c = kv_cache.PositionedKVCache()
     k = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4)
     c.update_and_fetch(k, k + 100)
-    snap = kv.snapshot([c], 2)
+    snap = kv_cache.snapshot([c], 2)
     assert snap.n_tokens == 2 and snap.nbytes == 2 * (2 * 2 * 4 * 4)
-    restored = kv.restore(snap)[0]
+    restored = kv_cache.restore(snap)[0]
     restored.trim(1)                                    # a trim then a write is in place
     restored.update_and_fetch(mx.full((1, 2, 1, 4), -1.0), mx.full((1, 2, 1, 4), -1.0))
     assert mx.array_equal(snap.layers[0][0], k[..., :2, :]).item()
-    fresh = kv.restore(snap)[0].keys
+    fresh = kv_cache.restore(snap)[0].keys
     assert fresh is not None and mx.array_equal(fresh, k[..., :2, :]).item()

@@ -22,16 +22,18 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 
 from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.decoding import IncrementalDecoder  # noqa: E402
+from engine_adapter.engine_host import Namespaces  # noqa: E402
 from engine_adapter.mlx_engine import TokenEvent  # noqa: E402
-from engine_adapter.server import _Namespaces, create_engine_app  # noqa: E402
-from prefix_cache.chat.openai_params import parse_chat_params  # noqa: E402
-from prefix_cache.chat.openai_stream import complete  # noqa: E402
+from engine_adapter.server import create_engine_app  # noqa: E402
+from prefix_cache.chat.events import backend_events  # noqa: E402
+from prefix_cache.chat.openai_encode import ChatMeta, completion_json  # noqa: E402
+from prefix_cache.chat.openai_params import parse_chat_body  # noqa: E402
 from prefix_cache.errors import ContextLengthError, InvalidRequestError  # noqa: E402
 from prefix_cache.http.errors import BadRequest  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.render import get_renderer  # noqa: E402
 from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.models import ModelRegistry  # noqa: E402
+from prefix_cache.service.served_models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
 from .conftest import make_tools  # noqa: E402
@@ -99,9 +101,9 @@ def tokenizer(tiny_model_dir: Path) -> Any:
 
 
 async def run(backend: MLXBackend, body: dict[str, Any]) -> dict[str, Any]:
-    params = parse_chat_params(body, backend.name)
-    request = backend.check(params.request([1, 2, 3], 2, "default"))
-    return await complete(backend, params, request)
+    call = parse_chat_body(body, run_here=True).call
+    request = backend.check(call.backend_request([1, 2, 3], 2, "default"))
+    return await completion_json(ChatMeta(backend.name), backend_events(backend, request))
 
 
 def test_incremental_decoder_never_splits_a_character(tokenizer: Any) -> None:
@@ -147,7 +149,7 @@ async def test_end_of_turn_token_is_a_stop_and_not_text(tokenizer: Any) -> None:
 ])
 def test_bad_parameters_are_400s(tokenizer: Any, body: dict[str, Any], fragment: str) -> None:
     with pytest.raises(InvalidRequestError, match=fragment):
-        parse_chat_params(body, MLXBackend(ScriptedEngine([], ()), tokenizer).name)
+        parse_chat_body(body, run_here=True)
 
 
 def test_max_tokens_must_fit_in_the_context_and_the_default_is_cut_to_it(tokenizer: Any) -> None:
@@ -157,7 +159,7 @@ def test_max_tokens_must_fit_in_the_context_and_the_default_is_cut_to_it(tokeniz
     prompt = [1, 2, 3]
 
     def max_tokens(body: dict[str, Any], ids: list[int], namespace: str) -> int | None:
-        request = parse_chat_params(body, chat_engine.name).request(ids, 0, namespace)
+        request = parse_chat_body(body, run_here=True).call.backend_request(ids, 0, namespace)
         return chat_engine.check(request).sampling.max_tokens
 
     assert max_tokens({}, prompt, "default") == 7  # 10 - 3 left
@@ -172,11 +174,11 @@ def test_max_tokens_must_fit_in_the_context_and_the_default_is_cut_to_it(tokeniz
 
 def test_namespace_is_read_only_when_trusted() -> None:
     body = {"specprefill_namespace": "acme"}
-    assert _Namespaces(trust=False).of(body) == "default"
-    assert _Namespaces(trust=True).of(body) == "acme"
-    assert _Namespaces(trust=True).of({}) == "default"
+    assert Namespaces(trust=False).of(body) == "default"
+    assert Namespaces(trust=True).of(body) == "acme"
+    assert Namespaces(trust=True).of({}) == "default"
     with pytest.raises(BadRequest, match="specprefill_namespace"):
-        _Namespaces(trust=True).of({"specprefill_namespace": "a:b"})
+        Namespaces(trust=True).of({"specprefill_namespace": "a:b"})
 
 
 def test_prefix_cache_imports_no_mlx_until_an_engine_is_asked_for() -> None:

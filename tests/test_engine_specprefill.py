@@ -12,8 +12,12 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_adapter.mlx_engine import GenerationRequest, MLXEngine, SpecPrefillConfig  # noqa: E402
-from engine_adapter.mlx_engine import cache as kv  # noqa: E402
+from engine_adapter.mlx_engine import (  # noqa: E402
+    GenerationRequest,
+    MLXEngine,
+    SpecPrefillConfig,
+    kv_cache,  # noqa: E402
+)
 from engine_adapter.mlx_engine import sparse as sparse_module  # noqa: E402
 from engine_adapter.mlx_engine.rope import (  # noqa: E402
     PositionPlan,
@@ -93,7 +97,7 @@ def test_importance_matches_a_naive_gqa_computation():
                 for _ in range(steps)] for _ in range(2)]
     caches = []
     for _ in range(2):
-        c = kv.PositionedKVCache()
+        c = kv_cache.PositionedKVCache()
         k = mx.array(rng.standard_normal((1, kv_heads, n + steps, dim)).astype(np.float32))
         c.update_and_fetch(k, k)
         caches.append(c)
@@ -118,7 +122,7 @@ def test_importance_matches_a_naive_gqa_computation():
 def test_captured_queries_are_the_models_post_rope_queries(arch, engine_models_dir):
     model = load_tiny(engine_models_dir, arch)
     attn = model.layers[0].self_attn
-    cache = kv.make_cache(model)
+    cache = kv_cache.make_cache(model)
     ids = mx.array(list(range(100, 120)), dtype=mx.uint32)[None]
     model(ids, cache=cache)
     sinks: list[list[Any]] = [[] for _ in model.layers]
@@ -156,7 +160,7 @@ def test_rope_hooks_are_removed_even_when_the_block_fails(target):
 def test_score_tokens_scores_the_tokens_after_the_boundary(target, draft):
     _, tok = target
     ids, end = prompt(tok, 60)
-    importance = score_tokens(draft, ids, end, kv.make_cache(draft), lookahead=8, pool_kernel=13)
+    importance = score_tokens(draft, ids, end, kv_cache.make_cache(draft), lookahead=8, pool_kernel=13)
     assert importance.shape == (len(ids) - end,)
     values = np.array(importance)
     assert np.all(np.isfinite(values)) and np.all(values >= 0) and values.max() <= 1.0
@@ -194,7 +198,7 @@ def test_sparse_prefill_at_keep_100_percent_equals_dense(arch, engine_models_dir
 
 
 def expected_kept(draft: Any, ids: list[int], end: int, config: SpecPrefillConfig) -> list[int]:
-    importance = score_tokens(draft, ids, end, kv.make_cache(draft),
+    importance = score_tokens(draft, ids, end, kv_cache.make_cache(draft),
                               lookahead=config.lookahead, pool_kernel=config.pool_kernel)
     return [end + i for i in select_chunks(importance, config.keep_pct, config.chunk_size,
                                            config.tail_tokens)]

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from .service_helpers import Recorder, ServerThread, local_client, served, unique_system

@@ -325,7 +325,7 @@ def test_the_sidecar_prepares_prompts_from_the_split(recorder_server, demo_token
     """Boundary and chat endpoints: a hit's prompt ids (what the sidecar forwards to a
     specprefill upstream) are the full render's, tokenized from the split; /metrics counts it."""
     from prefix_cache.service import ServiceSettings, create_app
-    from prefix_cache.service.models import ModelRegistry
+    from prefix_cache.service.served_models import ModelRegistry
     from prefix_cache.service.upstream import Upstream
 
     from .service_helpers import ServerThread, local_client, served

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 from prefix_cache.store.breaker import CircuitBreaker, ExponentialBackoff
 

@@ -10,9 +10,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache
-from prefix_cache.chat.backend import EngineStats
-from prefix_cache.engine_metrics import EngineCollector
+from prefix_cache.engine_protocol import EngineStats
 from prefix_cache.metrics import Metrics
+from prefix_cache.metrics.engine import EngineCollector
 from prefix_cache.service.pool import UpstreamPool
 from prefix_cache.service.pool_metrics import PoolMetrics
 from prefix_cache.service.upstream import Upstream

@@ -16,7 +16,7 @@ import pytest
 from prefix_cache import StaticPrefixCache
 from prefix_cache.cache import INLINE_HIT_CHARS
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 
 from . import reference
 from .conftest import make_tools

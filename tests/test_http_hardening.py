@@ -15,7 +15,7 @@ import pytest
 
 from prefix_cache import json_io
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from .raw_http import endless_chunked_post, raw_upstream

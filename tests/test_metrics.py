@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache, TemplateRenderError
-from prefix_cache.chat.backend import DiskKVStats, EngineStats, KVStoreStats
-from prefix_cache.metrics import Metrics, TenantLabels, _quantile
+from prefix_cache.engine_protocol import DiskKVStats, EngineStats, KVStoreStats
+from prefix_cache.metrics.sidecar import Metrics, TenantLabels, _quantile
 
 from .templates import BEHAVIOURS, NO_SYSTEM_ROLE
 
@@ -174,7 +174,7 @@ def _check_engine_samples(samples: dict) -> None:
 
 
 def test_engine_counters_are_exported_at_scrape_time() -> None:
-    from prefix_cache.engine_metrics import EngineCollector
+    from prefix_cache.metrics.engine import EngineCollector
 
     metrics = Metrics()
     assert not _engine_samples(metrics)
@@ -191,7 +191,7 @@ def test_engine_counters_in_multiprocess_mode(tmp_path) -> None:
     code = textwrap.dedent("""
         import json, sys
         sys.path.insert(0, ".")
-        from prefix_cache.engine_metrics import EngineCollector
+        from prefix_cache.metrics.engine import EngineCollector
         from prefix_cache.metrics import Metrics
         from tests.test_metrics import ENGINE_STATS, _Engine, _check_engine_samples, _engine_samples
         m = Metrics()

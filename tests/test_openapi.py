@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from fastapi.routing import APIRoute
 
+from prefix_cache.api.schemas import ChatRequest
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
-from prefix_cache.service.schemas import ChatRequest
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from .service_helpers import Recorder, ServerThread, local_client, served

@@ -14,7 +14,7 @@ pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.models import ModelRegistry  # noqa: E402
+from prefix_cache.service.served_models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
 from .conftest import make_tools  # noqa: E402

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.store.breaker import CircuitBreaker, ExponentialBackoff
 
 from .conftest import make_tools

@@ -11,7 +11,7 @@ import pytest
 
 from prefix_cache.demo import DEMO_TEMPLATE
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from . import reference

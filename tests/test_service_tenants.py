@@ -13,11 +13,11 @@ from prefix_cache import MemoryStore
 from prefix_cache.errors import StoreUnavailableError
 from prefix_cache.http.errors import Forbidden, Unauthorized
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
-from prefix_cache.service.quota import TenantQuotaStore
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.tenants import KeyRing
 from prefix_cache.service.upstream import Upstream
 from prefix_cache.store.memory import entry_size
+from prefix_cache.store.quota import TenantQuotaStore
 
 from .conftest import make_tools
 from .service_helpers import (

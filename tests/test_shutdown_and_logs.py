@@ -18,7 +18,7 @@ import pytest
 from prefix_cache.http.logs import JsonFormatter, uvicorn_log_config
 from prefix_cache.http.request_id import request_id_from
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from .service_helpers import (

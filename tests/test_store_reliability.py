@@ -11,9 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from prefix_cache.errors import StoreUnavailableError
-from prefix_cache.service.quota import TenantQuotaStore
 from prefix_cache.store.breaker import CLOSED, OPEN, CircuitBreaker, ExponentialBackoff
 from prefix_cache.store.memory import MemoryStore
+from prefix_cache.store.quota import TenantQuotaStore
 from prefix_cache.store.redis import RedisStore
 from prefix_cache.store.tiered import TieredStore
 

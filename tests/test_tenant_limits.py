@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.served_models import ModelRegistry
 
 from .conftest import make_tools
 from .service_helpers import (

@@ -21,9 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefix_cache.keys import model_label
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.flags import add_serve_flags, flag_overrides
-from prefix_cache.service.models import ModelRegistry, ServedModel, load_model_specs
 from prefix_cache.service.pool import UpstreamPool
 from prefix_cache.service.routing import affinity_order, routing_key
+from prefix_cache.service.served_models import ModelRegistry, ServedModel, load_model_specs
 from prefix_cache.service.upstream import Upstream
 
 from .service_helpers import (
@@ -350,7 +350,7 @@ def test_the_upstream_variable_takes_a_list(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_a_models_file_names_a_pool(tmp_path: Path, demo_folder: Path) -> None:
-    from prefix_cache.service.models import load_model
+    from prefix_cache.service.served_models import load_model
 
     path = tmp_path / "models.yaml"
     path.write_text(json.dumps({"pool": {

@@ -4,7 +4,7 @@ Importing this package imports mlx; ``import engine_adapter`` alone does not.
 """
 
 from .engine import MLXEngine
-from .kv_store import StaticKVStore
+from .kv_store import KVSnapshotStore
 from .request import EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .specprefill import SpecPrefillConfig
 
@@ -14,6 +14,6 @@ __all__ = [
     "MLXEngine",
     "PrefillInfo",
     "SpecPrefillConfig",
-    "StaticKVStore",
+    "KVSnapshotStore",
     "TokenEvent",
 ]

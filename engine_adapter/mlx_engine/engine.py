@@ -20,21 +20,19 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 
-from prefix_cache.chat.backend import EngineHealth, EngineStats
+from prefix_cache.engine_protocol import EngineCounts, EngineHealth, EngineStats, counted
 
-from ..options import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
-from . import cache as kv
-from .counters import EngineCounters
+from ..defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
+from . import kv_cache
 from .delivery import async_events, blocking_events
 from .kv_disk import DiskKVStore, open_kv_disk
-from .kv_store import StaticKVStore
+from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
 from .model_info import context_length, vocab_size
 from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, PrefillInfo, TokenEvent
@@ -57,9 +55,9 @@ class MLXEngine:
         model: Any,
         *,
         draft_model: Any | None = None,
-        kv_store: StaticKVStore | None = None,
+        kv_store: KVSnapshotStore | None = None,
         reuse_static_kv: bool = True,
-        conversation_store: StaticKVStore | None = None,
+        conversation_store: KVSnapshotStore | None = None,
         reuse_conversation_kv: bool = True,
         reuse_sparse_kv: bool = True,
         specprefill: SpecPrefillConfig | None = None,
@@ -79,16 +77,16 @@ class MLXEngine:
         self.model = model
         self.draft_model = draft_model
         self.tokenizer = tokenizer
-        self.kv_store: StaticKVStore | None = None
+        self.kv_store: KVSnapshotStore | None = None
         if reuse_static_kv:
-            self.kv_store = kv_store if kv_store is not None else StaticKVStore()
+            self.kv_store = kv_store if kv_store is not None else KVSnapshotStore()
         # Conversation prefixes: each request's prompt (minus its last token) per namespace; a
         # later prompt restores the longest prefix it shares with one (mlx_lm.server's prompt
         # cache, but namespaced and bounded in bytes like the static store).
-        self.conversation_store: StaticKVStore | None = None
+        self.conversation_store: KVSnapshotStore | None = None
         if reuse_conversation_kv:
             self.conversation_store = (conversation_store if conversation_store is not None
-                                       else StaticKVStore())
+                                       else KVSnapshotStore())
         # A SpecPrefill's KV (its kept tokens, at their positions) goes to the conversation store
         # too, so the next turn restores it and computes only what is new, instead of scoring
         # and sparsifying the same history again (it sees that history as this turn did).
@@ -105,10 +103,10 @@ class MLXEngine:
         window = context_length(model)
         self.context_length = (max_context if window is None
                                else min(window, max_context or window))
-        self.stats = EngineCounters()
+        self.stats = EngineCounts()
         self.reuse = KVReuse(model, self.kv_store, self.conversation_store,
-                             positioned=kv.supports_positioned_cache(model),
-                             reusable=kv.supports_reuse(model))
+                             positioned=kv_cache.supports_positioned_cache(model),
+                             reusable=kv_cache.supports_reuse(model))
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
         self._step_size = prefill_step_size
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -175,7 +173,7 @@ class MLXEngine:
         """Engine and KV-store figures now."""
         kv_store, conv = self.kv_store, self.conversation_store
         return EngineStats(
-            **{f.name: getattr(self.stats, f.name) for f in fields(EngineCounters)},
+            **counted(self.stats),
             active=len(self._by_id),
             kv_store=kv_store.snapshot_stats() if kv_store is not None else None,
             conversation_store=conv.snapshot_stats() if conv is not None else None,

@@ -29,19 +29,19 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
 
 from prefix_cache.boundary import packed_prefix_len
-from prefix_cache.chat.backend import DiskKVStats
+from prefix_cache.engine_protocol import DiskKVCounts, DiskKVStats, counted
 from prefix_cache.lru import ByteLRU
 from prefix_cache.token_ids import pack_ids, unpack_ids
 
-from ..options import DEFAULT_KV_DISK_QUEUE
+from ..defaults import DEFAULT_KV_DISK_QUEUE
 from . import kv_file
-from .cache import KVSnapshot
+from .kv_cache import KVSnapshot
 from .kv_file import KVFileError
 
 log = logging.getLogger("engine_adapter.mlx_engine")
@@ -69,21 +69,6 @@ class _Write:
     generation: int
 
 
-@dataclass(slots=True)
-class DiskCounters:
-    """Counters of the disk tier (``snapshot_stats`` reads them)."""
-
-    hits: int = 0
-    misses: int = 0
-    writes: int = 0
-    write_drops: int = 0       # the queue was full: the entry stays in RAM only
-    write_errors: int = 0
-    evictions: int = 0
-    discarded: int = 0         # bad files deleted (truncated, corrupt, foreign, old version)
-    loads: int = 0
-    load_seconds: float = 0.0
-
-
 def _namespace_dir(namespace: str) -> str:
     return f"ns-{xxhash.xxh3_64_hexdigest(namespace.encode())}"
 
@@ -103,7 +88,7 @@ class DiskKVStore:
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.max_bytes = max_bytes
         self.fingerprints = dict(fingerprints)
-        self.stats = DiskCounters()
+        self.stats = DiskKVCounts()
         self.owned = False   # made for one engine (``open_kv_disk``): closed with it
         self._clock = clock
         self._index: ByteLRU[DiskKey, DiskEntry] = ByteLRU(max_bytes)
@@ -154,7 +139,7 @@ class DiskKVStore:
                               ) -> tuple[int, KVSnapshot, list[int]] | None:
         """``(n, snapshot, its prefix ids)``: the file of this tier, namespace and model sharing
         the longest prefix with ``ids`` (capped at ``max_tokens``) when longer than
-        ``min_tokens``, as ``StaticKVStore.longest_common_prefix``; a candidate that fails to
+        ``min_tokens``, as ``KVSnapshotStore.longest_common_prefix``; a candidate that fails to
         load is dropped and the next best tried."""
         if max_tokens <= min_tokens:
             return None
@@ -412,7 +397,7 @@ class DiskKVStore:
     def snapshot_stats(self) -> DiskKVStats:
         """The tier's figures now."""
         with self._lock:
-            return DiskKVStats(**asdict(self.stats), entries=len(self._index),
+            return DiskKVStats(**counted(self.stats), entries=len(self._index),
                                bytes=self._index.nbytes, max_bytes=self.max_bytes,
                                queued=self._queue.qsize())
 

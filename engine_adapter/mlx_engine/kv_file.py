@@ -26,7 +26,7 @@ import xxhash
 
 from prefix_cache.token_ids import pack_ids, unpack_ids
 
-from .cache import KVSnapshot
+from .kv_cache import KVSnapshot
 
 FORMAT = "prefix-cache-kv"
 VERSION = 1

@@ -14,17 +14,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import xxhash
 
 from prefix_cache.boundary import packed_prefix_len
-from prefix_cache.chat.backend import KVStoreStats
+from prefix_cache.engine_protocol import KVStoreCounts, KVStoreStats, counted
 from prefix_cache.lru import ByteLRU
 from prefix_cache.token_ids import pack_ids
 
-from ..options import DEFAULT_KV_BYTES
+from ..defaults import DEFAULT_KV_BYTES
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -45,33 +45,20 @@ class _Entry:
     snapshot: Any
 
 
-@dataclass(slots=True)
-class KVStoreCounters:
-    """Counters of one store, as they run (``StaticKVStore.snapshot_stats()`` reads them)."""
-
-    hits: int = 0
-    misses: int = 0
-    puts: int = 0
-    evictions: int = 0
-    rejected: int = 0      # bigger than the whole store
-    superseded: int = 0    # dropped by a put whose ids they were a prefix of (``supersede``)
-    by_namespace: dict[str, int] = field(default_factory=dict)  # entries per namespace
-
-
 def prefix_key(namespace: str, model_id: str, prefix_ids: Sequence[int]) -> tuple[Key, bytes]:
     """The store key for these exact prefix ids, and the packed ids it is checked against."""
     packed = pack_ids(prefix_ids)
     return (namespace, model_id, xxhash.xxh3_128_digest(packed)), packed
 
 
-class StaticKVStore:
+class KVSnapshotStore:
     """LRU of static-prefix KV snapshots, at most ``max_bytes`` in all; thread-safe."""
 
     def __init__(self, max_bytes: int = DEFAULT_KV_BYTES) -> None:
         if not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self.stats = KVStoreCounters()
+        self.stats = KVStoreCounts()
         self._entries: ByteLRU[Key, _Entry] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
 
@@ -85,12 +72,8 @@ class StaticKVStore:
     def snapshot_stats(self) -> KVStoreStats:
         """The store's figures now."""
         with self._lock:
-            c = self.stats
-            return KVStoreStats(hits=c.hits, misses=c.misses, puts=c.puts,
-                                evictions=c.evictions, rejected=c.rejected,
-                                superseded=c.superseded, entries=len(self._entries),
-                                bytes=self._entries.nbytes, max_bytes=self.max_bytes,
-                                by_namespace=dict(c.by_namespace))
+            return KVStoreStats(**counted(self.stats), entries=len(self._entries),
+                                bytes=self._entries.nbytes, max_bytes=self.max_bytes)
 
     def get(self, namespace: str, model_id: str, prefix_ids: Sequence[int]) -> Any | None:
         """The snapshot for exactly these prefix ids in this namespace, or None."""

@@ -1,7 +1,7 @@
 """A RAM KV store over the disk tier: lookups go RAM, then disk (a disk hit is promoted to RAM),
 then the caller computes; every put also goes to disk, written behind by the disk's writer.
 
-A ``StaticKVStore`` itself, so the engine and its reuse policy use it unchanged; the RAM
+A ``KVSnapshotStore`` itself, so the engine and its reuse policy use it unchanged; the RAM
 lookups are the store's own (this class adds the disk around them, it does not replace them).
 Writing at put time (rather than at eviction from RAM) is what lets the KV outlive a crash; a
 put is already after the first token for prompts (``KVReuse.on_first_token``), and ``submit``
@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from .kv_disk import DiskKVStore
-from .kv_store import Snapshot, StaticKVStore
+from .kv_store import KVSnapshotStore, Snapshot
 
 
-class TieredKVStore(StaticKVStore):
-    """A ``StaticKVStore`` of ``max_bytes`` in RAM whose entries also live in ``disk`` (under
+class TieredKVStore(KVSnapshotStore):
+    """A ``KVSnapshotStore`` of ``max_bytes`` in RAM whose entries also live in ``disk`` (under
     ``tier``: "static" or "conversation")."""
 
     def __init__(self, max_bytes: int, disk: DiskKVStore, tier: str) -> None:
@@ -60,8 +60,8 @@ class TieredKVStore(StaticKVStore):
         return super().purge(namespace) + self.disk.purge(self.tier, namespace)
 
 
-def tiered(store: StaticKVStore | None, disk: DiskKVStore | None,
-           tier: str) -> StaticKVStore | None:
+def tiered(store: KVSnapshotStore | None, disk: DiskKVStore | None,
+           tier: str) -> KVSnapshotStore | None:
     """``store`` over ``disk``: a ``TieredKVStore`` of the same RAM size (the given store is
     replaced, so give an empty one); unchanged when there is no disk or no store."""
     if store is None or disk is None or isinstance(store, TieredKVStore):

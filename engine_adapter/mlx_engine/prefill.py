@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
-from ..options import DEFAULT_PREFILL_STEP
+from ..defaults import DEFAULT_PREFILL_STEP
 from .rope import PositionPlan, mapped_positions
 
 T = TypeVar("T")

@@ -7,9 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefix_cache.chat.backend import BackendError
+from prefix_cache.engine_protocol import BackendError
 from prefix_cache.errors import ContextLengthError, InvalidRequestError
 from prefix_cache.token_ids import validate_token_ids
+
+from ..defaults import DEFAULT_MAX_TOKENS, GREEDY
 
 
 def _new_id() -> str:
@@ -27,10 +29,10 @@ class GenerationRequest:
     """
 
     prompt_ids: Sequence[int]
-    max_tokens: int = 256
+    max_tokens: int = DEFAULT_MAX_TOKENS
     specprefill_system_end: int = 0
     namespace: str = "default"
-    temperature: float = 0.0
+    temperature: float = GREEDY
     top_p: float = 1.0
     seed: int | None = None
     specprefill: bool | None = None

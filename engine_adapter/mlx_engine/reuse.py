@@ -20,9 +20,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import cache as kv
-from .cache import KVSnapshot
-from .kv_store import Key, StaticKVStore, prefix_key
+from . import kv_cache
+from .kv_cache import KVSnapshot
+from .kv_store import Key, KVSnapshotStore, prefix_key
 from .prefill import dense_prefill_steps
 from .request import GenerationRequest
 
@@ -72,8 +72,8 @@ class DensePrefill:
 class KVReuse:
     """The engine's KV stores and the requests parked on a static prefix being computed."""
 
-    def __init__(self, model: Any, kv_store: StaticKVStore | None,
-                 conversation_store: StaticKVStore | None, *, positioned: bool,
+    def __init__(self, model: Any, kv_store: KVSnapshotStore | None,
+                 conversation_store: KVSnapshotStore | None, *, positioned: bool,
                  reusable: bool | None = None) -> None:
         self.model = model
         self.kv_store = kv_store
@@ -144,15 +144,15 @@ class KVReuse:
             plan.restored_positions = conv.snapshot.positions_before(reused)
             plan.keep_pct = conv.snapshot.keep_pct
             plan.conversation_at = last if last > reused else 0
-            cache = kv.restore(conv.snapshot, reused, copy=False)
+            cache = kv_cache.restore(conv.snapshot, reused, copy=False)
             return DensePrefill([ids[reused:]], cache, plan, reused, reused)
         if self.kv_store is not None and self.reusable and static > 0:
             snap = self.kv_store.get(req.namespace, TARGET_ID, ids[:static])
             if snap is not None:
                 plan.restored = static
                 plan.conversation_at = last if last > static else 0
-                return DensePrefill([ids[static:]], kv.restore(snap, copy=False), plan, static, 0)
-            cache = kv.make_cache(self.model)
+                return DensePrefill([ids[static:]], kv_cache.restore(snap, copy=False), plan, static, 0)
+            cache = kv_cache.make_cache(self.model)
             plan.static_at, plan.conversation_at = static, last
             # From here on requests with this static prefix park until this one stores it
             # (or leaves: ``forget`` releases them).
@@ -160,7 +160,7 @@ class KVReuse:
             self._computing.setdefault(plan.leads, [])
             return DensePrefill([ids[:static], ids[static:]], cache, plan, 0, 0)
         plan.conversation_at = last
-        return DensePrefill([ids], kv.make_cache(self.model), plan, 0, 0)
+        return DensePrefill([ids], kv_cache.make_cache(self.model), plan, 0, 0)
 
     def static_cache_steps(self, model: Any, model_id: str, namespace: str, ids: list[int],
                            static: int, step: int) -> Generator[None, None, tuple[list[Any], int]]:
@@ -169,12 +169,12 @@ class KVReuse:
         if static and self.kv_store is not None:
             snap = self.kv_store.get(namespace, model_id, ids[:static])
             if snap is not None:
-                return kv.restore(snap), static
-        cache = kv.make_cache(model)
+                return kv_cache.restore(snap), static
+        cache = kv_cache.make_cache(model)
         if static:
             yield from dense_prefill_steps(model, ids[:static], cache, step)
             if self.kv_store is not None:
-                self.kv_store.put(namespace, model_id, ids[:static], kv.snapshot(cache, static))
+                self.kv_store.put(namespace, model_id, ids[:static], kv_cache.snapshot(cache, static))
         return cache, 0
 
     # -- as the prefill runs -----------------------------------------------------------------
@@ -208,10 +208,10 @@ class KVReuse:
         extracted = extract()
         stored = False
         ids = seq.request.prompt_ids
-        if extracted is None or kv.cache_size(extracted[0]) != n:
+        if extracted is None or kv_cache.cache_size(extracted[0]) != n:
             log.warning("segment of %s not where expected; not stored", seq.request.request_id)
         else:
-            snap = kv.snapshot(extracted[0], n)
+            snap = kv_cache.snapshot(extracted[0], n)
             if static and self.kv_store is not None:
                 stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
             if conversation and self.conversation_store is not None:
@@ -240,11 +240,11 @@ class KVReuse:
             if cache is None:
                 extracted = extract()
                 cache = extracted[0] if extracted is not None else None
-            if cache is None or kv.cache_size(cache) < stored:
+            if cache is None or kv_cache.cache_size(cache) < stored:
                 log.warning("prompt KV of %s not there; not stored", seq.request.request_id)
                 return
-            snap = (kv.snapshot(cache, n) if positions is None
-                    else kv.snapshot(cache, stored, positions=positions, span=n,
+            snap = (kv_cache.snapshot(cache, n) if positions is None
+                    else kv_cache.snapshot(cache, stored, positions=positions, span=n,
                                      keep_pct=plan.keep_pct))
             store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n], snap,
                       supersede=True)

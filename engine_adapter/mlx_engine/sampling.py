@@ -11,6 +11,8 @@ from collections.abc import Callable
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_top_p
 
+from ..defaults import GREEDY
+
 Sampler = Callable[[mx.array], mx.array]
 
 
@@ -19,7 +21,7 @@ def greedy(logprobs: mx.array) -> mx.array:
     return mx.argmax(logprobs, axis=-1)
 
 
-def make_sampler(temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None) -> Sampler:
+def make_sampler(temperature: float = GREEDY, top_p: float = 1.0, seed: int | None = None) -> Sampler:
     """A sampler over (rows, vocab) log-probabilities; temperature 0 is greedy."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")

@@ -15,7 +15,7 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import cache as kv
+from . import kv_cache
 from .model_info import vocab_size
 from .prefill import sparse_prefill_steps
 from .reuse import DRAFT_ID, TARGET_ID, ConversationHit, KVReuse
@@ -61,7 +61,7 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
     protected_positions: tuple[int, ...] | None = None
     if conv is not None:       # a copy: the sparse prefill writes after it
         protected = reused = conv.tokens
-        cache = kv.restore(conv.snapshot, protected)
+        cache = kv_cache.restore(conv.snapshot, protected)
         protected_positions = conv.snapshot.positions_before(protected)
     else:
         protected = static
@@ -80,7 +80,7 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
     # The final prompt token is generation's first input: BatchGenerator feeds it.
     positions = tuple(protected + i for i in kept if protected + i != n - 1)
     yield from sparse_prefill_steps(target, ids, positions, cache, step)
-    shift = (n - 1) - kv.cache_size(cache)
+    shift = (n - 1) - kv_cache.cache_size(cache)
     for layer in cache:
         layer.position_shift = shift
     return SparsePrefill(cache, protected, protected_positions, positions, reused,

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..options import (
+from ..defaults import (
     DEFAULT_CHUNK_SIZE,
     DEFAULT_KEEP_PCT,
     DEFAULT_LOOKAHEAD,
@@ -26,7 +26,7 @@ from ..options import (
     DEFAULT_SPECPREFILL_THRESHOLD,
     DEFAULT_TAIL_TOKENS,
 )
-from .cache import cache_size
+from .kv_cache import cache_size
 from .prefill import dense_prefill_steps, next_logits, run_steps
 from .rope import attention_modules, captured_queries
 

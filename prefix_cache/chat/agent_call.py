@@ -8,8 +8,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import engine_protocol as wire
+from ..engine_protocol import BackendRequest, SamplingParams, SpecPrefillParams
 from ..errors import InvalidRequestError
-from .backend import BackendRequest, SamplingParams, SpecPrefillParams
 from .conversation import Conversation, chat_wire_messages
 from .fields import UNSUPPORTED
 
@@ -70,9 +71,9 @@ class AgentCall:
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         body.update(self.chat_options)
-        knobs = (("specprefill", self.specprefill.enabled),
-                 ("specprefill_keep_pct", self.specprefill.keep_pct),
-                 ("specprefill_threshold", self.specprefill.threshold))
+        knobs = ((wire.SPECPREFILL, self.specprefill.enabled),
+                 (wire.SPECPREFILL_KEEP_PCT, self.specprefill.keep_pct),
+                 (wire.SPECPREFILL_THRESHOLD, self.specprefill.threshold))
         body.update({name: value for name, value in knobs if value is not None})
         if self.stream:
             body["stream"] = True

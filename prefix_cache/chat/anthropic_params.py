@@ -27,9 +27,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from ..engine_protocol import SamplingParams
 from ..errors import InvalidRequestError
 from .agent_call import AgentCall, sent_fields, sent_options
-from .backend import SamplingParams
 from .conversation import (
     Conversation,
     MessageDict,

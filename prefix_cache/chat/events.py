@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from .backend import BackendRequest, ChatBackend, Usage
+from ..engine_protocol import BackendRequest, ChatBackend, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +51,7 @@ class Finish:
 
 
 OutputEvent = TextDelta | ToolCallDelta | Prefilled | Finish
+Events = AsyncGenerator[OutputEvent, None]  # one turn's, in order, ending with a Finish
 
 
 def new_call_id(prefix: str = "call_") -> str:

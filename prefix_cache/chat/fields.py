@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .. import engine_protocol as wire
+from ..engine_protocol import SpecPrefillParams
 from ..errors import InvalidRequestError
-from .backend import SpecPrefillParams
 
 INVALID, UNSUPPORTED = "invalid_value", "unsupported_parameter"
 
@@ -58,7 +59,7 @@ def stop_strings(value: Any, name: str, limit: int) -> tuple[str, ...]:
 def specprefill_params(body: Mapping[str, Any]) -> SpecPrefillParams:
     """The extension fields ``specprefill``, ``specprefill_keep_pct``, ``specprefill_threshold``."""
     return SpecPrefillParams(
-        enabled=bool_field(body, "specprefill"),
-        keep_pct=float_field(body, "specprefill_keep_pct", 0.0, 1.0, low_open=True),
-        threshold=int_field(body, "specprefill_threshold", 0),
+        enabled=bool_field(body, wire.SPECPREFILL),
+        keep_pct=float_field(body, wire.SPECPREFILL_KEEP_PCT, 0.0, 1.0, low_open=True),
+        threshold=int_field(body, wire.SPECPREFILL_THRESHOLD, 0),
     )

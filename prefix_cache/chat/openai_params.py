@@ -1,4 +1,5 @@
-"""An OpenAI chat completion body's parameters, checked, as the neutral request a backend runs.
+"""An OpenAI chat completion body as the pipeline's call: its conversation (``render_fields``)
+and, when it is generated in this process, its parameters, checked.
 
 Every bad parameter is an ``InvalidRequestError`` naming it (a 400), raised before anything is
 resolved or run. Not supported: ``n`` > 1 and ``logprobs``. Tool calls come back as
@@ -8,12 +9,13 @@ Extension fields: ``specprefill``, ``specprefill_keep_pct``, ``specprefill_thres
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine_protocol import SamplingParams
 from ..errors import InvalidRequestError
-from .backend import BackendRequest, SamplingParams, SpecPrefillParams
+from .agent_call import AgentCall
 from .fields import (
     INVALID,
     UNSUPPORTED,
@@ -23,33 +25,36 @@ from .fields import (
     specprefill_params,
     stop_strings,
 )
+from .render_fields import chat_conversation
 
 MAX_STOP_STRINGS = 4
 
 
 @dataclass(frozen=True, slots=True)
-class ChatParams:
-    """What an OpenAI chat body asks for: the neutral parameters and the answer's shape."""
+class ChatCall:
+    """An OpenAI chat body as the pipeline's call, and whether its stream ends with usage."""
 
-    model: str
-    sampling: SamplingParams
-    specprefill: SpecPrefillParams = SpecPrefillParams()
-    stream: bool = False
+    call: AgentCall
     include_usage: bool = False
 
-    def request(self, prompt_ids: Sequence[int], specprefill_system_end: int,
-                namespace: str, tools: Any = None) -> BackendRequest:
-        """The backend request for these parameters over a prompt and its boundary (and the
-        tools the prompt offers, whose calls an engine may cut out of its text)."""
-        return BackendRequest(prompt_ids=prompt_ids,
-                              specprefill_system_end=specprefill_system_end,
-                              namespace=namespace, sampling=self.sampling,
-                              specprefill=self.specprefill,
-                              tools=tools if isinstance(tools, list) else None)
+
+def parse_chat_body(body: Mapping[str, Any], *, run_here: bool) -> ChatCall:
+    """An OpenAI chat body as a call; ``run_here``: generated in this process (its parameters
+    are checked, InvalidRequestError naming the first bad one), else the body goes upstream
+    as it came and its parameters are the upstream's to check."""
+    conversation = chat_conversation(body)
+    model = body.get("model")
+    model = model if isinstance(model, str) and model else None
+    if not run_here:
+        return ChatCall(AgentCall(model, conversation, SamplingParams(),
+                                  stream=bool(body.get("stream") is True)))
+    sampling, include_usage = _sampling(body)
+    return ChatCall(AgentCall(model, conversation, sampling, specprefill_params(body),
+                              stream=bool(bool_field(body, "stream"))), include_usage)
 
 
-def parse_chat_params(body: Mapping[str, Any], default_model: str) -> ChatParams:
-    """The parameters of an OpenAI chat body; InvalidRequestError naming the first bad one."""
+def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, bool]:
+    """The sampling parameters of a body generated here, and ``stream_options.include_usage``."""
     n = int_field(body, "n", 1)
     if n not in (None, 1):
         raise InvalidRequestError("n > 1 is not supported by this engine", code=UNSUPPORTED)
@@ -61,7 +66,6 @@ def parse_chat_params(body: Mapping[str, Any], default_model: str) -> ChatParams
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise InvalidRequestError("stream_options must be an object", code=INVALID)
-    model = body.get("model")
     temperature = float_field(body, "temperature", 0.0, 2.0)
     top_p = float_field(body, "top_p", 0.0, 1.0, low_open=True)
     sampling = SamplingParams(
@@ -71,9 +75,4 @@ def parse_chat_params(body: Mapping[str, Any], default_model: str) -> ChatParams
         seed=int_field(body, "seed", 0),
         stop=stop_strings(body.get("stop"), "stop", MAX_STOP_STRINGS),
     )
-    specprefill = specprefill_params(body)
-    return ChatParams(model=model if isinstance(model, str) and model else default_model,
-                      sampling=sampling, specprefill=specprefill,
-                      stream=bool(bool_field(body, "stream")),
-                      include_usage=bool(bool_field(options or {}, "include_usage")))
-
+    return sampling, bool(bool_field(options or {}, "include_usage"))

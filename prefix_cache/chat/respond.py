@@ -15,9 +15,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from .. import json_io
+from ..engine_protocol import BackendError
 from ..http.errors import ClientDisconnected, EngineFailed
 from ..http.relay import until_disconnect
-from .backend import BackendError
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

@@ -7,12 +7,12 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from ..api import openapi_docs as docs
+from ..api.schemas import AdminStats, PurgeRequest, PurgeResponse
 from ..errors import StoreUnavailableError
 from ..http.errors import BadRequest, ServiceUnavailable
 from ..keys import key_pattern, validate_label
-from . import openapi_docs as docs
-from .deps import State, read_body, require_admin
-from .schemas import AdminStats, PurgeRequest, PurgeResponse
+from .deps import Sidecar, State, require_admin
 from .state import ServiceState
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)])
@@ -34,9 +34,9 @@ async def stats(state: State) -> dict[str, Any]:
 
 @router.post("/purge", response_model=None, openapi_extra=docs.json_body(PurgeRequest),
              responses=docs.responses(PurgeResponse, 400, 401, 403, 413, 415, 503))
-async def purge(request: Request, state: State) -> dict[str, Any]:
+async def purge(request: Request, state: State, host: Sidecar) -> dict[str, Any]:
     """Remove every entry of a tenant, of a model, or of a tenant's use of a model."""
-    _, body = await read_body(request, state)
+    _, body = await host.read_body(request)
     req = PurgeRequest.model_validate(body)
     if req.tenant is None and req.model is None:
         raise BadRequest("give 'tenant', 'model' or both")

@@ -10,31 +10,33 @@ from contextlib import asynccontextmanager
 import httpx
 from fastapi import FastAPI
 
-from ..cache import StaticPrefixCache
-from ..chat.anthropic_params import MessagesRequest
-from ..chat.responses_params import ResponsesRequest
-from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
-from ..engine_metrics import EngineCollector
-from ..http.errors import install_error_handlers
-from ..http.request_id import RequestIdMiddleware
-from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
-from ..metrics import Metrics
-from ..multiprocess import mark_process_dead
-from ..render import get_renderer
-from ..store.base import Store
-from ..store.factory import open_store
-from . import admin, agent_api, api, dashboard, health, openapi_docs
-from .limits import TenantLimits
-from .models import ModelRegistry, load_model_specs
-from .pool_metrics import PoolMetrics
-from .quota import TenantQuotaStore
-from .schemas import (
+from ..api import mount, openapi_docs
+from ..api.schemas import (
     ChatCompletionRequest,
     CountTokensRequest,
     PrefixBoundaryRequest,
     PurgeRequest,
 )
+from ..cache import StaticPrefixCache
+from ..chat.anthropic_params import MessagesRequest
+from ..chat.responses_params import ResponsesRequest
+from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
+from ..http.errors import install_error_handlers
+from ..http.request_id import RequestIdMiddleware
+from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
+from ..metrics import Metrics
+from ..metrics.engine import EngineCollector
+from ..metrics.multiprocess import mark_process_dead
+from ..render import get_renderer
+from ..store.base import Store
+from ..store.factory import open_store
+from ..store.quota import TenantQuotaStore
+from . import admin, boundary_route, dashboard, health
+from .limits import TenantLimits
+from .pool_metrics import PoolMetrics
+from .served_models import ModelRegistry, load_model_specs
 from .settings import ServiceSettings
+from .sidecar_host import SidecarHost
 from .state import ServiceState
 from .tenants import KeysConfig
 
@@ -164,7 +166,8 @@ def create_app(settings: ServiceSettings | None = None, *,
     # Outermost last: every response, the drain's 503 included, carries the request id.
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(RequestIdMiddleware)
-    for module in (api, agent_api, admin, health, dashboard):
+    mount(app, SidecarHost(state))  # the API routes both servers serve
+    for module in (boundary_route, admin, health, dashboard):
         app.include_router(module.router)
     openapi_docs.install(app, BODY_MODELS, bearer_paths=("/v1/", "/admin/", "/metrics"))
     return app

@@ -16,9 +16,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
-from . import openapi_docs as docs
+from ..api import openapi_docs as docs
+from ..api.schemas import DashboardStats
 from .deps import State
-from .schemas import DashboardStats
 from .state import ServiceState
 
 router = APIRouter()

@@ -1,6 +1,7 @@
-"""``prefix-cache serve``'s flags, generated from the settings model: one flag per field that
-declares one, its help from the field's description, default and variable, and every variable
-listed after the flags in ``--help``."""
+"""The servers' flags, generated from their settings models (``serve``: ``ServiceSettings``,
+``serve-engine``: ``EngineServerSettings``): one flag per field that declares one, its help
+from the field's description, default and variable, and every variable without a flag listed
+after the flags in ``--help``. Nothing here names a flag or a variable by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings
 
 from ..demo import HOME_ENV
 from ..tokenizer_folders import CACHE_ENV
@@ -31,21 +33,30 @@ def _default(info: FieldInfo) -> Any:
     return info.default
 
 
-def _help(name: str, info: FieldInfo) -> str:
+def _help(name: str, info: FieldInfo, settings: type[BaseSettings]) -> str:
     default = _default(info)
-    shown = f"default {default}; " if default not in (None, "") else ""
-    return f"{info.description} ({shown}env {env_name(name)})"
+    shown = f"default {default}; " if default not in (None, "", False) else ""
+    return f"{info.description} ({shown}env {env_name(name, settings)})"
 
 
-def add_serve_flags(parser: argparse.ArgumentParser) -> None:
-    """The settings' flags on ``parser``, and the variables of every setting in its epilog."""
-    for name, info in ServiceSettings.model_fields.items():
+def add_flags(parser: argparse.ArgumentParser, settings: type[BaseSettings]) -> None:
+    """The flags of ``settings``' fields on ``parser``."""
+    for name, info in settings.model_fields.items():
         flag = _flag_of(info)
         if flag is None:
             continue
+        help_text = _help(name, info, settings).replace("%", "%%")
+        if flag.get("switch"):  # no value; absent leaves the variable's (None: not given)
+            parser.add_argument(flag["flag"], dest=_dest(flag), action="store_const",
+                                const=True, help=help_text)
+            continue
         parser.add_argument(flag["flag"], dest=_dest(flag), metavar=flag["metavar"],
-                            action="append" if flag["repeat"] else "store",
-                            help=_help(name, info).replace("%", "%%"))
+                            action="append" if flag["repeat"] else "store", help=help_text)
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s flags on ``parser``, and the variables of every setting in its epilog."""
+    add_flags(parser, ServiceSettings)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     rows = [f"  {env_name(name):<42} {info.description}"
             + (f" ({_default(info)})" if _default(info) not in (None, "") else "")
@@ -58,11 +69,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                      "where files are made:\n" + "\n".join(rows))
 
 
-def flag_overrides(args: Mapping[str, Any]) -> dict[str, Any]:
+def flag_overrides(args: Mapping[str, Any],
+                   settings: type[BaseSettings] = ServiceSettings) -> dict[str, Any]:
     """The settings the flags set explicitly (an absent flag leaves the environment's value),
     from the parsed flags by destination."""
     overrides = {}
-    for name, info in ServiceSettings.model_fields.items():
+    for name, info in settings.model_fields.items():
         flag = _flag_of(info)
         if flag is not None and args.get(_dest(flag)) is not None:
             overrides[name] = args[_dest(flag)]

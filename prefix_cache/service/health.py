@@ -12,9 +12,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from . import openapi_docs as docs
+from ..api import openapi_docs as docs
+from ..api.schemas import HealthStatus, ReadyReport
 from .deps import State
-from .schemas import HealthStatus, ReadyReport
 from .state import ServiceState
 
 router = APIRouter()

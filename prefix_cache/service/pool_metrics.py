@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge
 
 from ..metrics import NS, Metrics
-from ..multiprocess import multiprocess_dir
+from ..metrics.multiprocess import multiprocess_dir
 from .pool import PoolObserver, UpstreamPool
 from .routing import CHOICES
 

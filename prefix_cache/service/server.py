@@ -17,10 +17,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..errors import validation_problems
 from ..http.logs import uvicorn_log_config
-from ..multiprocess import clear_multiprocess_dir
+from ..metrics.multiprocess import clear_multiprocess_dir
 from .app import create_app, open_backing_store
-from .models import ModelRegistry, load_model_specs
+from .served_models import ModelRegistry, load_model_specs
 from .settings import ServiceSettings, check_renamed_env
 from .tenants import KeyRing
 
@@ -36,8 +37,7 @@ def make_settings(overrides: Mapping[str, Any]) -> ServiceSettings:
     try:
         return ServiceSettings(**overrides)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg']}"
-                             for e in exc.errors())
+        problems = validation_problems(exc, "settings")
         raise ValueError(f"invalid settings: {problems}") from None
 
 

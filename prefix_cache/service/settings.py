@@ -20,10 +20,12 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ..errors import validation_problems
 from ..prompt_tokens import DEFAULT_CHECK_RATE
 from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, Policy
 
 ENV_PREFIX = "PREFIX_CACHE_"
+ENGINE_ENV_PREFIX = "PREFIX_CACHE_ENGINE_"  # serve-engine's settings
 UpstreamKind = Literal["openai", "specprefill"]
 AgentApi = Literal["messages", "responses"]
 DEFAULT_EJECT_S = 5.0
@@ -31,13 +33,18 @@ DEFAULT_EJECT_S = 5.0
 RENAMED_ENV = {"PREFIX_CACHE_REDIS": "PREFIX_CACHE_REDIS_URL"}
 
 
-def env_name(field: str) -> str:
-    """The one environment variable a settings field is read from."""
-    return f"{ENV_PREFIX}{field.upper()}"
+def env_name(field: str, settings: type[BaseSettings] | None = None) -> str:
+    """The one environment variable a field of ``settings`` (default: ``ServiceSettings``) is
+    read from."""
+    prefix = (settings or ServiceSettings).model_config.get("env_prefix") or ""
+    return f"{prefix}{field.upper()}"
 
 
-def _flag(flag: str, metavar: str | None = None, repeat: bool = False) -> dict[str, Any]:
-    return {"flag": flag, "metavar": metavar, "repeat": repeat}
+def _flag(flag: str, metavar: str | None = None, repeat: bool = False,
+          switch: bool = False) -> dict[str, Any]:
+    """A field's command-line flag (``flags.py`` makes it): ``repeat``: given several times;
+    ``switch``: takes no value, sets True."""
+    return {"flag": flag, "metavar": metavar, "repeat": repeat, "switch": switch}
 
 
 def _split_list(value: Any, sep: str) -> Any:
@@ -232,6 +239,45 @@ class ServiceSettings(BaseSettings):
         return not self.redis_url or self.redis_url.startswith("memory")
 
 
+class EngineServerSettings(BaseSettings):
+    """Everything ``prefix-cache serve-engine`` can be told; flags win over variables."""
+
+    model_config = SettingsConfigDict(env_prefix=ENGINE_ENV_PREFIX, extra="ignore")
+
+    model: Path | None = Field(default=None, description="mlx-lm model folder (default: the "
+                               "demo chat model, SmolLM2-135M-Instruct, converted on first use)",
+                               json_schema_extra=_flag("--model", "DIR"))
+    draft_model: Path | None = Field(default=None, description="SpecPrefill draft model folder",
+                                     json_schema_extra=_flag("--draft-model", "DIR"))
+    host: str = Field(default="127.0.0.1", description="bind address",
+                      json_schema_extra=_flag("--host"))
+    port: int = Field(default=8001, ge=0, le=65535, description="TCP port",
+                      json_schema_extra=_flag("--port"))
+    trust_namespace: bool = Field(
+        default=False, description="take the KV namespace from the request's "
+        "specprefill_namespace (only behind a sidecar that alone can reach this port); "
+        "otherwise all requests share namespace 'default'",
+        json_schema_extra=_flag("--trust-namespace", switch=True))
+    api_key: str | None = Field(default=None, description="require 'Authorization: Bearer "
+                                "KEY' on /v1 and /metrics", json_schema_extra=_flag("--api-key",
+                                                                                    "KEY"))
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="an engine option, e.g. kv_bytes=8GiB, "
+        "conversation_bytes=16GiB, max_context=32768, specprefill_keep_pct=0.2 (repeatable; "
+        "engine_adapter.options lists them; the variable: JSON)",
+        json_schema_extra=_flag("--engine-option", "KEY=VALUE", repeat=True))
+
+    @field_validator("options", mode="before")
+    @classmethod
+    def _options(cls, value: Any) -> Any:
+        return parse_key_values(value)
+
+    @field_validator("api_key")
+    @classmethod
+    def _empty_is_none(cls, value: str | None) -> str | None:
+        return value or None
+
+
 def check_renamed_env(environ: dict[str, str] | None = None) -> None:
     """ValueError naming the variable to use when a renamed one is set (a silent fallback to
     the default would serve, say, without the shared store)."""
@@ -253,5 +299,5 @@ def setting_from_env(name: str, environ: Mapping[str, str] | None = None) -> Any
     try:
         return TypeAdapter(Annotated[info.annotation, info]).validate_python(raw)
     except ValidationError as exc:
-        problems = "; ".join(e["msg"] for e in exc.errors())
+        problems = validation_problems(exc)
         raise ValueError(f"{env_name(name)}={raw!r}: {problems}") from None

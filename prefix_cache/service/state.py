@@ -11,9 +11,9 @@ from ..cache import StaticPrefixCache
 from ..chat.responses_store import MemoryResponses, ResponseStore
 from ..http.shutdown import Drain
 from ..metrics import Metrics
+from ..store.quota import TenantQuotaStore
 from .limits import TenantLimits
-from .models import ModelRegistry
-from .quota import TenantQuotaStore
+from .served_models import ModelRegistry
 from .settings import ServiceSettings
 from .tenants import KeyRing
 

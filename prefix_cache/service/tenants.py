@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..errors import validation_problems
 from ..http.auth import BEARER_HINT, basic_password, bearer_key
 from ..http.errors import Forbidden, Unauthorized
 from ..keys import validate_label
@@ -207,7 +208,6 @@ def _read_keys_file(path: Path) -> KeysConfig:
         try:
             overrides[str(tenant)] = TenantLimitOverride.model_validate(entry)
         except ValidationError as exc:
-            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'limits'}: {e['msg']}"
-                                 for e in exc.errors())
+            problems = validation_problems(exc, "limits")
             raise ValueError(f"{where}: tenant_limits of {tenant!r}: {problems}") from None
     return KeysConfig(dict(tenants), lists["admin_keys"], lists["metrics_keys"], overrides)

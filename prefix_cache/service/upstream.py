@@ -27,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from .. import engine_protocol as wire
 from .. import json_io
 from ..cache import PrefixResult
 from ..http.errors import (
@@ -109,10 +110,10 @@ class Upstream:
         if self.model is not None:
             out["model"] = self.model
         if self.kind == "specprefill":
-            out["specprefill_system_end"] = result.specprefill_system_end
+            out[wire.SPECPREFILL_SYSTEM_END] = result.specprefill_system_end
             if with_prompt_ids:
-                out["prompt_token_ids"] = result.prompt_ids
-            out["specprefill_namespace"] = namespace
+                out[wire.PROMPT_TOKEN_IDS] = result.prompt_ids
+            out[wire.SPECPREFILL_NAMESPACE] = namespace
         return json_io.dumps(out)
 
     def headers(self) -> dict[str, str]:

@@ -28,9 +28,9 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ..observer import CacheObserver
+from ..store.base import StoreStats
 from .multiprocess import forget_dead_processes, multiprocess_dir
-from .observer import CacheObserver
-from .store.base import StoreStats
 
 NS = "prefix_cache"
 OTHER = "other"

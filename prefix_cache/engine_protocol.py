@@ -1,7 +1,7 @@
-"""The seam between an API layer and an engine: a neutral generation request in, neutral outputs
-out, and the typed figures an engine reports.
+"""The engine protocol: what an API layer and an engine say to each other, and nothing else
+(no HTTP, no API shapes, no mlx). Both sides import it; it imports neither.
 
-    API layer (OpenAI chat today; Anthropic Messages, OpenAI Responses) ── parses its body into
+    API layer (OpenAI chat, Anthropic Messages, OpenAI Responses) ── parses its body into
         BackendRequest(prompt ids, boundary, tenant, SamplingParams, SpecPrefillParams)
     backend.check(request)            the request as it will run (max_tokens filled in), or an
                                       InvalidRequestError (a 400) before anything runs
@@ -13,16 +13,29 @@ out, and the typed figures an engine reports.
     API layer ── formats the outputs in its own shape (JSON or SSE)
 
 An engine is anything with these calls (``ChatBackend``); the sidecar finds one by name through
-``prefix_cache.chat.engines`` and never sees its internals. Nothing here imports an engine.
+``prefix_cache.engines`` and never sees its internals. The stats types are what an engine
+reports (``snapshot_stats``), read by the metrics layer. The wire field names are the extension
+fields a sidecar sends an engine server over HTTP (``WIRE_FIELDS``).
 """
 
 from __future__ import annotations
 
+import copy
 import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
+
+# The extension fields of a request body between a sidecar and an engine server.
+SPECPREFILL_SYSTEM_END = "specprefill_system_end"  # the static prefix's end in the prompt ids
+PROMPT_TOKEN_IDS = "prompt_token_ids"              # the prompt, already rendered and tokenized
+SPECPREFILL_NAMESPACE = "specprefill_namespace"    # the tenant whose engine KV may be reused
+SPECPREFILL = "specprefill"                        # per-request SpecPrefill knobs
+SPECPREFILL_KEEP_PCT = "specprefill_keep_pct"
+SPECPREFILL_THRESHOLD = "specprefill_threshold"
+WIRE_FIELDS = (SPECPREFILL_SYSTEM_END, PROMPT_TOKEN_IDS, SPECPREFILL_NAMESPACE, SPECPREFILL,
+               SPECPREFILL_KEEP_PCT, SPECPREFILL_THRESHOLD)
 
 
 def new_request_id() -> str:
@@ -112,9 +125,14 @@ class EngineHealth(TypedDict, total=False):
     sparse_prefills: int
 
 
-@dataclass(frozen=True, slots=True)
-class KVStoreStats:
-    """An engine KV store's figures."""
+def counted(counts: Any) -> dict[str, Any]:
+    """A counts record's fields as keyword arguments of the stats that extend it (a copy)."""
+    return {f.name: copy.copy(getattr(counts, f.name)) for f in fields(counts)}
+
+
+@dataclass(slots=True)
+class KVStoreCounts:
+    """What an engine KV store counts as it runs (written under its lock)."""
 
     hits: int = 0
     misses: int = 0
@@ -122,15 +140,21 @@ class KVStoreStats:
     evictions: int = 0
     rejected: int = 0       # snapshots larger than the whole store, not kept
     superseded: int = 0     # entries dropped by a longer prompt of the same conversation
+    by_namespace: dict[str, int] = field(default_factory=dict)  # entries per namespace
+
+
+@dataclass(slots=True)
+class KVStoreStats(KVStoreCounts):
+    """An engine KV store's figures: its counts and what it holds now."""
+
     entries: int = 0
     bytes: int = 0
     max_bytes: int = 0
-    by_namespace: Mapping[str, int] = field(default_factory=dict)
 
 
-@dataclass(frozen=True, slots=True)
-class DiskKVStats:
-    """The engine's KV disk tier's figures (both stores share it)."""
+@dataclass(slots=True)
+class DiskKVCounts:
+    """What the engine's KV disk tier counts as it runs (both stores share the tier)."""
 
     hits: int = 0
     misses: int = 0
@@ -141,15 +165,21 @@ class DiskKVStats:
     discarded: int = 0      # bad files deleted: truncated, corrupt, another model's, old format
     loads: int = 0
     load_seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class DiskKVStats(DiskKVCounts):
+    """The disk tier's figures: its counts and what it holds now."""
+
     entries: int = 0
     bytes: int = 0
     max_bytes: int = 0
     queued: int = 0
 
 
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """An engine's counters since it started; a store that is off is None."""
+@dataclass(slots=True)
+class EngineCounts:
+    """What an engine counts since it started (written by its thread only)."""
 
     requests: int = 0
     completed: int = 0
@@ -160,9 +190,16 @@ class EngineStats:
     reused_tokens: int = 0
     prefilled_tokens: int = 0
     generated_tokens: int = 0
-    parked: int = 0
-    conversation_hits: int = 0
+    parked: int = 0             # waited for a request computing the same static prefix
+    conversation_hits: int = 0  # restored more than the static prefix from an earlier prompt
     last_fallback: str | None = None
+
+
+@dataclass(slots=True)
+class EngineStats(EngineCounts):
+    """An engine's figures (``snapshot_stats``, a copy): its counts, the requests running now,
+    and its stores' figures (a store that is off is None)."""
+
     active: int = 0
     kv_store: KVStoreStats | None = None
     conversation_store: KVStoreStats | None = None

@@ -28,8 +28,8 @@ from dataclasses import replace
 
 from ..keys import parse_key
 from ..lru import ByteLRU
-from ..store.base import QuotaStats, Store, StoreStats
-from ..store.memory import entry_size
+from .base import QuotaStats, Store, StoreStats
+from .memory import entry_size
 
 
 class TenantQuotaStore(Store):

@@ -29,9 +29,9 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from .. import json_io
+from ..engine_protocol import BackendError, Usage
 from ..http.errors import anthropic_error_body
 from ..http.sse import sse_event
-from .backend import BackendError, Usage
 from .events import (
     Collected,
     CollectedCall,

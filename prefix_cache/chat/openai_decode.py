@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 
 from .. import json_io
+from ..engine_protocol import BackendError, Usage
 from ..http.sse import EventStreamError, SSEDecoder
-from .backend import BackendError, Usage
 from .events import Finish, OutputEvent, TextDelta, ToolCallDelta
 
 MAX_COMPLETION_BYTES = 64 << 20
@@ -108,13 +108,7 @@ async def _whole(response: httpx.Response) -> dict[str, Any]:
                 raise BackendError("the upstream's completion is too large")
     except httpx.HTTPError as exc:
         raise BackendError(f"the upstream failed mid-answer ({type(exc).__name__})") from exc
-    try:
-        data = json_io.loads(body)
-    except ValueError as exc:
-        raise BackendError("the upstream's completion is not JSON") from exc
-    if not isinstance(data, dict):
-        raise BackendError("the upstream's completion is not a JSON object")
-    return data
+    return _json_object(body, "the upstream's completion is")
 
 
 async def _stream(response: httpx.Response,
@@ -134,12 +128,7 @@ async def _stream(response: httpx.Response,
 
 
 def _chunk_events(data: str, answer: _Answer) -> list[OutputEvent]:
-    try:
-        chunk = json_io.loads(data)
-    except ValueError as exc:
-        raise BackendError("the upstream sent an event that is not JSON") from exc
-    if not isinstance(chunk, dict):
-        raise BackendError("the upstream sent an event that is not a JSON object")
+    chunk = _json_object(data, "the upstream sent an event that is")
     if "error" in chunk:
         error = chunk["error"]
         message = error.get("message") if isinstance(error, dict) else error
@@ -151,3 +140,14 @@ def _chunk_events(data: str, answer: _Answer) -> list[OutputEvent]:
         out.append(TextDelta(delta["content"]))
     out.extend(_calls(delta.get("tool_calls")))
     return out
+
+
+def _json_object(text: str | bytes, what: str) -> dict[str, Any]:
+    """``text`` parsed; BackendError "<what> not JSON" / "not a JSON object" otherwise."""
+    try:
+        data = json_io.loads(text)
+    except ValueError as exc:
+        raise BackendError(f"{what} not JSON") from exc
+    if not isinstance(data, dict):
+        raise BackendError(f"{what} not a JSON object")
+    return data

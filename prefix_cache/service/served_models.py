@@ -31,7 +31,7 @@ has an upstream or an engine, not both. With no model at all the demo model fold
 
 The engine (``engine: mlx``) is a ``ChatBackend`` loaded from the model's folder (mlx-lm
 weights next to the tokenizer files) by the factory registered under its name
-(``prefix_cache.chat.engines``), imported only then: a sidecar without engines never imports
+(``prefix_cache.engines``), imported only then: a sidecar without engines never imports
 mlx. It is fed the sidecar's own prompt ids and boundary, and the tenant as its KV namespace;
 it runs in the worker process, so it needs ``--workers 1``.
 """
@@ -46,9 +46,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..chat.backend import ChatBackend
-from ..chat.engines import EngineUnavailableError, engine_factory
-from ..errors import NoChatTemplateError
+from ..engine_protocol import ChatBackend
+from ..engines import EngineUnavailableError, engine_factory
+from ..errors import NoChatTemplateError, validation_problems
 from ..http.errors import BadRequest, NotFound
 from ..keys import model_label
 from .config_files import read_config_file
@@ -136,7 +136,7 @@ def _spec(data: dict[str, Any], where: str) -> ModelSpec:
     try:
         return ModelSpec.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        problems = validation_problems(exc)
         raise ValueError(f"{where}: {problems}") from None
 
 

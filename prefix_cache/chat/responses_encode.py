@@ -25,8 +25,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from .. import json_io
+from ..engine_protocol import BackendError, Usage
 from ..http.sse import SSEDecoder, sse_event
-from .backend import BackendError, Usage
 from .events import (
     Collected,
     Finish,

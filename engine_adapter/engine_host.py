@@ -1,0 +1,172 @@
+"""``serve-engine`` as the API layer's host: one model (the engine), one optional API key, the
+prompt ids and boundary a sidecar sent (or the conversation rendered here, boundary 0), and
+the namespace named in the body when the server trusts its callers with it.
+
+Trust model. The engine keeps the KV of static prefixes per namespace, and a restored prefix
+shows in time to first token, so whoever picks the namespace can probe what else was sent in
+it. By default the server trusts no caller with that: ``specprefill_namespace`` is ignored and
+every request is in namespace "default" -- right for a single-tenant engine, wrong behind a
+multi-tenant sidecar (its tenants would share KV; the server logs a warning the first time the
+field arrives and is ignored). ``--trust-namespace`` reads the field: use it only when the
+callers that can reach the port are trusted to name tenants, i.e. the sidecar alone (bind to
+loopback or a private network, and give ``--api-key`` to both: the sidecar's
+``upstream_api_key`` is sent as ``Authorization: Bearer``). The sidecar derives the namespace
+from its own API keys, never from the client's body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractAsyncContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from prefix_cache import engine_protocol as wire
+from prefix_cache.api.engine_target import EngineTarget
+from prefix_cache.api.host import Api
+from prefix_cache.cache import NONE, PrefixResult
+from prefix_cache.chat.conversation import Conversation
+from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
+from prefix_cache.errors import InvalidRequestError
+from prefix_cache.http.auth import bearer_matches, client_authorization, key_hint
+from prefix_cache.http.body import read_json_object
+from prefix_cache.http.errors import BadRequest, Unauthorized
+from prefix_cache.keys import validate_label
+from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
+from prefix_cache.render import RenderOptions, get_renderer
+from prefix_cache.token_ids import TokenIds, validate_token_ids
+
+from .backend import MLXBackend
+from .mlx_engine.request import check_vocabulary
+
+log = logging.getLogger("engine_adapter.server")
+
+DEFAULT_NAMESPACE = "default"
+MAX_BODY_BYTES = 32 << 20  # prompt_token_ids of a long prompt are larger than its text
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModel:
+    """The one model served: a request's ``model`` is not checked."""
+
+    name: str
+    target: EngineTarget
+
+
+def prompt_ids_of(body: Mapping[str, Any], vocab_size: int | None) -> list[int] | None:
+    """``prompt_token_ids`` checked, or None when the body has none."""
+    value = body.get(wire.PROMPT_TOKEN_IDS)
+    if value is None:
+        return None
+    try:
+        ids = validate_token_ids(value, wire.PROMPT_TOKEN_IDS)
+        check_vocabulary(ids, vocab_size, wire.PROMPT_TOKEN_IDS)
+    except InvalidRequestError as exc:  # the same check, named for this field
+        raise InvalidRequestError(str(exc), code="invalid_prompt_token_ids") from None
+    return ids
+
+
+def boundary_of(body: Mapping[str, Any], n_ids: int) -> int:
+    """``specprefill_system_end`` checked against the prompt's length (default 0)."""
+    end = body.get(wire.SPECPREFILL_SYSTEM_END, 0)
+    if end is None:
+        return 0
+    if isinstance(end, bool) or not isinstance(end, int) or not 0 <= end <= n_ids:
+        raise BadRequest(f"{wire.SPECPREFILL_SYSTEM_END} must be an integer in [0, {n_ids}] "
+                         f"(the prompt's token count), got {end!r}",
+                         code="invalid_specprefill_system_end")
+    return end
+
+
+def render_conversation(tokenizer: Any, c: Conversation) -> list[int]:
+    """The prompt ids of a conversation, rendered as the sidecar renders them (transformers'
+    convention, with its tools, template kwargs and request-level render fields)."""
+    messages = validate_messages(c.messages)
+    tools = validate_tools(c.tools)
+    kwargs = validate_kwargs(c.chat_template_kwargs)
+    options = RenderOptions(c.add_generation_prompt, c.continue_final_message)
+    return get_renderer(tokenizer, c.chat_template, tools).render_ids(messages, tools, kwargs,
+                                                                      options)
+
+
+class Namespaces:
+    """Where a request's KV namespace comes from (see the module docstring)."""
+
+    def __init__(self, trust: bool) -> None:
+        self.trust = trust
+        self._warned = False
+
+    def of(self, fields: Mapping[str, Any]) -> str:
+        value = fields.get(wire.SPECPREFILL_NAMESPACE)
+        if value is None:
+            return DEFAULT_NAMESPACE
+        if not self.trust:
+            if not self._warned:
+                self._warned = True
+                log.warning("a request named specprefill_namespace but this server does not "
+                            "trust it (no --trust-namespace): everything shares namespace "
+                            "'default', so tenants of a sidecar in front share the engine's KV")
+            return DEFAULT_NAMESPACE
+        try:
+            return validate_label(value, wire.SPECPREFILL_NAMESPACE)
+        except ValueError as exc:
+            raise BadRequest(str(exc), code="invalid_specprefill_namespace") from None
+
+
+class EngineHost:
+    """See the module docstring."""
+
+    def __init__(self, chat: MLXBackend, *, trust_namespace: bool = False,
+                 api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT) -> None:
+        self.chat = chat
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+        self.namespaces = Namespaces(trust_namespace)
+        self.responses = MemoryResponses(responses_store_bytes)
+        self.started_at = int(time.time())
+        self._model = EngineModel(chat.name, EngineTarget(chat))
+
+    def served(self) -> Iterable[EngineModel]:
+        return (self._model,)
+
+    def model(self, name: str | None) -> EngineModel:
+        return self._model
+
+    def caller(self, request: Request) -> str:
+        if self.api_key:
+            given = client_authorization(request.headers.get("authorization"),
+                                         request.headers.get("x-api-key"))
+            if not bearer_matches(given, self.api_key):
+                raise Unauthorized("missing or wrong API key: send it as "
+                                   f"{key_hint(request.url.path)}")
+        return DEFAULT_NAMESPACE
+
+    def namespace(self, tenant: str, fields: Mapping[str, Any]) -> str:
+        return self.namespaces.of(fields)
+
+    def slot(self, tenant: str) -> AbstractAsyncContextManager[None]:
+        return nullcontext()
+
+    async def read_body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+        return await read_json_object(request, self.max_body_bytes)
+
+    def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
+        """Nothing beyond what the API's parser checks: a sidecar's body may carry only ids."""
+
+    async def prepare(self, model: EngineModel, tenant: str, conversation: Conversation,
+                      body: Mapping[str, Any], body_size: int) -> PrefixResult:
+        """The ids a sidecar sent, or the conversation rendered off the event loop (a long
+        template takes a while); the boundary it sent (default 0: nothing reused)."""
+        ids = prompt_ids_of(body, self.chat.vocab_size)
+        if ids is None:
+            ids = await asyncio.to_thread(render_conversation, self.chat.tokenizer, conversation)
+        return PrefixResult(boundary_of(body, len(ids)), TokenIds.of_rendered(ids), NONE, "")
+
+    def headers(self, result: PrefixResult) -> dict[str, str]:
+        return {}

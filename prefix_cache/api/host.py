@@ -1,0 +1,123 @@
+"""What the shared API layer asks of the server that mounts it: the one seam between the routes
+(the same for ``prefix-cache serve`` and ``prefix-cache serve-engine``) and what differs.
+
+    Host      who the caller is (keys), their namespace, their share of the worker, the body
+              size limit, the served models, the stored responses, and how a conversation
+              becomes prompt ids and a boundary: the sidecar resolves it in its cache
+              (``service.sidecar_host``); the engine server takes the ids and boundary a
+              sidecar sent, or renders (``engine_adapter.engine_host``)
+    Target    what answers a model's turn: the in-process engine (``api.engine_target``), or
+              an upstream behind a proxy (``service.proxy_target``)
+    Turn      one request on its way to a target: the API's typed call, its boundary, the
+              namespace, and how the API answers a turn's events
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from ..cache import PrefixResult
+from ..chat.agent_call import AgentCall
+from ..chat.conversation import Conversation
+from ..chat.events import Events
+from ..chat.responses_store import ResponseStore
+from ..http.relay import RelayTap
+
+Api = Literal["chat", "messages", "responses"]
+# Answers a turn's events in the API's shape: (events, prompt tokens, headers) -> response.
+Answer = Callable[[Events, int, dict[str, str]], Awaitable[Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One request, checked and resolved, on its way to its model's target."""
+
+    api: Api
+    request: Request           # the client's (its disconnect cancels the turn)
+    raw: bytes                 # the body as sent, and parsed
+    body: dict[str, Any]
+    call: AgentCall
+    result: PrefixResult       # the prompt ids and the boundary
+    namespace: str             # the tenant whose engine KV the turn may reuse
+    headers: dict[str, str]    # the host's headers of the answer (x-prefix-cache ...)
+    answer: Answer
+    tap: RelayTap | None = None                         # sees a relayed answer go by
+    error_event: Callable[[str], bytes] | None = None   # ends a relayed stream that breaks
+    with_prompt_ids: bool = True  # False: the upstream renders more than the ids cut here
+
+
+class Target(Protocol):
+    """What answers a model's turns."""
+
+    def relays(self, api: Api) -> bool:
+        """Whether a body of ``api`` goes to the target as it came (it answers in that API)."""
+        ...
+
+    def check(self, call: AgentCall, api: Api) -> None:
+        """A 4xx before anything is resolved when the target cannot run ``call`` as asked."""
+        ...
+
+    async def generate(self, turn: Turn) -> Response: ...
+
+
+class ServedModel(Protocol):
+    """A model as the routes see it."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def target(self) -> Target: ...
+
+
+class Host(Protocol):
+    """The server under the shared routes (see the module docstring)."""
+
+    started_at: int
+
+    @property
+    def responses(self) -> ResponseStore: ...
+
+    def served(self) -> Iterable[ServedModel]:
+        """The models ``GET /v1/models`` lists."""
+        ...
+
+    def model(self, name: str | None) -> ServedModel:
+        """The model a request names (None: the default); NotFound otherwise."""
+        ...
+
+    def caller(self, request: Request) -> str:
+        """The caller's tenant from its key; Unauthorized/Forbidden otherwise."""
+        ...
+
+    def namespace(self, tenant: str, fields: Mapping[str, Any]) -> str:
+        """The namespace of the caller's data (stored responses, engine KV); ``fields``: the
+        body, or a body-less request's query."""
+        ...
+
+    def slot(self, tenant: str) -> AbstractAsyncContextManager[None]:
+        """The tenant's share of this worker, held while its request is prepared."""
+        ...
+
+    async def read_body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+        """The raw JSON body and its object, within the size limit."""
+        ...
+
+    def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
+        """What the host checks of every body of ``api`` before it is parsed (a 400)."""
+        ...
+
+    async def prepare(self, model: ServedModel, tenant: str, conversation: Conversation,
+                      body: Mapping[str, Any], body_size: int) -> PrefixResult:
+        """The conversation's prompt ids and boundary (renders off the event loop)."""
+        ...
+
+    def headers(self, result: PrefixResult) -> dict[str, str]:
+        """The headers every answer of a prepared request carries."""
+        ...

@@ -1,0 +1,53 @@
+"""The one way from a body to an answer, for every API (chat completions, Messages,
+Responses), on both servers:
+
+    body ── the API's parser ──> AgentCall (one typed call: conversation, sampling, stream)
+         ── target.check ──> refused here, before anything is resolved (nothing cached)
+         ── host.prepare ──> prompt ids and boundary (the sidecar's cache, or the engine's ids)
+         ── target.generate(Turn) ──> in-process engine events, or an upstream's answer
+         ── the API's encoder (JSON or SSE), or the upstream's bytes relayed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+
+from ..cache import PrefixResult
+from ..chat.agent_call import AgentCall
+from .host import Api, Host, ServedModel
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A request whose caller, body and namespace are known."""
+
+    tenant: str
+    namespace: str
+    raw: bytes
+    body: dict[str, Any]
+
+
+async def admit(request: Request, host: Host, tenant: str, api: Api) -> Admitted:
+    """The body read (size limit) and checked at the host's edge, and the caller's namespace."""
+    raw, body = await host.read_body(request)
+    host.check_body(api, body)
+    return Admitted(tenant, host.namespace(tenant, body), raw, body)
+
+
+async def prepare(host: Host, api: Api, model: ServedModel, call: AgentCall,
+                  admitted: Admitted) -> PrefixResult:
+    """The call's prompt ids and boundary, once its model's target can run it (a refused
+    request caches nothing)."""
+    model.target.check(call, api)
+    return await host.prepare(model, admitted.tenant, call.conversation, admitted.body,
+                              len(admitted.raw))
+
+
+def model_name(body: Mapping[str, Any]) -> str | None:
+    """The ``model`` a body names (None: the host's default)."""
+    name = body.get("model")
+    return name if isinstance(name, str) else None

@@ -1,0 +1,63 @@
+"""An upstream as a model's target: the sidecar's proxy.
+
+A turn goes to one replica of the model's pool (routed by the tenant's static prefix, so its
+turns go where its KV is: ``pool.py``):
+
+- an API the upstream serves itself (chat completions always; ``upstream_apis``): the body as it
+  came (plus the boundary fields for ``specprefill`` upstreams), its answer relayed as it comes;
+- an API it does not serve: the call as a chat completion, its answer (JSON or SSE) converted
+  back to the API's shape (``chat.openai_decode``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import httpx
+from fastapi.responses import Response
+
+from .. import json_io
+from ..api.host import Api, Turn
+from ..chat.agent_call import AgentCall
+from ..chat.openai_decode import completion_events
+from ..http.errors import ClientDisconnected
+from ..http.relay import RelayResponse, until_disconnect
+from .served_models import ServedModel
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyTarget:
+    model: ServedModel
+    client: Callable[[], httpx.AsyncClient]  # the worker's upstream client, once it is open
+
+    def relays(self, api: Api) -> bool:
+        return self.model.upstream is not None and self.model.upstream.speaks(api)
+
+    def check(self, call: AgentCall, api: Api) -> None:
+        if not self.model.require_upstream().speaks(api):  # a model with no upstream: a 400
+            call.check_chat_support()
+
+    async def generate(self, turn: Turn) -> Response:
+        upstream, result = self.model.require_upstream(), turn.result
+        if upstream.speaks(turn.api):
+            content = upstream.forward_content(turn.raw, turn.body, result,
+                                               namespace=turn.namespace,
+                                               with_prompt_ids=turn.with_prompt_ids)
+            response = await self._open(turn, turn.api, content)
+            return RelayResponse(response, turn.headers, turn.tap, turn.error_event)
+        chat = turn.call.chat_body(turn.call.model or self.model.name)
+        content = upstream.forward_content(json_io.dumps(chat), chat, result,
+                                           namespace=turn.namespace)
+        response = await self._open(turn, "chat", content)
+        prompt_tokens = len(result.prompt_ids)
+        events = completion_events(response, stream=turn.call.stream, prompt_tokens=prompt_tokens)
+        return await turn.answer(events, prompt_tokens, turn.headers)
+
+    async def _open(self, turn: Turn, api: str, content: bytes) -> httpx.Response:
+        opened = self.model.require_pool().open(self.client(), content, api,
+                                                tenant=turn.namespace, key=turn.result.key)
+        response, disconnected = await until_disconnect(turn.request.receive, opened)
+        if disconnected or response is None:
+            raise ClientDisconnected("the client disconnected before the upstream answered")
+        return response
