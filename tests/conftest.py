@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Helper modules whose asserts test modules call: rewrite them for pytest's assert messages.
-pytest.register_assert_rewrite("tests.engine_fixtures")
+pytest.register_assert_rewrite("tests.support.engine_fixtures")
 
 
 class Clock:
@@ -36,7 +36,7 @@ class Clock:
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[Any]:
     """A redis-server of this test's own, for tests that kill, pause or fill it."""
-    from .redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     yield server

@@ -1,0 +1,63 @@
+"""The Grafana dashboard queries only metrics the service really exposes."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefix_cache import StaticPrefixCache
+from prefix_cache.chat.backend import EngineStats
+from prefix_cache.engine_metrics import EngineCollector
+from prefix_cache.metrics import Metrics
+from prefix_cache.service.pool import UpstreamPool
+from prefix_cache.service.pool_metrics import PoolMetrics
+from prefix_cache.service.upstream import Upstream
+
+from tests.support.templates import BEHAVIOURS
+from tests.service.test_metrics import ENGINE_STATS
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
+METRIC = re.compile(r"\b(prefix_cache_[a-z_]+)")
+
+
+def queried_metrics() -> set[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs, "the dashboard has no queries"
+    return {m for e in exprs for m in METRIC.findall(e)}
+
+
+def exposed_metrics(text: str) -> set[str]:
+    return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+class _StatsOnly:
+    def __init__(self, stats: EngineStats) -> None:
+        self.stats = replace(stats, conversation_store=stats.kv_store)
+
+    def snapshot_stats(self) -> EngineStats:
+        return self.stats
+
+
+def test_every_dashboard_metric_is_exposed(qwen3) -> None:
+    metrics = Metrics()
+    cache = StaticPrefixCache(observer=metrics)
+    for i in range(3):
+        cache.resolve(qwen3, [{"role": "system", "content": "s"}, {"role": "user", "content": str(i)}],
+                      chat_template=BEHAVIOURS["default_system"])
+    metrics.store_error(op="get")
+    metrics.verification_failure()
+    metrics.refresh_store(cache.store.stats())
+    # The in-process engine's counters (stats shaped as MLXEngine.snapshot_stats(); the live
+    # sidecar with a real engine is checked against the same queries in test_engine_serving).
+    metrics.add_collector(EngineCollector(lambda: [("m", _StatsOnly(ENGINE_STATS))]))
+    # A pool's per-replica routing metrics (tests/test_upstream_pool.py checks a live pool).
+    PoolMetrics(metrics).watch("m", UpstreamPool([Upstream("http://a:1"), Upstream("http://b:2")]))
+    exposed = exposed_metrics(metrics.exposition()[0].decode())
+    missing = queried_metrics() - exposed
+    assert not missing, f"dashboard queries metrics /metrics does not have: {sorted(missing)}"
+    assert len(queried_metrics()) >= 10

@@ -1,0 +1,113 @@
+"""What the sidecar tells a caller without a key (issue #15, item 9; docs/security.md).
+
+Public: ``/healthz``, ``/readyz``'s status, ``/openapi.json``. Once any key is configured,
+``/metrics`` (tenant names and traffic) and ``/readyz``'s report (models, upstreams, store)
+need a metrics or admin key, the dashboard an admin key, ``/v1`` a tenant key. With no key of
+any kind, everything is open (a service on a trusted network)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from prefix_cache.service import ServiceSettings, create_app
+from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service.upstream import Upstream
+
+from tests.support.service_helpers import Recorder, ServerThread, local_client, served, unique_system
+
+pytest_plugins = ["tests.support.service_fixtures"]
+
+ACME, ADMIN, METRICS = "sk-exp-acme", "sk-exp-admin", "sk-exp-metrics"
+TENANT = "acme-secret-name"   # a name no anonymous caller should ever read
+UPSTREAM_MODEL = "internal-upstream-model"
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def serve(settings: ServiceSettings, recorder_url: str, tokenizer: Any) -> Iterator[Any]:
+    models = ModelRegistry([served(UPSTREAM_MODEL, tokenizer, Upstream(recorder_url))])
+    with ServerThread(create_app(settings, models=models)) as url:
+        with local_client(base_url=url) as http:
+            yield http
+
+
+@pytest.fixture(scope="module")
+def keyed(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Iterator[Any]:
+    """Tenant, admin and metrics keys."""
+    settings = ServiceSettings(api_keys={ACME: TENANT}, admin_keys=[ADMIN],
+                               metrics_keys=[METRICS])
+    yield from serve(settings, recorder_server[1], demo_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tenants_only(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Iterator[Any]:
+    """Tenant keys and nothing else: nobody may read metrics or the dashboard."""
+    yield from serve(ServiceSettings(api_keys={ACME: TENANT}), recorder_server[1],
+                     demo_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def unlocked(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Iterator[Any]:
+    yield from serve(ServiceSettings(), recorder_server[1], demo_tokenizer)
+
+
+def traffic(http: Any, key: str | None = ACME) -> None:
+    body = {"messages": [unique_system(), {"role": "user", "content": "Hi"}]}
+    r = http.post("/v1/prefix/boundary", json=body, headers=auth(key) if key else {})
+    assert r.status_code == 200, r.text
+
+
+def test_metrics_need_a_metrics_or_admin_key_once_keys_exist(keyed: Any) -> None:
+    traffic(keyed)
+    for headers, status in (({}, 401), (auth("sk-wrong"), 401), (auth(ACME), 403)):
+        r = keyed.get("/metrics", headers=headers)
+        assert r.status_code == status, r.text
+        assert TENANT not in r.text and UPSTREAM_MODEL not in r.text
+        assert r.json()["error"]["type"] in ("invalid_request_error", "permission_error")
+    for key in (METRICS, ADMIN):
+        r = keyed.get("/metrics", headers=auth(key))
+        assert r.status_code == 200 and f'tenant="{TENANT}"' in r.text
+
+
+def test_readyz_gives_anyone_the_status_and_only_observers_the_report(keyed: Any) -> None:
+    for headers in ({}, auth(ACME), auth("sk-wrong")):
+        r = keyed.get("/readyz", headers=headers)
+        assert r.status_code == 200 and r.json() == {"status": "ready"}
+    for key in (METRICS, ADMIN):
+        report = keyed.get("/readyz", headers=auth(key)).json()
+        assert report["status"] == "ready" and report["upstreams"][UPSTREAM_MODEL]["ok"]
+        assert report["store"]["backend"] == "memory"
+
+
+def test_public_endpoints_answer_without_a_key(keyed: Any) -> None:
+    assert keyed.get("/healthz").json() == {"status": "ok"}
+    doc = keyed.get("/openapi.json")
+    assert doc.status_code == 200 and doc.json()["openapi"].startswith("3.")
+    assert TENANT not in doc.text and UPSTREAM_MODEL not in doc.text
+    assert keyed.get("/v1/models").status_code == 401
+    assert keyed.get("/dashboard/stats.json").status_code == 401
+
+
+def test_without_metrics_or_admin_keys_metrics_and_the_dashboard_are_closed(
+        tenants_only: Any) -> None:
+    traffic(tenants_only)
+    r = tenants_only.get("/metrics", headers=auth(ACME))
+    assert r.status_code == 403 and r.json()["error"]["code"] == "metrics_disabled"
+    assert "PREFIX_CACHE_METRICS_KEYS" in r.json()["error"]["message"]
+    assert tenants_only.get("/metrics").status_code == 403
+    for path in ("/dashboard", "/dashboard/stats.json"):
+        page = tenants_only.get(path)
+        assert page.status_code == 401 and TENANT not in page.text
+    assert tenants_only.get("/readyz").json() == {"status": "ready"}
+
+
+def test_an_unlocked_service_is_open(unlocked: Any) -> None:
+    traffic(unlocked, key=None)
+    assert 'tenant="default"' in unlocked.get("/metrics").text
+    assert unlocked.get("/readyz").json()["upstreams"][UPSTREAM_MODEL]["ok"] is True
+    assert unlocked.get("/dashboard/stats.json").status_code == 200
