@@ -1,6 +1,6 @@
 """The five holes of issue 23, one test (or table) each: every one a hit that differed from the
 uncached answer, or an input that escaped the error path. Each is checked against the
-independent reference (tests/reference.py) over the real render."""
+independent reference (tests/support/reference.py) over the real render."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ switch, and the fast path everywhere a prompt is prepared (resolve, aresolve, th
 sidecar). Real tokenizers throughout; variants are fresh copies with added-token flags or settings
 changed before first use.
 
-The proof over every real template and tokenizer is tests/test_fast_tokenize_templates.py.
+The proof over every real template and tokenizer is tests/core/test_fast_tokenize_templates.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ every real tokenizer the tests build, and over random conversations (hypothesis)
 
 The cache runs with ``tokenize_check_rate=0`` here, so the ids compared are the fast path's
 own, never replaced by a sampled full tokenization. The reference is the independent
-``tests.reference.render``.
+``tests.support.reference.render``.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_every_dashboard_metric_is_exposed(qwen3) -> None:
     # The in-process engine's counters (stats shaped as MLXEngine.snapshot_stats(); the live
     # sidecar with a real engine is checked against the same queries in test_engine_serving).
     metrics.add_collector(EngineCollector(lambda: [("m", _StatsOnly(ENGINE_STATS))]))
-    # A pool's per-replica routing metrics (tests/test_upstream_pool.py checks a live pool).
+    # A pool's per-replica routing metrics (tests/service/test_upstream_pool.py checks a live pool).
     PoolMetrics(metrics).watch("m", UpstreamPool([Upstream("http://a:1"), Upstream("http://b:2")]))
     exposed = exposed_metrics(metrics.exposition()[0].decode())
     missing = queried_metrics() - exposed

@@ -33,7 +33,7 @@ pytest_plugins = ["tests.support.engine_fixtures"]
 
 @pytest.fixture
 def make_engine(engines):
-    # These tests pin the static-prefix path; tests/test_engine_conversation.py covers the
+    # These tests pin the static-prefix path; tests/engine/test_conversation.py covers the
     # conversation store (on by default), which would restore repeated prompts whole.
     return lambda **options: engines(**{"reuse_conversation_kv": False, **options})
 

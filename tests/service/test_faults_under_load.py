@@ -4,7 +4,7 @@ killed, hung and restarted; the upstream slow, failing and dead; clients leaving
 Throughout: every answer has the exact boundary, no error reaches a client beyond what the
 upstream itself returned, and afterwards nothing is left behind (tasks on the sidecar's loop,
 streams upstream, connections beyond the pools' bounds). (A worker killed under load, with
-``--workers 2``: tests/test_multiprocess_metrics.py.)
+``--workers 2``: tests/service/test_multiprocess_metrics.py.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A pool of upstream replicas behind one sidecar, on real HTTP: four recording upstreams
-(``service_helpers.recording_upstream``), each behind a switch that can take it down, and the
+(``tests.support.service_helpers.recording_upstream``), each behind a switch that can take it down, and the
 sidecar on a real uvicorn. Which replica answered is read from the replicas' own records."""
 
 from __future__ import annotations
