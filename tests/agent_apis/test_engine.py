@@ -25,17 +25,13 @@ from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
 from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
-from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
-from tests.support.service_helpers import (  # noqa: E402
-    ServerThread,
-    openai_client,
-    served,
-    unique_system,
-    wait_until,
-)
 from tests.engine.test_serving import ScriptedEngine  # noqa: E402
+from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
+from tests.support.loopback import openai_client  # noqa: E402
+from tests.support.server_thread import ServerThread  # noqa: E402
+from tests.support.sidecar import served, unique_system  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 MODEL = "tiny-qwen3"

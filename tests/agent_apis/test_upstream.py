@@ -19,12 +19,13 @@ from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
+from tests.support.loopback import local_client, openai_client
 from tests.support.redis_server import needs_redis
-from tests.support.service_helpers import ServerThread, local_client, openai_client, served, unique_system
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
-pytest_plugins = ["tests.support.service_fixtures"]
 
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 

@@ -8,8 +8,8 @@ from prefix_cache import StaticPrefixCache, TemplateRenderError, common_prefix_l
 from prefix_cache.boundary import PROBE_A, PROBE_B, static_prefix_ids, system_end
 
 from tests.support import reference
-from tests.conftest import make_tools
 from tests.support.templates import BEHAVIOURS, NO_SYSTEM_ROLE
+from tests.support.tools import make_tools
 
 SYSTEM = {"role": "system", "content": "You are the build agent. Follow the repository rules."}
 USER1 = {"role": "user", "content": "Please list the failing tests."}

@@ -21,8 +21,8 @@ from prefix_cache import (
 from prefix_cache.entry import encode_entry
 
 from tests.support import reference
-from tests.conftest import make_tools
 from tests.support.templates import BEHAVIOURS
+from tests.support.tools import make_tools
 
 TEMPLATE = BEHAVIOURS["default_system"]
 SYSTEM = {"role": "system", "content": "You are the release agent."}

@@ -15,8 +15,8 @@ from prefix_cache import cli
 from prefix_cache.testing.offline_tokenizers import make_model_dir
 
 from tests.support import reference
-from tests.conftest import make_tools
 from tests.support.templates import BEHAVIOURS
+from tests.support.tools import make_tools
 
 TEMPLATE = BEHAVIOURS["default_system"]
 SYSTEM = {"role": "system", "content": "You are the CLI agent."}

@@ -18,7 +18,6 @@ import pytest
 from prefix_cache import InvalidRequestError, MemoryStore, StaticPrefixCache, TemplateRenderError
 
 from tests.support import reference
-from tests.conftest import make_tools
 from tests.support.templates import (
     BEFORE_LAST_USER,
     DEFAULT_SYSTEM,
@@ -27,6 +26,7 @@ from tests.support.templates import (
     TODAYS_DATE,
     TOOLS_NOT_NONE,
 )
+from tests.support.tools import make_tools
 
 SYSTEM = {"role": "system", "content": "You are the release agent. Please keep the changelog."}
 

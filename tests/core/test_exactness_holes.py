@@ -14,7 +14,7 @@ from prefix_cache import StaticPrefixCache
 from prefix_cache.errors import InvalidRequestError
 
 from tests.support import reference
-from tests.conftest import SHARED_TEMPLATES
+from tests.support.paths import SHARED_TEMPLATES
 from tests.support.templates import DEFAULT_SYSTEM
 
 HELLO_SYSTEM = "Hello! You are the assistant. Hello again, and Hello once more: say Hello."

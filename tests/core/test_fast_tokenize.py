@@ -24,10 +24,9 @@ from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make
 from prefix_cache.tokenizer_identity import current_fingerprint
 
 from tests.support import reference
-from tests.conftest import make_tools
 from tests.support.templates import BEFORE_LAST_USER, DEFAULT_SYSTEM, TOOLS_IN_FIRST_USER
+from tests.support.tools import make_tools
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 SYSTEM = {"role": "system", "content": "You are the release agent.\nKeep the changelog."}
 USER_TEXTS = ["Ship it.", "  two leading spaces", "\n\nline breaks first", "\u0301 combining",
@@ -328,7 +327,9 @@ def test_the_sidecar_prepares_prompts_from_the_split(recorder_server, demo_token
     from prefix_cache.service.models import ModelRegistry
     from prefix_cache.service.upstream import Upstream
 
-    from tests.support.service_helpers import ServerThread, local_client, served
+    from tests.support.loopback import local_client
+    from tests.support.server_thread import ServerThread
+    from tests.support.sidecar import served
 
     rec, url = recorder_server
     models = ModelRegistry([served("spec", demo_tokenizer, Upstream(url, "specprefill"))])

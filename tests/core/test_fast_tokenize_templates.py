@@ -27,8 +27,9 @@ from prefix_cache.testing.offline_tokenizers import (
 )
 
 from tests.support import reference
-from tests.conftest import TEMPLATE_STEMS, TEMPLATES_DIR, make_tools
+from tests.support.paths import TEMPLATES_DIR, TEMPLATE_STEMS
 from tests.support.templates import BEHAVIOURS
+from tests.support.tools import make_tools
 
 STEMS = TEMPLATE_STEMS
 needs_templates = pytest.mark.skipif(not STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")

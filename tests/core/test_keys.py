@@ -15,8 +15,8 @@ from prefix_cache import InvalidRequestError, StaticPrefixCache, keys
 from prefix_cache.render import get_renderer
 from prefix_cache.tokenizer_identity import tokenizer_fingerprint
 
-from tests.conftest import make_tools
 from tests.support.templates import BEHAVIOURS
+from tests.support.tools import make_tools
 
 TEMPLATE = BEHAVIOURS["default_system"]
 

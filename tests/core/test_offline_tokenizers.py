@@ -19,7 +19,7 @@ import pytest
 from prefix_cache import tokenizer_folders
 from prefix_cache.testing import offline_tokenizers as ot
 
-from tests.conftest import TEMPLATES_DIR
+from tests.support.paths import TEMPLATES_DIR
 
 MIXED = "Hello, world! 你好 \n\n  def f(x): return x"
 # Texts for comparing against the packages' own encoders: scripts, digits, contractions,

@@ -17,8 +17,8 @@ from prefix_cache import StaticPrefixCache
 from prefix_cache.errors import PrefixCacheError
 
 from tests.support import reference
-from tests.conftest import make_tools
 from tests.support.templates import BEHAVIOURS
+from tests.support.tools import make_tools
 
 TRICKY = ["Hi", "Tell me a joke.", "", " ", "\n\n", "<|im_end|>", "Hi there", "T", "日本語", "{{ x }}",
           "You are the agent.", "You are right.", "Please go on."]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import replace
-from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -17,15 +16,15 @@ from prefix_cache.service.pool import UpstreamPool
 from prefix_cache.service.pool_metrics import PoolMetrics
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.templates import BEHAVIOURS
 from tests.service.test_metrics import ENGINE_STATS
+from tests.support.paths import GRAFANA_DASHBOARD
+from tests.support.templates import BEHAVIOURS
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
 METRIC = re.compile(r"\b(prefix_cache_[a-z_]+)")
 
 
 def queried_metrics() -> set[str]:
-    dash = json.loads(DASHBOARD.read_text())
+    dash = json.loads(GRAFANA_DASHBOARD.read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
     assert exprs, "the dashboard has no queries"
     return {m for e in exprs for m in METRIC.findall(e)}

@@ -27,11 +27,12 @@ from prefix_cache.service.tenants import KeysConfig
 from prefix_cache.service.upstream import DEFAULT_HEALTH_PATH
 from prefix_cache.tokenizer_folders import CACHE_ENV
 
-from tests.support.service_helpers import ServerThread, local_client, served
+from tests.support.loopback import local_client
+from tests.support.paths import DEPLOY
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "kubernetes"
 PLIST = DEPLOY / "launchd" / "io.prefix-cache.sidecar.plist"
 SETTINGS_VARS = {env_name(name) for name in ServiceSettings.model_fields}

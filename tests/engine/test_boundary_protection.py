@@ -16,7 +16,6 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-pytest_plugins = ["tests.support.demo_model_fixtures"]
 
 KEEP = 0.2
 # The same weights computing the same tokens in the same chunks, on two engines.

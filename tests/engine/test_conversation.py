@@ -23,8 +23,6 @@ from tests.support.engine_fixtures import (  # noqa: E402
     turn,
 )
 
-pytest_plugins = ["tests.support.engine_fixtures"]
-
 
 @pytest.fixture
 def make_engine(engines):

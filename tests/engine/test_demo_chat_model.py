@@ -19,9 +19,10 @@ pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
 from prefix_cache.demo import cache_home  # noqa: E402
 
-from tests.support.service_helpers import REPO, ServeProcess, free_port, local_client, openai_client  # noqa: E402
+from tests.support.loopback import free_port, local_client, openai_client  # noqa: E402
+from tests.support.paths import REPO  # noqa: E402
+from tests.support.serve_process import ServeProcess  # noqa: E402
 
-pytest_plugins = ["tests.support.demo_model_fixtures"]
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in one sentence."}
@@ -141,7 +142,7 @@ def test_tools_are_part_of_the_static_prefix(demo_chat_dir: Path) -> None:
     from prefix_cache import StaticPrefixCache
     from prefix_cache.model_dir import load_tokenizer
 
-    from tests.conftest import make_tools
+    from tests.support.tools import make_tools
 
     tok = load_tokenizer(demo_chat_dir)
     tools = make_tools(3)

@@ -23,7 +23,6 @@ from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig  # noqa: E40
 from engine_adapter.testing.tiny_model import FAMILIES, TINY_WINDOW  # noqa: E402
 from tests.support.engine_fixtures import assert_matches_dense, load_tiny, run, turn  # noqa: E402
 
-pytest_plugins = ["tests.support.engine_fixtures"]
 
 LAYERED = [f for f in FAMILIES if f != "qwen3_moe"]   # sliding-window or recurrent layers
 
@@ -184,7 +183,8 @@ def test_real_template_and_tokenizer_turn_two_reuses_and_matches_dense(arch, tmp
     from engine_adapter.testing.tiny_model import make_tiny_model
     from prefix_cache import StaticPrefixCache
     from prefix_cache.model_dir import load_tokenizer
-    from tests.conftest import TEMPLATES_DIR, make_tools
+    from tests.support.paths import TEMPLATES_DIR
+    from tests.support.tools import make_tools
 
     tokenizer, stem = REAL_TEMPLATES[arch]
     template = TEMPLATES_DIR / f"{stem}.jinja"

@@ -16,10 +16,9 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from .gguf_reference import GGUFLlama, rope_halves  # noqa: E402
+from tests.support.paths import REPO  # noqa: E402
 
-pytest_plugins = ["tests.support.demo_model_fixtures"]
 
-REPO = Path(__file__).resolve().parents[2]
 # float32 (the folder) against float64 (the reference) through 30 layers: rounding only. A
 # wrong rotary convention or a mis-ordered row moves logits by whole units (checked below).
 LOGIT_ATOL = 2e-3

@@ -28,10 +28,9 @@ from engine_adapter.mlx_engine.kv_disk import DiskKVStore, kv_disk_folder  # noq
 from engine_adapter.options import EngineOptions  # noqa: E402
 from prefix_cache.chat.backend import BackendRequest, SamplingParams  # noqa: E402
 from tests.support.engine_fixtures import assert_matches_dense, load_tiny, run, turn  # noqa: E402
+from tests.support.paths import REPO  # noqa: E402
 
-pytest_plugins = ["tests.support.engine_fixtures", "tests.support.service_fixtures"]
 
-REPO = Path(__file__).resolve().parents[2]
 GIB = 1 << 30
 
 

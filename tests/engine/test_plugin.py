@@ -12,7 +12,7 @@ import pytest
 from engine_adapter.plugin import SpecPrefillBoundary, install
 from prefix_cache import StaticPrefixCache
 
-from tests.conftest import make_tools
+from tests.support.tools import make_tools
 
 IMAGE_TOKENS = 16  # what the processor expands one <|image_pad|> into (a 4x4 merged grid)
 

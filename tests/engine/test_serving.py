@@ -34,27 +34,24 @@ from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
 from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
-from tests.conftest import make_tools  # noqa: E402
-from tests.support.service_helpers import (  # noqa: E402
-    ARTIFACTS,
+from tests.deploy.test_grafana import queried_metrics  # noqa: E402
+from tests.support.browser import (  # noqa: E402
     CHROMEDRIVER,
     CHROMIUM,
-    ServeProcess,
-    ServerThread,
     browser_errors,
     headless_chromium,
-    local_client,
-    openai_client,
-    served,
-    unique_system,
     wait_for_js,
-    wait_until,
 )
-from tests.deploy.test_grafana import queried_metrics  # noqa: E402
+from tests.support.loopback import local_client, openai_client  # noqa: E402
+from tests.support.paths import ARTIFACTS  # noqa: E402
+from tests.support.paths import REPO  # noqa: E402
+from tests.support.serve_process import ServeProcess  # noqa: E402
+from tests.support.server_thread import ServerThread  # noqa: E402
+from tests.support.sidecar import served, unique_system  # noqa: E402
+from tests.support.tools import make_tools  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
-REPO = Path(__file__).resolve().parents[2]
 KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 ADMIN, METRICS = "sk-engine-admin", "sk-engine-metrics"   # the dashboard's, Prometheus's
 MODEL = "tiny-qwen3"  # the session tiny model's folder name: the sidecar's model name

@@ -36,7 +36,6 @@ from tests.support.engine_fixtures import (  # noqa: E402
     run,
 )
 
-pytest_plugins = ["tests.support.engine_fixtures"]
 
 SMALL = SpecPrefillConfig(keep_pct=0.3, threshold=0, chunk_size=8, tail_tokens=8)
 

@@ -18,19 +18,13 @@ from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from tests.support import reference
-from tests.conftest import make_tools
-from tests.support.service_helpers import (
-    Recorder,
-    ServerThread,
-    free_port,
-    local_client,
-    openai_client,
-    served,
-    unique_system,
-)
+from tests.support.loopback import free_port, local_client, openai_client
+from tests.support.recording_upstream import Recorder
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
+from tests.support.tools import make_tools
 
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
-pytest_plugins = ["tests.support.service_fixtures"]
 
 BODY_LIMIT = 256 * 1024
 STRICT_TEMPLATE = (

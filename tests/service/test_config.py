@@ -23,9 +23,9 @@ from prefix_cache.service.tenants import KeyRing
 from prefix_cache.service.upstream import Upstream, normalize_base_url
 from prefix_cache.testing.offline_tokenizers import make_model_dir
 
-from tests.support.service_helpers import ServeProcess, local_client
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.loopback import local_client
+from tests.support.paths import REPO
+from tests.support.serve_process import ServeProcess
 
 
 @pytest.fixture(autouse=True)

@@ -7,7 +7,6 @@ import json
 import re
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,24 +15,22 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 
-from tests.support.service_helpers import (
-    ARTIFACTS,
+from tests.support.browser import (
     CHROMEDRIVER,
     CHROMIUM,
-    ServerThread,
     browser_errors,
     headless_chromium,
-    local_client,
-    served,
-    unique_system,
     wait_for_js,
 )
+from tests.support.loopback import local_client
+from tests.support.paths import ARTIFACTS
+from tests.support.paths import GRAFANA_DASHBOARD
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 ACME, GLOBEX, ADMIN = "sk-dash-acme", "sk-dash-globex", "sk-dash-admin"
 METRICS = "sk-dash-metrics"  # what Prometheus scrapes with
-GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +100,7 @@ def test_metrics_stats_and_counts_agree(base: str) -> None:
 def test_grafana_queries_exist_in_live_metrics(base: str) -> None:
     burst(base)
     exposed = {name for name, _ in scrape(base)}
-    dash = json.loads(GRAFANA.read_text())
+    dash = json.loads(GRAFANA_DASHBOARD.read_text())
     queried = {m for p in dash["panels"] for t in p["targets"]
                for m in re.findall(r"\b(prefix_cache_[a-z_]+)", t["expr"])}
     # The engine row's metrics exist only with an in-process engine: test_engine_serving checks

@@ -16,10 +16,11 @@ from prefix_cache.demo import DEMO_TEMPLATE
 from prefix_cache.service.settings import ServiceSettings, env_name
 from prefix_cache.testing.offline_tokenizers import make_model_dir
 
+from tests.support.loopback import local_client
+from tests.support.paths import REPO
 from tests.support.redis_server import RedisServer, needs_redis
-from tests.support.service_helpers import ServeProcess, local_client
+from tests.support.serve_process import ServeProcess
 
-REPO = Path(__file__).resolve().parents[2]
 # Variables that are not settings of `serve`, each documented where it is read.
 OTHER_VARIABLES = {
     "PREFIX_CACHE_HOME",            # where the demo model folder is made (serve --help)

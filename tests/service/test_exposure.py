@@ -16,9 +16,11 @@ from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.service_helpers import Recorder, ServerThread, local_client, served, unique_system
+from tests.support.loopback import local_client
+from tests.support.recording_upstream import Recorder
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 ACME, ADMIN, METRICS = "sk-exp-acme", "sk-exp-admin", "sk-exp-metrics"
 TENANT = "acme-secret-name"   # a name no anonymous caller should ever read

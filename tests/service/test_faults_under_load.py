@@ -32,11 +32,14 @@ from tests.support.load_client import (
     tcp_connections,
     wait_for_tasks,
 )
+from tests.support.loopback import free_port
+from tests.support.recording_upstream import Recorder
 from tests.support.redis_server import RedisServer, needs_redis
-from tests.support.service_helpers import Recorder, ServerThread, free_port, served, wait_until
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served
+from tests.support.waits import wait_until
 
 pytestmark = needs_redis
-pytest_plugins = ["tests.support.service_fixtures"]
 
 PHASE_REQUESTS = 24      # answers to wait for in each phase of a fault sequence
 SLACK_TASKS = 2          # tasks the loop may run beyond its idle count (a timer, a probe)

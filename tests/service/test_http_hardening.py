@@ -18,10 +18,13 @@ from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
+from tests.support.loopback import local_client
+from tests.support.paths import REPO
 from tests.support.raw_http import endless_chunked_post, raw_upstream
-from tests.support.service_helpers import REPO, Recorder, ServerThread, local_client, served, unique_system
+from tests.support.recording_upstream import Recorder
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 BODY_LIMIT = 256 * 1024
 ADMIN = "sk-hardening-admin"

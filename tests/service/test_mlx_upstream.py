@@ -17,16 +17,11 @@ from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
 from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
-from tests.conftest import make_tools  # noqa: E402
-from tests.support.service_helpers import (  # noqa: E402
-    ServerThread,
-    local_client,
-    openai_client,
-    served,
-    unique_system,
-)
+from tests.support.loopback import local_client, openai_client  # noqa: E402
+from tests.support.server_thread import ServerThread  # noqa: E402
+from tests.support.sidecar import served, unique_system  # noqa: E402
+from tests.support.tools import make_tools  # noqa: E402
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 # mlx_lm.server loads the model it was started with under this name; any other is a Hub id.
 MLX_DEFAULT_MODEL = "default_model"

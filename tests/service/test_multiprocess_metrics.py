@@ -17,11 +17,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.load_client import LoadThread, Truth, make_agents, report
+from tests.support.loopback import local_client
+from tests.support.paths import REPO
 from tests.support.redis_server import RedisServer, needs_redis
-from tests.support.service_helpers import REPO, ServeProcess, local_client, wait_until
+from tests.support.serve_process import ServeProcess
+from tests.support.waits import wait_until
 
 pytestmark = needs_redis
-pytest_plugins = ["tests.support.service_fixtures"]
 
 BOUNDED_S = 60.0
 DEMO = "demo-qwen3"   # the model `serve` serves when given none

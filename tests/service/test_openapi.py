@@ -15,13 +15,15 @@ from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.schemas import ChatRequest
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.service_helpers import Recorder, ServerThread, local_client, served
+from tests.support.loopback import local_client
+from tests.support.recording_upstream import Recorder
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.specs.openapi import checks as openapi_checks  # noqa: E402
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 ADMIN, METRICS = "sk-openapi-admin", "sk-openapi-metrics"
 # Bounded: the whole run takes seconds to a minute on two shared cores.

@@ -16,12 +16,14 @@ from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 from prefix_cache.store.breaker import CircuitBreaker, ExponentialBackoff
 
-from tests.conftest import make_tools
+from tests.support.loopback import local_client
 from tests.support.redis_server import RedisServer, needs_redis
-from tests.support.service_helpers import ServerThread, local_client, served, unique_system, wait_until
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
+from tests.support.tools import make_tools
+from tests.support.waits import wait_until
 
 pytestmark = needs_redis
-pytest_plugins = ["tests.support.service_fixtures"]
 
 ACME, ADMIN = "sk-acme-1", "sk-admin-1"
 BOUNDED_S = 30.0      # the longest any wait here may take; never a timing assertion

@@ -15,10 +15,11 @@ from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from tests.support import reference
-from tests.conftest import make_tools
-from tests.support.service_helpers import ServerThread, local_client, served, unique_system
+from tests.support.loopback import local_client
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
+from tests.support.tools import make_tools
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 # A request-level template that renders the system text in its own frame and no assistant turn:
 # the default template's scaffold runs into the user's text under it.

@@ -21,16 +21,12 @@ from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.service_helpers import (
-    Recorder,
-    ServeProcess,
-    ServerThread,
-    local_client,
-    served,
-    unique_system,
-)
+from tests.support.loopback import local_client
+from tests.support.recording_upstream import Recorder
+from tests.support.serve_process import ServeProcess
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 BOUNDED_S = 30.0
 GRACE_S = 6.0   # long enough for the acked stream on a busy machine, short of the upstream's hold

@@ -10,8 +10,8 @@ import os
 import subprocess
 import sys
 
+from tests.support.paths import REPO
 from tests.support.redis_server import needs_redis
-from tests.support.service_helpers import REPO
 
 pytestmark = needs_redis
 DURATION_S = 20

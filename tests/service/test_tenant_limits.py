@@ -22,17 +22,12 @@ import pytest
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.models import ModelRegistry
 
-from tests.conftest import make_tools
-from tests.support.service_helpers import (
-    EVENT_TIMEOUT_S,
-    ServerThread,
-    local_client,
-    served,
-    unique_system,
-    wait_until,
-)
+from tests.support.loopback import local_client
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
+from tests.support.tools import make_tools
+from tests.support.waits import EVENT_TIMEOUT_S, wait_until
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
 ACME, GLOBEX, INITECH = "sk-lim-acme", "sk-lim-globex", "sk-lim-initech"
 PROMPT_LIMIT = 64 * 1024
@@ -137,7 +132,7 @@ def test_a_tenant_over_its_limit_gets_429_while_another_is_served(strict: str) -
 
 def test_the_sdk_sees_a_rate_limit_error_it_can_retry(base: str) -> None:
     openai = pytest.importorskip("openai")
-    from tests.support.service_helpers import openai_client
+    from tests.support.loopback import openai_client
 
     with held_slot(base, ACME) as held, local_client(base_url=base) as http:
         assert wait_for_status(http, ACME, 429).status_code == 429

@@ -19,18 +19,13 @@ from prefix_cache.service.tenants import KeyRing
 from prefix_cache.service.upstream import Upstream
 from prefix_cache.store.memory import entry_size
 
-from tests.conftest import make_tools
-from tests.support.service_helpers import (
-    Recorder,
-    ServerThread,
-    local_client,
-    openai_client,
-    served,
-    unique_system,
-)
+from tests.support.loopback import local_client, openai_client
+from tests.support.recording_upstream import Recorder
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
+from tests.support.tools import make_tools
 
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
-pytest_plugins = ["tests.support.service_fixtures"]
 
 ACME, GLOBEX, ADMIN = "sk-acme-1", "sk-globex-1", "sk-admin-1"
 

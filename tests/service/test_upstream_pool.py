@@ -26,23 +26,20 @@ from prefix_cache.service.pool import UpstreamPool
 from prefix_cache.service.routing import affinity_order, routing_key
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.service_helpers import (
+from tests.support.browser import (
     CHROMEDRIVER,
     CHROMIUM,
-    Recorder,
-    ServerThread,
     browser_errors,
-    free_port,
     headless_chromium,
-    local_client,
-    recording_upstream,
     wait_for_js,
-    wait_until,
 )
+from tests.support.loopback import free_port, local_client
+from tests.support.paths import GRAFANA_DASHBOARD
+from tests.support.recording_upstream import Recorder, recording_upstream
+from tests.support.server_thread import ServerThread
+from tests.support.waits import wait_until
 
-pytest_plugins = ["tests.support.service_fixtures"]
 
-GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "prefix-cache-dashboard.json"
 REPLICAS = 4
 EJECT_S = 0.3
 MODEL = "pooled"
@@ -292,7 +289,7 @@ def test_metrics_and_dashboard_show_each_replica(sidecar_for: Any) -> None:
     for name in sidecar.pool.names:
         assert f'prefix_cache_upstream_in_flight{{model="{MODEL}",replica="{name}"}} 0.0' in text
     exposed = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
-    grafana = json.loads(GRAFANA.read_text())
+    grafana = json.loads(GRAFANA_DASHBOARD.read_text())
     queried = {m for p in grafana["panels"] for t in p.get("targets", [])
                for m in re.findall(r"\b(prefix_cache_upstream_[a-z_]+)", t["expr"])}
     assert len(queried) >= 4 and not queried - exposed, sorted(queried - exposed)

@@ -12,8 +12,8 @@ from prefix_cache.store.factory import open_store
 from prefix_cache.store.redis import RedisStore
 from prefix_cache.store.tiered import TieredStore
 
-from tests.support.redis_server import RedisCluster, RedisServer, needs_redis
 from .contract import StoreContract
+from tests.support.redis_server import RedisCluster, RedisServer, needs_redis
 
 pytestmark = needs_redis
 

@@ -22,13 +22,13 @@ from prefix_cache.store.breaker import CLOSED, OPEN, CircuitBreaker, Exponential
 from prefix_cache.store.redis import RedisStore
 
 from tests.support import reference
-from tests.conftest import Clock, make_tools
+from tests.support.clock import Clock
 from tests.support.redis_server import needs_redis
 from tests.support.templates import BEHAVIOURS
+from tests.support.tools import make_tools
 
 pytestmark = needs_redis
 TEMPLATE = BEHAVIOURS["default_system"]
-
 
 
 def request(i: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -190,7 +190,7 @@ def test_second_process_hits_what_the_first_computed(redis, tmp_path) -> None:
 def test_cli_with_dead_redis_still_answers(tmp_path) -> None:
     from prefix_cache.demo import demo_model_dir
 
-    from tests.support.redis_server import free_port
+    from tests.support.loopback import free_port
 
     model = demo_model_dir(tmp_path / "models")
     req = tmp_path / "req.json"

@@ -17,7 +17,7 @@ from prefix_cache.store.memory import MemoryStore
 from prefix_cache.store.redis import RedisStore
 from prefix_cache.store.tiered import TieredStore
 
-from tests.conftest import Clock
+from tests.support.clock import Clock
 from tests.support.redis_server import RedisServer, needs_redis
 
 pytestmark = needs_redis
@@ -28,7 +28,6 @@ SLOW_OK_S = 2.0
 # average of 20 (where even answers from a healthy server wait that long for a core); its
 # set-up gets SLOW_OK_S. At a load average of 22 even that ran out once in 20 starts.
 BURST_ANSWER_S = 0.25
-
 
 
 def key(ns: str, i: int) -> str:
@@ -165,7 +164,7 @@ def test_gate_bounds_holders_and_refuses_after_the_wait() -> None:
 async def test_a_dead_server_still_opens_the_breaker(tmp_path) -> None:
     from prefix_cache.errors import StoreBusyError
 
-    from tests.support.redis_server import free_port
+    from tests.support.loopback import free_port
 
     store = RedisStore(f"redis://127.0.0.1:{free_port()}/0", max_connections=2)
     with pytest.raises(StoreUnavailableError) as failure:

@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from .service_helpers import Recorded
+from .recording_upstream import Recorded
 
 # One tool in each API's shape: Anthropic's (input_schema), chat's and Responses' function.
 READ = {"name": "read_file", "description": "Read a file of the workspace.",

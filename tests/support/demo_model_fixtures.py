@@ -2,25 +2,17 @@
 folders, made once per machine in the project's cache folder (``$PREFIX_CACHE_HOME`` or
 ``~/.cache/prefix-cache``; a converted folder is reused until its recipe stamp changes).
 
-Test modules load this as a plugin (``pytest_plugins = ["tests.support.demo_model_fixtures"]``). Nothing
+The root ``conftest.py`` loads this as a plugin. Nothing
 here imports mlx at module level; modules skip themselves when mlx or the package is missing.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
-# mlx's CPU backend is slow on its reference BLAS; OpenBLAS, where installed, is not (a server
-# process started by a test gets it preloaded; this process keeps what it was started with).
-OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-            "/lib/x86_64-linux-gnu/libopenblas.so.0")
-
-
-def openblas() -> str | None:
-    return next((p for p in OPENBLAS if os.path.isfile(p)), None)
+from .paths import openblas
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """Fixtures and helpers of the engine tests: tiny random-weights models (float32, real Qwen3
 vocabulary) built once per session, a request runner, and logit comparisons.
 
-Test modules load this as a plugin (``pytest_plugins = ["tests.support.engine_fixtures"]``) and import
+The root ``conftest.py`` loads this as a plugin and import
 the helpers by name. Nothing here imports mlx at module level: the modules that use it skip
 themselves when mlx is missing, and the plugin must still load then.
 """

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from . import reference
-from tests.conftest import make_tools
+from .tools import make_tools
 
 
 @dataclass(frozen=True)

@@ -3,51 +3,20 @@
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from .loopback import free_port
+from .waits import wait_until
+
 REDIS_SERVER = shutil.which("redis-server")
 REDIS_CLI = shutil.which("redis-cli")
 needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def free_port(cluster_bus: bool = False) -> int:
-    """A free loopback port; for cluster nodes also its bus port (port + 10000) must be free."""
-    if not cluster_bus:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(20000, 55000)
-        if _bindable(port) and _bindable(port + 10000):
-            return port
-    raise RuntimeError("no free port pair for a cluster node")
-
-
-def _wait(predicate, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def _answers(port: int) -> bool:
@@ -78,7 +47,7 @@ class RedisServer:
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no", *self.extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait(lambda: _answers(self.port), what=f"redis on {self.port}")
+        wait_until(lambda: _answers(self.port), f"redis on {self.port}")
         return self
 
     def kill(self) -> None:
@@ -129,8 +98,8 @@ class RedisCluster:
                         *(f"127.0.0.1:{n.port}" for n in self.nodes),
                         "--cluster-replicas", "0", "--cluster-yes"],
                        capture_output=True, timeout=30, check=True)
-        _wait(lambda: all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes),
-              timeout=20, what="cluster_state:ok")
+        wait_until(lambda: all("cluster_state:ok" in n.cli("cluster", "info") for n in self.nodes),
+                   "cluster_state:ok", timeout=20)
         return self
 
     def stop(self) -> None:

@@ -1,7 +1,7 @@
 """Fixtures of the service tests: the recording upstream, the demo model, and a real
 ``mlx_lm.server`` serving the tiny random-weights model.
 
-Test modules load this as a plugin (``pytest_plugins = ["tests.support.service_fixtures"]``), so each
+The root ``conftest.py`` loads this as a plugin, so each
 session fixture exists once per run however many modules use it. Every wait is bounded.
 """
 
@@ -18,7 +18,10 @@ from typing import Any
 import httpx
 import pytest
 
-from .service_helpers import Recorder, ServerThread, free_port, local_client, recording_upstream
+from .loopback import free_port, local_client
+from .paths import openblas
+from .recording_upstream import Recorder, recording_upstream
+from .server_thread import ServerThread
 
 MLX_STARTUP_TIMEOUT_S = 120.0
 
@@ -67,12 +70,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _mlx_env() -> dict[str, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    # mlx's CPU backend is slow on the reference BLAS; OpenBLAS, where installed, is not.
-    for blas in ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-                 "/lib/x86_64-linux-gnu/libopenblas.so.0"):
-        if Path(blas).is_file():
-            env["LD_PRELOAD"] = blas
-            break
+    blas = openblas()  # mlx's CPU backend is slow on the reference BLAS
+    if blas:
+        env["LD_PRELOAD"] = blas
     return env
 
 
