@@ -15,7 +15,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Helper modules whose asserts test modules call: rewrite them for pytest's assert messages.
-pytest.register_assert_rewrite("tests.support.engine_fixtures")
+pytest.register_assert_rewrite("tests.support")
 
 # Session fixtures live in these plugins, so each exists once per run however many folders use
 # it. None of them imports mlx at load: the tests that need it skip themselves without it.

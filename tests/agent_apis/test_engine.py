@@ -21,59 +21,41 @@ from prefix_cache.chat.anthropic_stream import MessageMeta, message_json  # noqa
 from prefix_cache.chat.backend import BackendRequest, SamplingParams, Usage  # noqa: E402
 from prefix_cache.chat.events import backend_events  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
-from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
-from tests.engine.test_serving import ScriptedEngine  # noqa: E402
 from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
-from tests.support.loopback import openai_client  # noqa: E402
+from tests.support.loopback import anthropic_client, openai_client  # noqa: E402
+from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
 from tests.support.server_thread import ServerThread  # noqa: E402
-from tests.support.sidecar import served, unique_system  # noqa: E402
+from tests.support.service_fixtures import TINY_MODEL  # noqa: E402
+from tests.support.sidecar import TENANT_KEYS, served, sidecar_app, unique_system  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
 
 
-KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
-MODEL = "tiny-qwen3"
-META = MessageMeta("msg_1", "m", Usage(3, 0))  # the session tiny model's folder name: the sidecar's model name
-
-
-def claude(base: str, key: str = "sk-acme") -> Any:
-    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=60.0)
-
-
-@pytest.fixture(scope="module")
-def sidecar(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-            ) -> Iterator[tuple[str, MLXBackend]]:
-    settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", api_keys=KEYS,
-                               keys_file=None, models_file=None, upstream=None,
-                               engine_options={"kv_disk_dir": str(tmp_path_factory.mktemp("kv"))})
-    app = create_app(settings)
-    engine = app.state.service.models.get(MODEL).engine
-    with ServerThread(app) as url:
-        yield url, engine
+META = MessageMeta("msg_1", "m", Usage(3, 0))
 
 
 def chat_completion(base: str, messages: list[dict[str, Any]],
                     tools: list[dict[str, Any]] | None = None) -> tuple[int, int]:
     """The boundary /v1/chat/completions gives for a conversation, and its prompt's length."""
     raw = openai_client(base, "sk-acme").chat.completions.with_raw_response.create(
-        model=MODEL, messages=messages, tools=tools or openai.omit, max_tokens=1,
+        model=TINY_MODEL, messages=messages, tools=tools or openai.omit, max_tokens=1,
         temperature=0.0)
     return int(raw.headers["x-specprefill-system-end"]), raw.parse().usage.prompt_tokens
 
 
-def test_an_anthropic_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
-    url, engine = sidecar
-    sdk = claude(url)
+def test_an_anthropic_agent_on_the_in_process_engine(
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, engine = engine_sidecar
+    sdk = anthropic_client(url)
     system = unique_system()["content"]
     blocks = [{"type": "text", "text": system[:12]}, {"type": "text", "text": system[12:]}]
     first = sdk.messages.with_raw_response.create(
-        model=MODEL, max_tokens=4, system=blocks, tools=[READ],
+        model=TINY_MODEL, max_tokens=4, system=blocks, tools=[READ],
         messages=[{"role": "user", "content": "Read a.txt."}])
     assert first.headers["x-prefix-cache"] == "miss"
     message = first.parse()
-    assert message.type == "message" and message.role == "assistant" and message.model == MODEL
+    assert message.type == "message" and message.role == "assistant" and message.model == TINY_MODEL
     assert message.stop_reason in ("max_tokens", "end_turn") and message.usage.output_tokens <= 4
     # The agent's second turn: its tool call and the tool's result.
     turns = [{"role": "user", "content": "Read a.txt."},
@@ -83,7 +65,7 @@ def test_an_anthropic_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBack
              {"role": "user", "content": [
                  {"type": "tool_result", "tool_use_id": "toolu_1", "content": "hello"}]}]
     before = engine.snapshot_stats().reused_tokens
-    second = sdk.messages.with_raw_response.create(model=MODEL, max_tokens=4, system=blocks,
+    second = sdk.messages.with_raw_response.create(model=TINY_MODEL, max_tokens=4, system=blocks,
                                                    tools=[READ], messages=turns)
     assert second.headers["x-prefix-cache"] == "hit"
     end = int(second.headers["x-specprefill-system-end"])
@@ -100,10 +82,11 @@ def test_an_anthropic_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBack
     assert (chat_end, chat_prompt) == (end, usage.input_tokens + usage.cache_read_input_tokens)
 
 
-def test_anthropic_streaming_on_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
-    url, _ = sidecar
-    with claude(url).messages.stream(
-            model=MODEL, max_tokens=5, system=unique_system()["content"],
+def test_anthropic_streaming_on_the_in_process_engine(
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, _ = engine_sidecar
+    with anthropic_client(url).messages.stream(
+            model=TINY_MODEL, max_tokens=5, system=unique_system()["content"],
             messages=[{"role": "user", "content": "Stream."}]) as stream:
         events = list(stream)
         final = stream.get_final_message()
@@ -121,27 +104,27 @@ def test_anthropic_streaming_on_the_in_process_engine(sidecar: tuple[str, MLXBac
     assert 1 <= final.usage.output_tokens <= 5 and final.usage.input_tokens > 0
 
 
-def test_the_engine_refuses_what_it_cannot_honour(sidecar: tuple[str, MLXBackend]) -> None:
-    url, _ = sidecar
+def test_the_engine_refuses_what_it_cannot_honour(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, _ = engine_sidecar
     with pytest.raises(anthropic.BadRequestError, match="top_k") as info:
-        claude(url).messages.create(model=MODEL, max_tokens=4, extra_body={"top_k": 5},
+        anthropic_client(url).messages.create(model=TINY_MODEL, max_tokens=4, extra_body={"top_k": 5},
                                     messages=[{"role": "user", "content": "x"}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="text.format") as refused:
         openai_client(url, "sk-acme").responses.create(
-            model=MODEL, input="x", text={"format": {"type": "json_object"}})
+            model=TINY_MODEL, input="x", text={"format": {"type": "json_object"}})
     assert refused.value.body["code"] == "unsupported_parameter"
     with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
-        openai_client(url, "sk-acme").responses.create(model=MODEL, input="x",
+        openai_client(url, "sk-acme").responses.create(model=TINY_MODEL, input="x",
                                                        reasoning={"effort": "low"})
 
 
-def test_a_responses_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
-    url, _ = sidecar
+def test_a_responses_agent_on_the_in_process_engine(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, _ = engine_sidecar
     acme = openai_client(url, "sk-acme")
     system = unique_system()["content"]
     first = acme.responses.with_raw_response.create(
-        model=MODEL, instructions=system, input="Read a.txt.", tools=[READ_RESPONSES],
+        model=TINY_MODEL, instructions=system, input="Read a.txt.", tools=[READ_RESPONSES],
         max_output_tokens=4, temperature=0.0)
     assert first.headers["x-prefix-cache"] == "miss"
     response = first.parse()
@@ -149,7 +132,7 @@ def test_a_responses_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBacke
     assert response.tools[0].name == "read_file" and response.instructions == system
     text = response.output_text
     with acme.responses.with_streaming_response.create(
-            model=MODEL, instructions=system, input="And b.txt?", tools=[READ_RESPONSES],
+            model=TINY_MODEL, instructions=system, input="And b.txt?", tools=[READ_RESPONSES],
             previous_response_id=response.id, max_output_tokens=4, temperature=0.0,
             stream=True) as streamed:
         assert streamed.headers["x-prefix-cache"] == "hit"
@@ -170,14 +153,14 @@ def test_a_responses_agent_on_the_in_process_engine(sidecar: tuple[str, MLXBacke
     # Another tenant does not know the id.
     with pytest.raises(openai.BadRequestError, match="not found"):
         openai_client(url, "sk-globex").responses.create(
-            model=MODEL, input="x", previous_response_id=response.id)
+            model=TINY_MODEL, input="x", previous_response_id=response.id)
 
 
 def test_leaving_an_agent_stream_cancels_the_engine_request(
-        sidecar: tuple[str, MLXBackend]) -> None:
-    url, engine = sidecar
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, engine = engine_sidecar
     cancelled = engine.snapshot_stats().cancelled
-    with claude(url).messages.stream(model=MODEL, max_tokens=30_000,
+    with anthropic_client(url).messages.stream(model=TINY_MODEL, max_tokens=30_000,
                                      messages=[{"role": "user", "content": "Go on."}]) as stream:
         for event in stream:
             if event.type == "text":
@@ -210,14 +193,14 @@ def engine_server(tiny_model_dir: Path) -> Iterator[tuple[str, MLXBackend]]:
 
 def test_serve_engine_serves_both_agent_apis(engine_server: tuple[str, MLXBackend]) -> None:
     url, _ = engine_server
-    message = claude(url, "sk-engine").messages.create(
+    message = anthropic_client(url, "sk-engine").messages.create(
         model="anything", max_tokens=3, system="Be brief.", tools=[READ],
         messages=[{"role": "user", "content": "Hi"}])
     assert message.model == "anything" and message.usage.output_tokens <= 3
     with pytest.raises(anthropic.AuthenticationError):
-        claude(url, "sk-wrong").messages.create(model="m", max_tokens=3,
+        anthropic_client(url, "sk-wrong").messages.create(model="m", max_tokens=3,
                                                 messages=[{"role": "user", "content": "Hi"}])
-    count = claude(url, "sk-engine").messages.count_tokens(
+    count = anthropic_client(url, "sk-engine").messages.count_tokens(
         model="anything", system="Be brief.", tools=[READ],
         messages=[{"role": "user", "content": "Hi"}])
     assert count.input_tokens == message.usage.input_tokens  # nothing cached yet: all of it
@@ -260,9 +243,9 @@ def test_a_sidecar_in_front_of_serve_engine_passes_agent_requests_natively(
     engine_url, chat_engine = engine_server
     tokenizer = load_tokenizer(tiny_model_dir)
     upstream = Upstream(engine_url, "specprefill", api_key="sk-engine")
-    models = ModelRegistry([served("tiny", tokenizer, upstream)])
     system = unique_system()["content"]
-    with ServerThread(create_app(ServiceSettings(api_keys=KEYS), models=models)) as url:
+    app = sidecar_app(served("tiny", tokenizer, upstream), api_keys=TENANT_KEYS)
+    with ServerThread(app) as url:
         sdk = openai_client(url, "sk-acme")
         first = sdk.responses.create(model="tiny", instructions=system, input="One.",
                                      tools=[READ_RESPONSES], max_output_tokens=3)
@@ -276,7 +259,7 @@ def test_a_sidecar_in_front_of_serve_engine_passes_agent_requests_natively(
         assert usage.input_tokens_details.cached_tokens >= end > 0
         assert chat_engine.snapshot_stats().reused_tokens - before \
             == usage.input_tokens_details.cached_tokens
-        with claude(url).messages.stream(model="tiny", max_tokens=3, system=system,
+        with anthropic_client(url).messages.stream(model="tiny", max_tokens=3, system=system,
                                          tools=[READ],
                                          messages=[{"role": "user", "content": "Hi"}]) as s:
             final = s.get_final_message()

@@ -14,20 +14,17 @@ from typing import Any
 
 import pytest
 
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service import ServiceSettings
 from prefix_cache.service.upstream import Upstream
 
 from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
-from tests.support.loopback import local_client, openai_client
+from tests.support.loopback import anthropic_client, local_client, openai_client
 from tests.support.redis_server import needs_redis
 from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import TENANT_KEYS, bearer, served, sidecar_app, unique_system
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
-
-KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
 
 
 @pytest.fixture(scope="module")
@@ -44,27 +41,19 @@ def rec(rec_server: tuple[AgentRecorder, str]) -> AgentRecorder:
 
 
 @pytest.fixture(scope="module")
-def base(rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> Iterator[str]:
+def app(rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> Any:
     url = rec_server[1]
-    models = ModelRegistry([
+    return sidecar_app(
         served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
         served("native-spec", demo_tokenizer, Upstream(url, "specprefill")),
         served("chat-only", demo_tokenizer, Upstream(url)),
         served("chat-only-spec", demo_tokenizer, Upstream(url, "specprefill", apis=())),
         served("boundary-only", demo_tokenizer),
-    ])
-    app = create_app(ServiceSettings(api_keys=KEYS), models=models)
-    with ServerThread(app) as url:
-        yield url
-
-
-def claude(base: str, key: str = "sk-acme") -> Any:
-    """The Anthropic SDK; its key goes as x-api-key, as Claude clients send it."""
-    return anthropic.Anthropic(base_url=base, api_key=key, max_retries=0, timeout=30.0)
+        api_keys=TENANT_KEYS)
 
 
 def chat_boundary(base: str, body: dict[str, Any], key: str = "sk-acme") -> dict[str, Any]:
-    with local_client(base_url=base, headers={"authorization": f"Bearer {key}"}) as http:
+    with local_client(base_url=base, headers=bearer(key)) as http:
         r = http.post("/v1/prefix/boundary", json={**body, "return_prompt_ids": True})
     assert r.status_code == 200, r.text
     return dict(r.json())
@@ -101,7 +90,7 @@ def agent_turns(system_text: str) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 def test_messages_go_unchanged_to_an_upstream_that_serves_them(base: str,
                                                                rec: AgentRecorder) -> None:
-    sdk = claude(base)
+    sdk = anthropic_client(base)
     system = unique_system()["content"]
     blocks = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=1; cch=abc;"},
               {"type": "text", "text": system[:10], "cache_control": {"type": "ephemeral"}},
@@ -130,7 +119,7 @@ def test_a_specprefill_upstream_gets_the_boundary_and_the_prompt_ids(base: str,
                                                                     rec: AgentRecorder) -> None:
     system = unique_system()["content"]
     turns, chat_messages = agent_turns(system)
-    with claude(base).messages.stream(model="native-spec", max_tokens=8, system=system,
+    with anthropic_client(base).messages.stream(model="native-spec", max_tokens=8, system=system,
                                       tools=[READ], messages=turns) as stream:
         assert "".join(stream.text_stream) == "recorded"
     sent = rec.last("messages").body
@@ -146,7 +135,7 @@ def test_messages_become_a_chat_completion_for_a_chat_only_upstream(base: str,
     system = unique_system()["content"]
     turns, chat_messages = agent_turns(system)
     rec.tool_call = ("call_9", "read_file", {"path": "b.txt", "n": 2**70})
-    raw = claude(base).messages.with_raw_response.create(
+    raw = anthropic_client(base).messages.with_raw_response.create(
         model="chat-only", max_tokens=8, system=system, tools=[READ], messages=turns,
         extra_body={"temperature": 0.5}, stop_sequences=["END"], tool_choice={"type": "any"})
     message = raw.parse()
@@ -173,7 +162,7 @@ def test_messages_become_a_chat_completion_for_a_chat_only_upstream(base: str,
 def test_a_streamed_chat_completion_comes_back_as_anthropic_events(base: str,
                                                                    rec: AgentRecorder) -> None:
     rec.tool_call = ("call_7", "read_file", {"path": "c.txt"})
-    with claude(base).messages.stream(
+    with anthropic_client(base).messages.stream(
             model="chat-only-spec", max_tokens=8, system=unique_system()["content"],
             tools=[READ], messages=[{"role": "user", "content": "Read c.txt."}]) as stream:
         kinds = [event.type for event in stream]
@@ -190,7 +179,7 @@ def test_a_streamed_chat_completion_comes_back_as_anthropic_events(base: str,
 def test_count_tokens_counts_the_prompt_the_conversation_renders_to(base: str) -> None:
     system = unique_system()["content"]
     turns, chat_messages = agent_turns(system)
-    count = claude(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
+    count = anthropic_client(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
                                                messages=turns)
     expected = chat_boundary(base, {"model": "chat-only", "messages": chat_messages,
                                     "tools": [READ_CHAT]})
@@ -199,7 +188,7 @@ def test_count_tokens_counts_the_prompt_the_conversation_renders_to(base: str) -
 
 def test_bad_messages_are_anthropic_400s_before_anything_is_resolved(base: str,
                                                                      rec: AgentRecorder) -> None:
-    sdk = claude(base)
+    sdk = anthropic_client(base)
     cases = [
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role: 'system'"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
@@ -221,7 +210,7 @@ def test_bad_messages_are_anthropic_400s_before_anything_is_resolved(base: str,
                             messages=[{"role": "user", "content": "x"}])
     assert missing.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.AuthenticationError) as unauthorized:
-        claude(base, "sk-wrong").messages.create(model="native", max_tokens=4,
+        anthropic_client(base, "sk-wrong").messages.create(model="native", max_tokens=4,
                                                  messages=[{"role": "user", "content": "x"}])
     assert unauthorized.value.body["type"] == "error"
 
@@ -230,7 +219,7 @@ def test_upstream_errors_keep_the_api_shape(base: str, rec: AgentRecorder) -> No
     rec.error = (429, {"error": {"message": "slow down", "type": "rate_limit",
                                  "code": "rate_limited"}})
     with pytest.raises(anthropic.RateLimitError, match="slow down") as info:
-        claude(base).messages.create(model="chat-only", max_tokens=4,
+        anthropic_client(base).messages.create(model="chat-only", max_tokens=4,
                                      messages=[{"role": "user", "content": "x"}])
     assert info.value.body == {"type": "error", "error": {"type": "rate_limit_error",
                                                           "message": "slow down"}}
@@ -238,7 +227,7 @@ def test_upstream_errors_keep_the_api_shape(base: str, rec: AgentRecorder) -> No
                                                   "message": "busy"}}
     rec.error = (529, anthropic_error)
     with pytest.raises(anthropic.APIStatusError) as native:
-        claude(base).messages.create(model="native", max_tokens=4,
+        anthropic_client(base).messages.create(model="native", max_tokens=4,
                                      messages=[{"role": "user", "content": "x"}])
     assert native.value.status_code == 529 and native.value.body == anthropic_error
     with pytest.raises(openai.RateLimitError):
@@ -262,7 +251,7 @@ def test_a_relayed_stream_that_breaks_ends_with_an_anthropic_error_event(
 
 def test_a_model_without_upstream_or_engine_refuses_agent_requests(base: str) -> None:
     with pytest.raises(anthropic.BadRequestError, match="no upstream and no engine"):
-        claude(base).messages.create(model="boundary-only", max_tokens=4,
+        anthropic_client(base).messages.create(model="boundary-only", max_tokens=4,
                                      messages=[{"role": "user", "content": "x"}])
 
 
@@ -415,9 +404,9 @@ def test_upstream_apis_come_from_the_models_file(tmp_path: Any, demo_folder: Any
 def test_no_sampling_field_the_client_did_not_send_goes_upstream(base: str,
                                                                  rec: AgentRecorder) -> None:
     """vLLM applies the model's generation config only to the fields a request leaves out."""
-    claude(base).messages.create(model="chat-only", max_tokens=4,
+    anthropic_client(base).messages.create(model="chat-only", max_tokens=4,
                                  messages=[{"role": "user", "content": "x"}])
-    with claude(base).messages.stream(model="chat-only", max_tokens=4,
+    with anthropic_client(base).messages.stream(model="chat-only", max_tokens=4,
                                       messages=[{"role": "user", "content": "x"}]) as stream:
         stream.until_done()
     sdk = openai_client(base, "sk-acme")
@@ -428,7 +417,7 @@ def test_no_sampling_field_the_client_did_not_send_goes_upstream(base: str,
     assert len(sent) == 4
     for body in sent:
         assert not {"temperature", "top_p", "top_k", "seed"} & set(body), body
-    claude(base).messages.create(model="chat-only", max_tokens=4, extra_body={"top_p": 0.5},
+    anthropic_client(base).messages.create(model="chat-only", max_tokens=4, extra_body={"top_p": 0.5},
                                  messages=[{"role": "user", "content": "x"}])
     assert rec.last("chat").body["top_p"] == 0.5 and "temperature" not in rec.last("chat").body
 
@@ -526,11 +515,10 @@ def test_an_unknown_previous_response_id_goes_to_an_upstream_that_keeps_response
     url = rec_server[1]
 
     def sidecar() -> ServerThread:
-        models = ModelRegistry([
+        return ServerThread(sidecar_app(
             served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
             served("native-spec", demo_tokenizer, Upstream(url, "specprefill")),
-            served("chat-only", demo_tokenizer, Upstream(url))])
-        return ServerThread(create_app(ServiceSettings(api_keys=KEYS), models=models))
+            served("chat-only", demo_tokenizer, Upstream(url)), api_keys=TENANT_KEYS))
 
     system = unique_system()["content"]
     with sidecar() as before:
@@ -569,10 +557,9 @@ def test_with_redis_every_worker_and_replica_finds_stored_responses(
     url = rec_server[1]
 
     def sidecar() -> ServerThread:
-        models = ModelRegistry([served("chat-only", demo_tokenizer, Upstream(url))])
-        settings = ServiceSettings(api_keys=KEYS, redis_url=redis.url,
-                                   responses_store_ttl_s=600.0)
-        return ServerThread(create_app(settings, models=models))
+        return ServerThread(sidecar_app(served("chat-only", demo_tokenizer, Upstream(url)),
+                                        api_keys=TENANT_KEYS, redis_url=redis.url,
+                                        responses_store_ttl_s=600.0))
 
     with sidecar() as one, sidecar() as two:
         first = openai_client(one, "sk-acme").responses.create(
@@ -608,10 +595,10 @@ def test_malformed_tool_call_arguments_come_back_as_text_never_a_5xx(
     as_text = 'recorded{"name": "read_file", "arguments": {path: a.txt}'
     ask = {"model": "chat-only", "max_tokens": 8, "tools": [READ],
            "messages": [{"role": "user", "content": "Read a.txt."}]}
-    message = claude(base).messages.create(**ask)
+    message = anthropic_client(base).messages.create(**ask)
     assert [(b.type, b.text) for b in message.content] == [("text", as_text)]
     assert message.stop_reason == "end_turn"
-    with claude(base).messages.stream(**ask) as stream:
+    with anthropic_client(base).messages.stream(**ask) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert [(b.type, b.text) for b in final.content] == [("text", as_text)]
@@ -619,7 +606,7 @@ def test_malformed_tool_call_arguments_come_back_as_text_never_a_5xx(
     # A valid call is a tool_use block, held until whole and sent as one input_json_delta.
     rec.raw_arguments = None
     rec.tool_call = ("call_2", "read_file", {"path": "a.txt", "n": 2**70})
-    with claude(base).messages.stream(**ask) as stream:
+    with anthropic_client(base).messages.stream(**ask) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
     assert kinds.count("input_json") == 1 and final.stop_reason == "tool_use"
@@ -647,7 +634,7 @@ def test_an_anthropic_stream_reports_one_usage(base: str, rec: AgentRecorder) ->
     system = unique_system()["content"]
     body = {"model": "chat-only", "max_tokens": 8, "system": system, "tools": [READ],
             "messages": [{"role": "user", "content": "Read a.txt."}]}
-    count = claude(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
+    count = anthropic_client(base).messages.count_tokens(model="chat-only", system=system, tools=[READ],
                                                messages=body["messages"])
     headers, events = sse_events(base, body)  # count_tokens resolved it: a hit
     assert headers["x-prefix-cache"] == "hit"
@@ -657,7 +644,7 @@ def test_an_anthropic_stream_reports_one_usage(base: str, rec: AgentRecorder) ->
                      "cache_read_input_tokens": end, "output_tokens": 0} and end > 0
     delta = [e for e in events if e["type"] == "message_delta"][0]["usage"]
     assert delta == {**start, "output_tokens": 3}  # the upstream's count of what it wrote
-    with claude(base).messages.stream(**body) as stream:
+    with anthropic_client(base).messages.stream(**body) as stream:
         final = stream.get_final_message()
     assert (final.usage.input_tokens, final.usage.cache_read_input_tokens,
             final.usage.output_tokens) == (count.input_tokens - end, end, 3)
@@ -675,7 +662,7 @@ def test_fields_only_a_native_upstream_honours_are_refused_where_converted(
         sdk.responses.create(model="chat-only", input="x", max_tool_calls=2)
     assert info.value.body["code"] == "unsupported_parameter"
     with pytest.raises(anthropic.BadRequestError, match="mcp_servers"):
-        claude(base).messages.create(model="chat-only", max_tokens=4, messages=[
+        anthropic_client(base).messages.create(model="chat-only", max_tokens=4, messages=[
             {"role": "user", "content": "x"}], extra_body={"mcp_servers": [{"name": "m"}]})
     assert rec.requests == []  # refused before anything went upstream
     sdk.responses.create(model="native", input="x", max_tool_calls=2)

@@ -24,12 +24,12 @@ from prefix_cache.testing.offline_tokenizers import (
 )
 
 from tests.support import reference
-from tests.support.paths import TEMPLATES_DIR, TEMPLATE_STEMS
+from tests.support.paths import TEMPLATE_STEMS, TEMPLATES_DIR, needs_templates
 from tests.support.tools import make_tools
 
 STEMS = TEMPLATE_STEMS
 
-pytestmark = pytest.mark.skipif(not STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")
+pytestmark = needs_templates
 
 SYSTEM = {"role": "system", "content": "You are the on-call agent for the payments team."}
 DEVELOPER = {"role": "developer", "content": "Answer in one paragraph."}

@@ -26,6 +26,7 @@ from tests.support.templates import (
     TODAYS_DATE,
     TOOLS_NOT_NONE,
 )
+from tests.support.tokenizers import fresh
 from tests.support.tools import make_tools
 
 SYSTEM = {"role": "system", "content": "You are the release agent. Please keep the changelog."}
@@ -39,13 +40,6 @@ def conv(*users: str) -> list[dict[str, Any]]:
             out.append({"role": "assistant", "content": "Done."})
         out.append({"role": "user", "content": text})
     return out
-
-
-def fresh(tokenizer: Any) -> Any:
-    """A copy of a tokenizer that can be changed without touching the session's."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tokenizer.name_or_path, local_files_only=True)
 
 
 # -- 1. tools=[] stays [] -------------------------------------------------------------------------

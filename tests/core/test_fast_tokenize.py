@@ -25,6 +25,7 @@ from prefix_cache.tokenizer_identity import current_fingerprint
 
 from tests.support import reference
 from tests.support.templates import BEFORE_LAST_USER, DEFAULT_SYSTEM, TOOLS_IN_FIRST_USER
+from tests.support.tokenizers import fresh
 from tests.support.tools import make_tools
 
 
@@ -35,14 +36,6 @@ USER_TEXTS = ["Ship it.", "  two leading spaces", "\n\nline breaks first", "\u03
 
 def conv(text: str) -> list[dict[str, Any]]:
     return [SYSTEM, {"role": "user", "content": text}]
-
-
-def fresh(tok: Any) -> Any:
-    """A new copy of a session tokenizer (from its folder), free to change before first use
-    (in-place backend edits after first use are not seen: README, the tokenizer's state)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tok.name_or_path, local_files_only=True)
 
 
 def with_flags(tok: Any, flags: dict[str, dict[str, bool]]) -> Any:
@@ -323,17 +316,15 @@ def test_cli_boundary_tokenizes_from_the_split(tmp_path: Path, capsys, monkeypat
 def test_the_sidecar_prepares_prompts_from_the_split(recorder_server, demo_tokenizer) -> None:
     """Boundary and chat endpoints: a hit's prompt ids (what the sidecar forwards to a
     specprefill upstream) are the full render's, tokenized from the split; /metrics counts it."""
-    from prefix_cache.service import ServiceSettings, create_app
-    from prefix_cache.service.models import ModelRegistry
     from prefix_cache.service.upstream import Upstream
 
     from tests.support.loopback import local_client
     from tests.support.server_thread import ServerThread
-    from tests.support.sidecar import served
+    from tests.support.sidecar import served, sidecar_app
 
     rec, url = recorder_server
-    models = ModelRegistry([served("spec", demo_tokenizer, Upstream(url, "specprefill"))])
-    app = create_app(ServiceSettings(tokenize_check_rate=1.0), models=models)
+    app = sidecar_app(served("spec", demo_tokenizer, Upstream(url, "specprefill")),
+                      tokenize_check_rate=1.0)
     tools = make_tools(6)
     with ServerThread(app) as base, local_client(base_url=base) as http:
         for text in USER_TEXTS:

@@ -27,12 +27,11 @@ from prefix_cache.testing.offline_tokenizers import (
 )
 
 from tests.support import reference
-from tests.support.paths import TEMPLATES_DIR, TEMPLATE_STEMS
+from tests.support.paths import TEMPLATE_STEMS, TEMPLATES_DIR, needs_templates
 from tests.support.templates import BEHAVIOURS
 from tests.support.tools import make_tools
 
 STEMS = TEMPLATE_STEMS
-needs_templates = pytest.mark.skipif(not STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")
 
 SYSTEM = {"role": "system", "content": "You are the on-call agent.\nKeep answers short."}
 KWARGS = {"datetime": "2026-12-02", "functions": "[]", "reasoning_effort": "high"}

@@ -2,44 +2,23 @@
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache
-from prefix_cache.chat.backend import EngineStats
 from prefix_cache.engine_metrics import EngineCollector
 from prefix_cache.metrics import Metrics
 from prefix_cache.service.pool import UpstreamPool
 from prefix_cache.service.pool_metrics import PoolMetrics
 from prefix_cache.service.upstream import Upstream
 
-from tests.service.test_metrics import ENGINE_STATS
-from tests.support.paths import GRAFANA_DASHBOARD
+from tests.support.engine_stats import ENGINE_STATS, StatsEngine
+from tests.support.grafana import queried_metrics
 from tests.support.templates import BEHAVIOURS
-
-METRIC = re.compile(r"\b(prefix_cache_[a-z_]+)")
-
-
-def queried_metrics() -> set[str]:
-    dash = json.loads(GRAFANA_DASHBOARD.read_text())
-    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
-    assert exprs, "the dashboard has no queries"
-    return {m for e in exprs for m in METRIC.findall(e)}
-
 
 def exposed_metrics(text: str) -> set[str]:
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
-class _StatsOnly:
-    def __init__(self, stats: EngineStats) -> None:
-        self.stats = replace(stats, conversation_store=stats.kv_store)
-
-    def snapshot_stats(self) -> EngineStats:
-        return self.stats
 
 
 def test_every_dashboard_metric_is_exposed(qwen3) -> None:
@@ -53,7 +32,8 @@ def test_every_dashboard_metric_is_exposed(qwen3) -> None:
     metrics.refresh_store(cache.store.stats())
     # The in-process engine's counters (stats shaped as MLXEngine.snapshot_stats(); the live
     # sidecar with a real engine is checked against the same queries in test_engine_serving).
-    metrics.add_collector(EngineCollector(lambda: [("m", _StatsOnly(ENGINE_STATS))]))
+    with_conversation = replace(ENGINE_STATS, conversation_store=ENGINE_STATS.kv_store)
+    metrics.add_collector(EngineCollector(lambda: [("m", StatsEngine(with_conversation))]))
     # A pool's per-replica routing metrics (tests/service/test_upstream_pool.py checks a live pool).
     PoolMetrics(metrics).watch("m", UpstreamPool([Upstream("http://a:1"), Upstream("http://b:2")]))
     exposed = exposed_metrics(metrics.exposition()[0].decode())

@@ -9,7 +9,6 @@ import json
 import os
 import plistlib
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,9 +18,9 @@ import yaml
 
 from prefix_cache import cli
 from prefix_cache.demo import HOME_ENV
-from prefix_cache.service import ServiceSettings, create_app
+from prefix_cache.service import ServiceSettings
 from prefix_cache.service.flags import flag_overrides
-from prefix_cache.service.models import ModelRegistry, load_model_specs
+from prefix_cache.service.models import load_model_specs
 from prefix_cache.service.settings import ENV_PREFIX, env_name
 from prefix_cache.service.tenants import KeysConfig
 from prefix_cache.service.upstream import DEFAULT_HEALTH_PATH
@@ -29,8 +28,7 @@ from prefix_cache.tokenizer_folders import CACHE_ENV
 
 from tests.support.loopback import local_client
 from tests.support.paths import DEPLOY
-from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served
+from tests.support.sidecar import served, sidecar_app
 
 
 K8S = DEPLOY / "kubernetes"
@@ -205,24 +203,21 @@ def test_the_service_monitor_scrapes_metrics_with_a_metrics_key(tmp_path: Path) 
 
 
 @pytest.fixture(scope="module")
-def deployed_app(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Iterator[str]:
+def app(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Any:
     """The sidecar with the manifests' keys file (tenants, admin, metrics keys, limits)."""
     keys_file = tmp_path_factory.mktemp("deploy") / "keys.yaml"
     keys_file.write_text(one("Secret", "prefix-cache-keys")["stringData"]["keys.yaml"])
-    app = create_app(ServiceSettings(keys_file=keys_file),
-                     models=ModelRegistry([served("boundaries", demo_tokenizer)]))
-    with ServerThread(app) as url:
-        yield url
+    return sidecar_app(served("boundaries", demo_tokenizer), keys_file=keys_file)
 
 
-def test_the_probes_answer_without_a_key_on_the_deployed_configuration(deployed_app: str) -> None:
+def test_the_probes_answer_without_a_key_on_the_deployed_configuration(base: str) -> None:
     sidecar = container("sidecar")
     paths = {sidecar[k]["httpGet"]["path"] for k in ("livenessProbe", "readinessProbe")}
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     paths |= set(re.findall(r"/(?:healthz|readyz)\b", " ".join(
         compose["services"]["sidecar"]["healthcheck"]["test"])))
     assert paths <= PUBLIC_PROBES and paths
-    with local_client(base_url=deployed_app) as http:
+    with local_client(base_url=base) as http:
         for path in paths:
             r = http.get(path)     # what the kubelet sends: no credentials
             assert r.status_code == 200, (path, r.text)

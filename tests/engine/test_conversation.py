@@ -5,7 +5,6 @@ entry; the store stays within its bytes."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 
@@ -19,6 +18,7 @@ from tests.support.engine_fixtures import (  # noqa: E402
     assert_close,
     assert_matches_dense,
     load_tiny,
+    next_turn,
     run,
     turn,
 )
@@ -27,12 +27,6 @@ from tests.support.engine_fixtures import (  # noqa: E402
 @pytest.fixture
 def make_engine(engines):
     return engines                                 # conversation reuse is on by default
-
-
-def next_turn(tok: Any, previous: list[int], reply: str, user: str) -> list[int]:
-    """``previous`` (ending in the assistant header) + the reply + a new user turn + header."""
-    return previous + tok.encode(f"{reply}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-                                 "<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2"])

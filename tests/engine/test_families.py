@@ -21,7 +21,13 @@ from engine_adapter.mlx_engine.layered import supports_layered_cache  # noqa: E4
 from engine_adapter.mlx_engine.model_info import context_length, vocab_size  # noqa: E402
 from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig  # noqa: E402
 from engine_adapter.testing.tiny_model import FAMILIES, TINY_WINDOW  # noqa: E402
-from tests.support.engine_fixtures import assert_matches_dense, load_tiny, run, turn  # noqa: E402
+from tests.support.engine_fixtures import (  # noqa: E402
+    assert_matches_dense,
+    load_tiny,
+    next_turn,
+    run,
+    turn,
+)
 
 
 LAYERED = [f for f in FAMILIES if f != "qwen3_moe"]   # sliding-window or recurrent layers
@@ -30,11 +36,6 @@ LAYERED = [f for f in FAMILIES if f != "qwen3_moe"]   # sliding-window or recurr
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, engine_models_dir, qwen3) -> tuple[str, Any, Any]:
     return request.param, load_tiny(engine_models_dir, request.param), qwen3
-
-
-def next_turn(tok: Any, previous: list[int], reply: str, user: str) -> list[int]:
-    return previous + tok.encode(f"{reply}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-                                 "<|im_start|>assistant\n")
 
 
 def run_together(engine: MLXEngine, requests: list[GenerationRequest]) -> dict[str, list[Any]]:

@@ -27,7 +27,13 @@ from engine_adapter.mlx_engine import kv_file  # noqa: E402
 from engine_adapter.mlx_engine.kv_disk import DiskKVStore, kv_disk_folder  # noqa: E402
 from engine_adapter.options import EngineOptions  # noqa: E402
 from prefix_cache.chat.backend import BackendRequest, SamplingParams  # noqa: E402
-from tests.support.engine_fixtures import assert_matches_dense, load_tiny, run, turn  # noqa: E402
+from tests.support.engine_fixtures import (  # noqa: E402
+    assert_matches_dense,
+    load_tiny,
+    next_turn,
+    run,
+    turn,
+)
 from tests.support.paths import REPO  # noqa: E402
 
 
@@ -56,23 +62,6 @@ def disks(tmp_path: Path, fingerprints: dict[str, str]) -> Any:
         disk.close()
 
 
-@pytest.fixture
-def engines(target: tuple[Any, Any]) -> Any:
-    """``make(**options)``: an MLXEngine on the tiny target; those still open at teardown are
-    closed (a test closes some itself: a restart)."""
-    made: list[MLXEngine] = []
-
-    def make(**options: Any) -> MLXEngine:
-        engine = MLXEngine(target[0], **options)
-        made.append(engine)
-        return engine
-
-    yield make
-    for engine in made:
-        if not engine._closed:
-            engine.close()
-
-
 def files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob(f"*{kv_file.SUFFIX}") if not p.name.startswith("."))
 
@@ -82,11 +71,6 @@ def restart(engines: Any, disks: Any, old: MLXEngine, **options: Any) -> MLXEngi
     old.close()
     old.kv_disk.close()
     return engines(kv_disk=disks(), **options)
-
-
-def next_turn(tok: Any, previous: list[int], reply: str, user: str) -> list[int]:
-    return previous + tok.encode(f"{reply}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-                                 "<|im_start|>assistant\n")
 
 
 def test_after_a_restart_the_kv_comes_from_disk_and_matches_dense(engines, disks, target,

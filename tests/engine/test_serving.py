@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 
 from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.decoding import IncrementalDecoder  # noqa: E402
-from engine_adapter.mlx_engine import TokenEvent  # noqa: E402
 from engine_adapter.server import _Namespaces, create_engine_app  # noqa: E402
 from prefix_cache.chat.openai_params import parse_chat_params  # noqa: E402
 from prefix_cache.chat.openai_stream import complete  # noqa: E402
@@ -30,11 +29,8 @@ from prefix_cache.errors import ContextLengthError, InvalidRequestError  # noqa:
 from prefix_cache.http.errors import BadRequest  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.render import get_renderer  # noqa: E402
-from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
-from tests.deploy.test_grafana import queried_metrics  # noqa: E402
 from tests.support.browser import (  # noqa: E402
     CHROMEDRIVER,
     CHROMIUM,
@@ -42,19 +38,29 @@ from tests.support.browser import (  # noqa: E402
     headless_chromium,
     wait_for_js,
 )
-from tests.support.loopback import local_client, openai_client  # noqa: E402
+from tests.support.grafana import queried_metrics  # noqa: E402
+from tests.support.loopback import (  # noqa: E402
+    local_client,
+    openai_client,
+    streamed_chat,
+    streamed_text,
+)
 from tests.support.paths import ARTIFACTS  # noqa: E402
 from tests.support.paths import REPO  # noqa: E402
+from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
 from tests.support.serve_process import ServeProcess  # noqa: E402
 from tests.support.server_thread import ServerThread  # noqa: E402
-from tests.support.sidecar import served, unique_system  # noqa: E402
+from tests.support.service_fixtures import ENGINE_ADMIN, ENGINE_METRICS, TINY_MODEL  # noqa: E402
+from tests.support.sidecar import (  # noqa: E402
+    TENANT_KEYS,
+    bearer,
+    engine_sidecar_app,
+    served,
+    sidecar_app,
+    unique_system,
+)
 from tests.support.tools import make_tools  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
-
-
-KEYS = {"sk-acme": "acme", "sk-globex": "globex"}
-ADMIN, METRICS = "sk-engine-admin", "sk-engine-metrics"   # the dashboard's, Prometheus's
-MODEL = "tiny-qwen3"  # the session tiny model's folder name: the sidecar's model name
 
 
 def chat(system: dict[str, str], user: str) -> list[dict[str, str]]:
@@ -62,32 +68,6 @@ def chat(system: dict[str, str], user: str) -> list[dict[str, str]]:
 
 
 # -- the OpenAI layer on a scripted engine ----------------------------------------------------
-
-
-class ScriptedEngine:
-    """Plays back a fixed token list, as MLXEngine.agenerate would, and records closing."""
-
-    vocab_size = None
-
-    def __init__(self, tokens: list[int], stop_token_ids: tuple[int, ...],
-                 finish: str = "length") -> None:
-        self.tokens, self.stop_token_ids, self.finish = tokens, stop_token_ids, finish
-        self.closed_early = False
-        self.closed = False
-        self.tokenizer = None
-
-    def close(self) -> None:
-        self.closed = True
-
-    async def agenerate(self, request: Any) -> AsyncIterator[TokenEvent]:
-        done = False
-        try:
-            for i, token in enumerate(self.tokens):
-                last = i == len(self.tokens) - 1
-                done = last
-                yield TokenEvent(request.request_id, token, i, self.finish if last else None)
-        finally:
-            self.closed_early = not done
 
 
 @pytest.fixture(scope="module")
@@ -186,84 +166,66 @@ def test_prefix_cache_imports_no_mlx_until_an_engine_is_asked_for() -> None:
 # -- (a) in-process behind the sidecar: serve --engine mlx ------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sidecar(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-            ) -> Iterator[tuple[str, MLXBackend]]:
-    kv_dir = tmp_path_factory.mktemp("engine-kv")          # the disk tier, on by default
-    settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", api_keys=KEYS,
-                               admin_keys=[ADMIN], metrics_keys=[METRICS],
-                               keys_file=None, models_file=None, upstream=None,
-                               engine_options={"kv_disk_dir": str(kv_dir)})
-    app = create_app(settings)
-    engine = app.state.service.models.get(MODEL).engine
-    assert isinstance(engine, MLXBackend)
-    with ServerThread(app) as url:
-        yield url, engine
-    assert engine._closed  # the app's shutdown closed the engine
-
-
-def test_sidecar_streams_from_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
-    url, _ = sidecar
+def test_sidecar_streams_from_the_in_process_engine(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, _ = engine_sidecar
     sdk = openai_client(url, "sk-acme")
-    with sdk.chat.completions.with_streaming_response.create(
-        model=MODEL, messages=chat(unique_system(), "Stream."), tools=make_tools(2),
-        max_tokens=6, temperature=0.0, stream=True,
-    ) as response:
-        assert response.headers["x-prefix-cache"] == "miss"
-        assert int(response.headers["x-specprefill-system-end"]) > 0
-        chunks = list(response.parse())
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert len(chunks) >= 3 and text
+    headers, chunks = streamed_chat(sdk, model=TINY_MODEL, tools=make_tools(2), max_tokens=6,
+                                    messages=chat(unique_system(), "Stream."), temperature=0.0)
+    assert headers["x-prefix-cache"] == "miss"
+    assert int(headers["x-specprefill-system-end"]) > 0
+    assert len(chunks) >= 3 and streamed_text(chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
-def test_readyz_reports_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
-    url, engine = sidecar
+def test_readyz_reports_the_in_process_engine(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, engine = engine_sidecar
     with local_client(base_url=url) as http:
-        r = http.get("/readyz", headers={"authorization": f"Bearer {METRICS}"})
+        r = http.get("/readyz", headers=bearer(ENGINE_METRICS))
     assert r.status_code == 200 and r.json()["status"] == "ready"
-    report = r.json()["engines"][MODEL]
+    report = r.json()["engines"][TINY_MODEL]
     assert report["ok"] is True and report["active"] == 0 and report["queued"] == 0
     assert engine.health()["ok"] is True
 
 
-def test_metrics_export_the_engine_counters(sidecar: tuple[str, MLXBackend]) -> None:
-    url, engine = sidecar
+def test_metrics_export_the_engine_counters(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, engine = engine_sidecar
     sdk = openai_client(url, "sk-acme")
-    sdk.chat.completions.create(model=MODEL, messages=chat(unique_system(), "Count me."),
+    sdk.chat.completions.create(model=TINY_MODEL, messages=chat(unique_system(), "Count me."),
                                 max_tokens=2, temperature=0.0)
     assert engine.engine.kv_disk.flush()     # its writes are done: the counts stay put
     with local_client(base_url=url) as http:
-        text = http.get("/metrics", headers={"authorization": f"Bearer {METRICS}"}).text
+        text = http.get("/metrics", headers=bearer(ENGINE_METRICS)).text
         stats_json = http.get("/dashboard/stats.json",
-                              headers={"authorization": f"Bearer {ADMIN}"})
+                              headers=bearer(ENGINE_ADMIN))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for fam in text_string_to_metric_families(text) for s in fam.samples}
     stats = engine.snapshot_stats()          # no request runs meanwhile: the same counts
-    model = (("model", MODEL),)
+    model = (("model", TINY_MODEL),)
     assert samples[("prefix_cache_engine_requests_total", model)] == stats.requests >= 1
     assert samples[("prefix_cache_engine_prompt_tokens_total", (("kind", "computed"), *model))] \
         == stats.prefilled_tokens > 0
     assert samples[("prefix_cache_engine_kv_entries", (*model, ("store", "static")))] \
         == stats.kv_store.entries
     assert stats_json.status_code == 200
-    assert stats_json.json()["engines"] == [{"model": MODEL, **stats.as_dict()}]   # the dashboard's rows
+    # the dashboard's rows
+    assert stats_json.json()["engines"] == [{"model": TINY_MODEL, **stats.as_dict()}]
     engine_queries = {m for m in queried_metrics() if m.startswith("prefix_cache_engine_")}
     assert engine_queries and engine_queries <= {name for name, _ in samples}
 
 
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
-def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, MLXBackend]) -> None:
+def test_the_dashboard_page_shows_the_in_process_engine(
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
     pytest.importorskip("selenium.webdriver")
-    url, engine = sidecar
+    url, engine = engine_sidecar
     openai_client(url, "sk-globex").chat.completions.create(
-        model=MODEL, messages=chat(unique_system(), "Show me."), max_tokens=2, temperature=0.0)
+        model=TINY_MODEL, messages=chat(unique_system(), "Show me."), max_tokens=2, temperature=0.0)
     assert engine.engine.kv_disk.flush()
     stats = engine.snapshot_stats()
     with headless_chromium() as driver:
         host = url.removeprefix("http://")             # the login prompt's answer
-        driver.get(f"http://admin:{ADMIN}@{host}/dashboard?poll_ms=300")
+        driver.get(f"http://admin:{ENGINE_ADMIN}@{host}/dashboard?poll_ms=300")
         wait_for_js(driver, "return window.dashboard && window.dashboard.renders >= 1")
         assert driver.find_element("id", "engines").is_displayed()
         cells = driver.execute_script(
@@ -274,7 +236,7 @@ def test_the_dashboard_page_shows_the_in_process_engine(sidecar: tuple[str, MLXB
         assert not browser_errors(driver)
     assert len(cells) == 1
     model, active, requests, generated, reused = cells[0][:5]
-    assert (model, active) == (MODEL, "0")
+    assert (model, active) == (TINY_MODEL, "0")
     assert requests == f"{stats.requests:,}" and generated == f"{stats.generated_tokens:,}"
     prompt = stats.reused_tokens + stats.prefilled_tokens
     assert reused == f"{stats.reused_tokens / prompt * 100:.1f}%"
@@ -300,7 +262,7 @@ def test_serve_engine_mlx_command_streams_a_chat_completion(tiny_model_dir: Path
     server = ServeProcess(["--model", str(tiny_model_dir), "--engine", "mlx"], tmp_path / "home")
     try:
         url = server.base_url()
-        body = {"model": MODEL, "messages": chat(unique_system(), "Stream, please."),
+        body = {"model": TINY_MODEL, "messages": chat(unique_system(), "Stream, please."),
                 "tools": make_tools(2), "max_tokens": 5, "temperature": 0.0, "stream": True,
                 "stream_options": {"include_usage": True}}
         with local_client(base_url=url) as http:
@@ -308,7 +270,7 @@ def test_serve_engine_mlx_command_streams_a_chat_completion(tiny_model_dir: Path
             with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 status, headers = response.status_code, response.headers
                 lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert ready.status_code == 200 and ready.json()["engines"][MODEL]["ok"] is True
+        assert ready.status_code == 200 and ready.json()["engines"][TINY_MODEL]["ok"] is True
         assert status == 200 and headers["content-type"].startswith("text/event-stream")
         assert headers["x-prefix-cache"] == "miss" and int(headers["x-specprefill-system-end"]) > 0
         assert lines[-1] == "data: [DONE]"
@@ -323,14 +285,14 @@ def test_serve_engine_mlx_command_streams_a_chat_completion(tiny_model_dir: Path
     assert code == 0, "".join(server.log)
 
 
-def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, MLXBackend]) -> None:
-    url, engine = sidecar
+def test_sidecar_reuses_static_kv_per_tenant(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, engine = engine_sidecar
     system, tools = unique_system(), make_tools(3)
     acme, globex = openai_client(url, "sk-acme"), openai_client(url, "sk-globex")
 
     def complete(sdk: Any, user: str) -> tuple[Any, Any]:
         raw = sdk.chat.completions.with_raw_response.create(
-            model=MODEL, messages=chat(system, user), tools=tools, max_tokens=3,
+            model=TINY_MODEL, messages=chat(system, user), tools=tools, max_tokens=3,
             temperature=0.7, top_p=0.9, seed=3)
         return raw, raw.parse()
 
@@ -338,9 +300,9 @@ def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, MLXBackend]) ->
     before = engine.snapshot_stats().reused_tokens
     raw, completion = complete(acme, "Second turn, other words.")
     assert raw.headers["x-prefix-cache"] == "hit"
-    with local_client(base_url=url, headers={"authorization": "Bearer sk-acme"}) as http:
+    with local_client(base_url=url, headers=bearer("sk-acme")) as http:
         boundary = http.post("/v1/prefix/boundary", json={
-            "model": MODEL, "messages": chat(system, "Second turn, other words."),
+            "model": TINY_MODEL, "messages": chat(system, "Second turn, other words."),
             "tools": tools}).json()
     assert completion.usage.prompt_tokens == boundary["prompt_tokens"]
     end = boundary["specprefill_system_end"]
@@ -358,13 +320,13 @@ def test_sidecar_reuses_static_kv_per_tenant(sidecar: tuple[str, MLXBackend]) ->
     assert {"acme", "globex"} <= set(after.kv_store.by_namespace)
 
 
-def test_the_admin_purge_removes_a_tenants_engine_kv_files(sidecar: tuple[str, MLXBackend]
+def test_the_admin_purge_removes_a_tenants_engine_kv_files(engine_sidecar: tuple[str, MLXBackend]
                                                             ) -> None:
-    url, engine = sidecar
+    url, engine = engine_sidecar
     system = unique_system()
     for key in ("sk-acme", "sk-globex"):
         openai_client(url, key).chat.completions.create(
-            model=MODEL, messages=chat(system, "Keep me."), max_tokens=2, temperature=0.0)
+            model=TINY_MODEL, messages=chat(system, "Keep me."), max_tokens=2, temperature=0.0)
     disk = engine.engine.kv_disk
     assert disk.flush()
 
@@ -377,18 +339,19 @@ def test_the_admin_purge_removes_a_tenants_engine_kv_files(sidecar: tuple[str, M
     assert files("acme") and files("globex")
     with local_client(base_url=url) as http:
         r = http.post("/admin/purge", json={"tenant": "acme"},
-                      headers={"authorization": f"Bearer {ADMIN}"})
+                      headers=bearer(ENGINE_ADMIN))
     assert r.status_code == 200 and set(r.json()) == {"purged", "pattern"}
     assert files("acme") == [] and files("globex")
     assert "acme" not in engine.snapshot_stats().kv_store.by_namespace
 
 
-def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, MLXBackend]) -> None:
-    url, engine = sidecar
+def test_client_disconnect_cancels_the_engine_request(
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, engine = engine_sidecar
     cancelled = engine.snapshot_stats().cancelled
     sdk = openai_client(url, "sk-acme")
     with sdk.chat.completions.with_streaming_response.create(
-        model=MODEL, messages=chat(unique_system(), "Go on forever."), max_tokens=30_000,
+        model=TINY_MODEL, messages=chat(unique_system(), "Go on forever."), max_tokens=30_000,
         temperature=0.0, stream=True,
     ) as response:
         stream = response.parse()
@@ -399,11 +362,12 @@ def test_client_disconnect_cancels_the_engine_request(sidecar: tuple[str, MLXBac
     assert wait_until(lambda: engine.snapshot_stats().active == 0)
 
 
-def test_sidecar_refuses_bad_parameters_before_resolving(sidecar: tuple[str, MLXBackend]) -> None:
-    url, _ = sidecar
+def test_sidecar_refuses_bad_parameters_before_resolving(
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
+    url, _ = engine_sidecar
     with pytest.raises(openai.BadRequestError, match="n > 1") as info:
         openai_client(url, "sk-acme").chat.completions.create(
-            model=MODEL, messages=chat(unique_system(), "x"), n=2)
+            model=TINY_MODEL, messages=chat(unique_system(), "x"), n=2)
     assert info.value.body["code"] == "unsupported_parameter"
 
 
@@ -551,16 +515,14 @@ def test_serve_engine_metrics_are_its_own_counters(engine_server: tuple[str, MLX
     app = create_engine_app(chat_engine, api_key="sk-engine", close_engine=False)
     with ServerThread(app) as locked, local_client(base_url=locked) as http:
         assert http.get("/metrics").status_code == 401
-        assert http.get("/metrics", headers={"authorization": "Bearer sk-engine"}).status_code == 200
+        assert http.get("/metrics", headers=bearer("sk-engine")).status_code == 200
 
 
 def test_engine_options_reach_the_in_process_engine(tiny_model_dir: Path) -> None:
-    settings = ServiceSettings(model_dirs=[tiny_model_dir], engine="mlx", keys_file=None,
-                               models_file=None, upstream=None, engine_options=[
-                                   "kv_bytes=3MiB", "conversation_bytes=0", "max_context=4096",
-                                   "specprefill_threshold=100", "kv_disk_bytes=0"])
-    app = create_app(settings)
-    engine = app.state.service.models.get(MODEL).engine.engine
+    app = engine_sidecar_app(tiny_model_dir, engine_options=[
+        "kv_bytes=3MiB", "conversation_bytes=0", "max_context=4096", "specprefill_threshold=100",
+        "kv_disk_bytes=0"])
+    engine = app.state.service.models.get(TINY_MODEL).engine.engine
     try:
         assert engine.kv_store.max_bytes == 3 << 20 and engine.conversation_store is None
         assert engine.context_length == 4096 and engine.specprefill.threshold == 100
@@ -592,15 +554,14 @@ def test_serve_engine_command_exits_2_on_a_missing_folder(
 def test_sidecar_passes_the_boundary_to_serve_engine(engine_server: tuple[str, MLXBackend],
                                                      tokenizer: Any) -> None:
     engine_url, chat_engine = engine_server
-    models = ModelRegistry([served("tiny", tokenizer, Upstream(engine_url, "specprefill"))])
+    app = sidecar_app(served("tiny", tokenizer, Upstream(engine_url, "specprefill")),
+                      api_keys=TENANT_KEYS)
     system, tools = unique_system(), make_tools(2)
-    with ServerThread(create_app(ServiceSettings(api_keys=KEYS), models=models)) as url:
+    with ServerThread(app) as url:
         def stream(key: str, user: str) -> tuple[dict[str, str], list[Any]]:
-            with openai_client(url, key).chat.completions.with_streaming_response.create(
-                model="tiny", messages=chat(system, user), tools=tools, max_tokens=3,
-                temperature=0.0, stream=True, stream_options={"include_usage": True},
-            ) as response:
-                return dict(response.headers), list(response.parse())
+            return streamed_chat(openai_client(url, key), model="tiny", messages=chat(system, user),
+                                 tools=tools, max_tokens=3, temperature=0.0,
+                                 stream_options={"include_usage": True})
 
         headers, chunks = stream("sk-acme", "One.")
         assert headers["x-prefix-cache"] == "miss" and chunks[-1].usage is not None

@@ -6,22 +6,18 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from prefix_cache.demo import DEMO_TEMPLATE
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from tests.support import reference
-from tests.support.loopback import free_port, local_client, openai_client
+from tests.support.loopback import free_port, openai_client
 from tests.support.recording_upstream import Recorder
-from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import served, sidecar_app, unique_system
 from tests.support.tools import make_tools
 
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
@@ -46,28 +42,14 @@ def strict_tokenizer(demo_folder: Path, tmp_path_factory: pytest.TempPathFactory
 @pytest.fixture(scope="module")
 def app(recorder_server: tuple[Recorder, str], demo_tokenizer: Any, strict_tokenizer: Any) -> Any:
     url = recorder_server[1]
-    models = ModelRegistry([
+    return sidecar_app(
         served("rec", demo_tokenizer, Upstream(url)),
         served("rec-spec", demo_tokenizer, Upstream(url, "specprefill")),
         served("rec-renamed", demo_tokenizer, Upstream(url, model="upstream-name")),
         served("boundary-only", demo_tokenizer),
         served("strict", strict_tokenizer, Upstream(url)),
         served("dead", demo_tokenizer, Upstream(f"http://127.0.0.1:{free_port()}")),
-    ])
-    return create_app(ServiceSettings(max_body_bytes=BODY_LIMIT, ready_timeout_s=1.0),
-                      models=models)
-
-
-@pytest.fixture(scope="module")
-def base(app: Any) -> Iterator[str]:
-    with ServerThread(app) as url:
-        yield url
-
-
-@pytest.fixture
-def http(base: str) -> Iterator[Any]:
-    with local_client(base_url=base) as client:
-        yield client
+        max_body_bytes=BODY_LIMIT, ready_timeout_s=1.0)
 
 
 @pytest.fixture

@@ -6,14 +6,11 @@ import base64
 import json
 import re
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
 
 from tests.support.browser import (
     CHROMEDRIVER,
@@ -25,8 +22,7 @@ from tests.support.browser import (
 from tests.support.loopback import local_client
 from tests.support.paths import ARTIFACTS
 from tests.support.paths import GRAFANA_DASHBOARD
-from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import bearer, served, sidecar_app, unique_system, write_keys_file
 
 
 ACME, GLOBEX, ADMIN = "sk-dash-acme", "sk-dash-globex", "sk-dash-admin"
@@ -34,14 +30,11 @@ METRICS = "sk-dash-metrics"  # what Prometheus scrapes with
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Iterator[str]:
-    keys = tmp_path_factory.mktemp("dash") / "keys.yaml"
-    keys.write_text(f"tenants:\n  {ACME}: acme\n  {GLOBEX}: globex\nadmin_keys:\n  - {ADMIN}\n"
-                    f"metrics_keys:\n  - {METRICS}\n")
-    app = create_app(ServiceSettings(keys_file=keys),
-                     models=ModelRegistry([served("demo", demo_tokenizer)]))
-    with ServerThread(app) as url:
-        yield url
+def app(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Any:
+    keys = write_keys_file(tmp_path_factory.mktemp("dash") / "keys.yaml",
+                           {ACME: "acme", GLOBEX: "globex"}, admin_keys=[ADMIN],
+                           metrics_keys=[METRICS])
+    return sidecar_app(served("demo", demo_tokenizer), keys_file=keys)
 
 
 def burst(base: str) -> tuple[int, int]:
@@ -52,7 +45,7 @@ def burst(base: str) -> tuple[int, int]:
             systems = [unique_system(key) for _ in range(3)]
             for round_ in range(4):
                 for system in systems:
-                    r = http.post("/v1/prefix/boundary", headers={"authorization": f"Bearer {key}"},
+                    r = http.post("/v1/prefix/boundary", headers=bearer(key),
                                   json={"messages": [system, {"role": "user", "content": f"q{round_}"}]})
                     assert r.status_code == 200, r.text
                     hits += r.json()["cache"] == "hit"
@@ -62,7 +55,7 @@ def burst(base: str) -> tuple[int, int]:
 
 def scrape(base: str) -> dict[tuple[str, tuple], float]:
     with local_client(base_url=base) as http:
-        text = http.get("/metrics", headers={"authorization": f"Bearer {METRICS}"}).text
+        text = http.get("/metrics", headers=bearer(METRICS)).text
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}
 
@@ -74,7 +67,7 @@ def total(samples: dict, name: str, **match: str) -> float:
 
 def stats(base: str) -> dict[str, Any]:
     with local_client(base_url=base) as http:
-        r = http.get("/dashboard/stats.json", headers={"authorization": f"Bearer {ADMIN}"})
+        r = http.get("/dashboard/stats.json", headers=bearer(ADMIN))
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -117,7 +110,7 @@ def test_dashboard_needs_the_admin_key(base: str) -> None:
             r = http.get(path)
             assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
             assert "admin key" in r.json()["error"]["message"]
-            assert http.get(path, headers={"authorization": f"Bearer {ACME}"}).status_code == 401
+            assert http.get(path, headers=bearer(ACME)).status_code == 401
         basic = base64.b64encode(f"admin:{ADMIN}".encode()).decode()
         page = http.get("/dashboard", headers={"authorization": f"Basic {basic}"})
         assert page.status_code == 200 and "<svg" in page.text and "http" not in re.sub(
@@ -130,7 +123,7 @@ def test_dashboard_needs_the_admin_key(base: str) -> None:
 
 def test_metrics_endpoint_is_prometheus_text(base: str) -> None:
     with local_client(base_url=base) as http:
-        r = http.get("/metrics", headers={"authorization": f"Bearer {METRICS}"})
+        r = http.get("/metrics", headers=bearer(METRICS))
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     assert "# TYPE prefix_cache_requests_total counter" in r.text
 

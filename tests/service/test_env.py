@@ -20,6 +20,7 @@ from tests.support.loopback import local_client
 from tests.support.paths import REPO
 from tests.support.redis_server import RedisServer, needs_redis
 from tests.support.serve_process import ServeProcess
+from tests.support.sidecar import bearer
 
 # Variables that are not settings of `serve`, each documented where it is read.
 OTHER_VARIABLES = {
@@ -60,7 +61,7 @@ def test_serve_takes_its_store_models_and_keys_from_the_environment(
         url = server.base_url()
         with local_client(base_url=url) as http:
             assert http.get("/v1/models").status_code == 401          # the keys file's keys
-            tenant, admin = ({"authorization": f"Bearer {k}"} for k in ("sk-env", "sk-env-admin"))
+            tenant, admin = (bearer(k) for k in ("sk-env", "sk-env-admin"))
             names = [m["id"] for m in http.get("/v1/models", headers=tenant).json()["data"]]
             assert names == ["file-model", "folder-model"]            # the file's, the folder
             result = http.post("/v1/prefix/boundary", headers=tenant,

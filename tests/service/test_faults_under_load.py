@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 from prefix_cache.store.breaker import CircuitBreaker, ExponentialBackoff
 
@@ -36,7 +34,7 @@ from tests.support.loopback import free_port
 from tests.support.recording_upstream import Recorder
 from tests.support.redis_server import RedisServer, needs_redis
 from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served
+from tests.support.sidecar import served, sidecar_app
 from tests.support.waits import wait_until
 
 pytestmark = needs_redis
@@ -53,12 +51,11 @@ def truth(demo_tokenizer: Any) -> Truth:
 
 
 def sidecar(redis: RedisServer, recorder_url: str, tokenizer: Any) -> Any:
-    models = ModelRegistry([served("rec", tokenizer, Upstream(recorder_url)),
-                            served("dead", tokenizer, Upstream(f"http://127.0.0.1:{free_port()}"))])
     # A connection set-up timeout as short as the answer timeout: the probe windows below are
     # shorter than the default 1 s set-up, and each phase lasts about a second.
-    app = create_app(ServiceSettings(redis_url=redis.url, ready_timeout_s=1.0,
-                                     redis_connect_timeout_s=0.05), models=models)
+    app = sidecar_app(served("rec", tokenizer, Upstream(recorder_url)),
+                      served("dead", tokenizer, Upstream(f"http://127.0.0.1:{free_port()}")),
+                      redis_url=redis.url, ready_timeout_s=1.0, redis_connect_timeout_s=0.05)
     tiered = app.state.service.store.inner
     # Short probe windows, so a restarted Redis is used again within the test's phases, and a
     # memory tier that forgets at once, so every lookup goes to Redis.

@@ -14,16 +14,12 @@ from typing import Any
 import pytest
 
 from prefix_cache import json_io
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.loopback import local_client
 from tests.support.paths import REPO
 from tests.support.raw_http import endless_chunked_post, raw_upstream
 from tests.support.recording_upstream import Recorder
-from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import bearer, served, sidecar_app, unique_system
 
 
 BODY_LIMIT = 256 * 1024
@@ -40,26 +36,18 @@ def raw_answer(status: int, extra: str = "") -> bytes:
 
 
 @pytest.fixture(scope="module")
-def base(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Iterator[str]:
+def app(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Iterator[Any]:
+    """The sidecar, with upstreams that answer odd statuses alive as long as it is."""
     url = recorder_server[1]
     with ExitStack() as stack:
         odd = {status: stack.enter_context(raw_upstream(raw_answer(
             status, "Location: http://10.0.0.7/internal\r\n" if 300 <= status < 400 else "")))
             for status in (*ODD_STATUSES, *RELAYED_STATUSES)}
-        models = ModelRegistry([
+        yield sidecar_app(
             served("rec", demo_tokenizer, Upstream(url)),
             served("rec-spec", demo_tokenizer, Upstream(url, "specprefill")),
             *(served(f"status-{s}", demo_tokenizer, Upstream(u)) for s, u in odd.items()),
-        ])
-        app = create_app(ServiceSettings(max_body_bytes=BODY_LIMIT, admin_keys=[ADMIN]),
-                         models=models)
-        yield stack.enter_context(ServerThread(app))
-
-
-@pytest.fixture
-def http(base: str) -> Iterator[Any]:
-    with local_client(base_url=base) as client:
-        yield client
+            max_body_bytes=BODY_LIMIT, admin_keys=[ADMIN])
 
 
 def nested(depth: int) -> Any:
@@ -219,7 +207,7 @@ def test_a_body_that_is_not_declared_json_is_a_415(http: Any, recorder: Recorder
                                                    content_type: str | None) -> None:
     body = {"model": "rec", "messages": [unique_system(), {"role": "user", "content": "Hi"}],
             "tenant": "default"}
-    headers = {"authorization": f"Bearer {ADMIN}"}
+    headers = bearer(ADMIN)
     if content_type is not None:
         headers["content-type"] = content_type
     r = http.post(path, content=json.dumps(body).encode(), headers=headers)

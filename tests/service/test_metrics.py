@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache import StaticPrefixCache, TemplateRenderError
-from prefix_cache.chat.backend import DiskKVStats, EngineStats, KVStoreStats
 from prefix_cache.metrics import Metrics, TenantLabels, _quantile
 
+from tests.support.engine_stats import ENGINE_STATS, StatsEngine
 from tests.support.templates import BEHAVIOURS, NO_SYSTEM_ROLE
 
 TEMPLATE = BEHAVIOURS["default_system"]
@@ -121,29 +121,6 @@ def test_several_workers_aggregate(tmp_path) -> None:
     assert snap["store"]["entries"] == 0              # what they held is gone with them
 
 
-ENGINE_STATS = EngineStats(
-    requests=5, completed=4, cancelled=1, failed=0, specprefill=2, fallbacks=1,
-    reused_tokens=900, prefilled_tokens=120, generated_tokens=40, parked=0,
-    conversation_hits=3, last_fallback="x", active=1,
-    kv_store=KVStoreStats(hits=4, misses=1, puts=1, evictions=0, rejected=2,
-                          superseded=0, by_namespace={"t": 1}, entries=1, bytes=4096,
-                          max_bytes=1 << 30),
-    kv_disk=DiskKVStats(hits=3, misses=2, writes=4, write_drops=1, write_errors=0,
-                        evictions=1, discarded=1, loads=3, load_seconds=0.25, entries=3,
-                        bytes=12288, max_bytes=1 << 34),
-)
-
-
-class _Engine:
-    def __init__(self, stats: EngineStats | None) -> None:
-        self.stats = stats
-
-    def snapshot_stats(self) -> EngineStats:
-        if self.stats is None:
-            raise RuntimeError("engine gone")
-        return self.stats
-
-
 def _engine_samples(metrics: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = metrics.exposition()[0].decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
@@ -178,7 +155,7 @@ def test_engine_counters_are_exported_at_scrape_time() -> None:
 
     metrics = Metrics()
     assert not _engine_samples(metrics)
-    engines = [("tiny", _Engine(ENGINE_STATS)), ("broken", _Engine(None))]
+    engines = [("tiny", StatsEngine(ENGINE_STATS)), ("broken", StatsEngine(None))]
     metrics.add_collector(EngineCollector(lambda: engines))
     _check_engine_samples(_engine_samples(metrics))
     engines[0][1].stats = replace(ENGINE_STATS, requests=6)  # read at scrape time, not copied
@@ -193,10 +170,11 @@ def test_engine_counters_in_multiprocess_mode(tmp_path) -> None:
         sys.path.insert(0, ".")
         from prefix_cache.engine_metrics import EngineCollector
         from prefix_cache.metrics import Metrics
-        from tests.service.test_metrics import ENGINE_STATS, _Engine, _check_engine_samples, _engine_samples
+        from tests.service.test_metrics import _check_engine_samples, _engine_samples
+        from tests.support.engine_stats import ENGINE_STATS, StatsEngine
         m = Metrics()
-        m.add_collector(EngineCollector(lambda: [("tiny", _Engine(ENGINE_STATS)),
-                                                 ("broken", _Engine(None))]))
+        m.add_collector(EngineCollector(lambda: [("tiny", StatsEngine(ENGINE_STATS)),
+                                                 ("broken", StatsEngine(None))]))
         _check_engine_samples(_engine_samples(m))
         print("ok")
         """)

@@ -4,8 +4,8 @@ through the sidecar by the OpenAI SDK, streaming and not."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,13 +13,15 @@ pytest.importorskip("mlx_lm")
 pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
-from prefix_cache.service import ServiceSettings, create_app  # noqa: E402
-from prefix_cache.service.models import ModelRegistry  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
-from tests.support.loopback import local_client, openai_client  # noqa: E402
-from tests.support.server_thread import ServerThread  # noqa: E402
-from tests.support.sidecar import served, unique_system  # noqa: E402
+from tests.support.loopback import (  # noqa: E402
+    local_client,
+    openai_client,
+    streamed_chat,
+    streamed_text,
+)
+from tests.support.sidecar import served, sidecar_app, unique_system  # noqa: E402
 from tests.support.tools import make_tools  # noqa: E402
 
 
@@ -28,11 +30,9 @@ MLX_DEFAULT_MODEL = "default_model"
 
 
 @pytest.fixture(scope="module")
-def base(mlx_server: str, tiny_model_dir: Path) -> Iterator[str]:
-    models = ModelRegistry([served("tiny", load_tokenizer(tiny_model_dir),
-                                   Upstream(mlx_server, model=MLX_DEFAULT_MODEL))])
-    with ServerThread(create_app(ServiceSettings(), models=models)) as url:
-        yield url
+def app(mlx_server: str, tiny_model_dir: Path) -> Any:
+    return sidecar_app(served("tiny", load_tokenizer(tiny_model_dir),
+                              Upstream(mlx_server, model=MLX_DEFAULT_MODEL)))
 
 
 def test_tiny_model_loads_with_mlx_lm(tiny_model_dir: Path) -> None:
@@ -66,15 +66,12 @@ def test_sdk_chat_completion_from_mlx_lm_server(base: str) -> None:
 
 def test_sdk_streams_a_chat_completion_from_mlx_lm_server(base: str) -> None:
     sdk = openai_client(base)
-    with sdk.chat.completions.with_streaming_response.create(
-        model="tiny", messages=[unique_system(), {"role": "user", "content": "Stream."}],
-        max_tokens=6, temperature=0.0, stream=True,
-    ) as response:
-        assert response.headers["x-prefix-cache"] == "miss"
-        assert int(response.headers["x-specprefill-system-end"]) > 0
-        chunks = list(response.parse())
-    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert len(chunks) >= 2 and text
+    headers, chunks = streamed_chat(
+        sdk, model="tiny", messages=[unique_system(), {"role": "user", "content": "Stream."}],
+        max_tokens=6, temperature=0.0)
+    assert headers["x-prefix-cache"] == "miss"
+    assert int(headers["x-specprefill-system-end"]) > 0
+    assert len(chunks) >= 2 and streamed_text(chunks)
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 

@@ -10,15 +10,12 @@ from typing import Any
 import pytest
 from fastapi.routing import APIRoute
 
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.schemas import ChatRequest
 from prefix_cache.service.upstream import Upstream
 
 from tests.support.loopback import local_client
 from tests.support.recording_upstream import Recorder
-from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served
+from tests.support.sidecar import bearer, served, sidecar_app
 
 schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
@@ -35,16 +32,9 @@ CHECKS = [schemathesis.checks.not_a_server_error, openapi_checks.status_code_con
 
 @pytest.fixture(scope="module")
 def app(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Any:
-    models = ModelRegistry([served("rec", demo_tokenizer, Upstream(recorder_server[1])),
-                            served("boundary-only", demo_tokenizer)])
-    return create_app(ServiceSettings(admin_keys=[ADMIN], metrics_keys=[METRICS],
-                                      max_body_bytes=256 * 1024), models=models)
-
-
-@pytest.fixture(scope="module")
-def base(app: Any) -> Iterator[str]:
-    with ServerThread(app) as url:
-        yield url
+    return sidecar_app(served("rec", demo_tokenizer, Upstream(recorder_server[1])),
+                       served("boundary-only", demo_tokenizer),
+                       admin_keys=[ADMIN], metrics_keys=[METRICS], max_body_bytes=256 * 1024)
 
 
 @pytest.fixture(scope="module")
@@ -140,5 +130,5 @@ schema = schemathesis.pytest.from_fixture("api_schema")
 @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck), database=None)
 def test_schemathesis_finds_no_server_error_and_nothing_undocumented(case: Any) -> None:
-    case.call_and_validate(headers={"authorization": f"Bearer {ADMIN}"}, checks=CHECKS,
+    case.call_and_validate(headers=bearer(ADMIN), checks=CHECKS,
                            timeout=30)

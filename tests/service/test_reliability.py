@@ -19,7 +19,7 @@ from prefix_cache.store.breaker import CircuitBreaker, ExponentialBackoff
 from tests.support.loopback import local_client
 from tests.support.redis_server import RedisServer, needs_redis
 from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import bearer, served, unique_system
 from tests.support.tools import make_tools
 from tests.support.waits import wait_until
 
@@ -41,12 +41,8 @@ def sidecar(redis: RedisServer, models: ModelRegistry, **settings: Any) -> Any:
                       models=models)
 
 
-def auth(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
-
-
 def boundary(http: httpx.Client, system: dict[str, str]) -> httpx.Response:
-    return http.post("/v1/prefix/boundary", headers=auth(ACME), json={
+    return http.post("/v1/prefix/boundary", headers=bearer(ACME), json={
         "model": "demo", "messages": [system, {"role": "user", "content": "Hi"}],
         "tools": make_tools(2)})
 
@@ -80,7 +76,7 @@ def test_a_large_purge_leaves_the_event_loop_serving(redis: RedisServer, models:
         def purge() -> None:
             with local_client(base_url=base, timeout=BOUNDED_S * 4) as admin:
                 window["start"] = time.monotonic()
-                window["response"] = admin.post("/admin/purge", headers=auth(ADMIN),
+                window["response"] = admin.post("/admin/purge", headers=bearer(ADMIN),
                                                 json={"tenant": "acme"})
                 window["end"] = time.monotonic()
 
@@ -122,7 +118,7 @@ def test_a_purge_during_a_redis_outage_is_a_503_that_changes_nothing(redis: Redi
         assert len(kept) == 3 and state.store.tenant_usage()["acme"]["entries"] == 3
         redis.pause()
         try:
-            r = http.post("/admin/purge", headers=auth(ADMIN), json={"tenant": "acme"})
+            r = http.post("/admin/purge", headers=bearer(ADMIN), json={"tenant": "acme"})
         finally:
             redis.resume()
         assert r.status_code == 503, r.text
@@ -133,7 +129,7 @@ def test_a_purge_during_a_redis_outage_is_a_503_that_changes_nothing(redis: Redi
         assert state.store.tenant_usage()["acme"]["entries"] == 3      # the books kept
         assert len(redis.cli("--scan", "--pattern", "spc:acme:*").split()) == 3
         # Once Redis answers again (the breaker's window passes), the purge goes through whole.
-        wait_until(lambda: http.post("/admin/purge", headers=auth(ADMIN),
+        wait_until(lambda: http.post("/admin/purge", headers=bearer(ADMIN),
                                      json={"tenant": "acme"}).status_code == 200, "the purge",
                    timeout=BOUNDED_S)
         assert memory.keys() == [] and redis.cli("dbsize") == "0"
@@ -149,14 +145,14 @@ def test_readyz_and_dashboard_follow_redis_not_the_breaker(redis: RedisServer, m
     remote_of(app).breaker = CircuitBreaker(ExponentialBackoff(60.0, 60.0))
     with ServerThread(app) as base, local_client(base_url=base) as http:
         def reachable() -> bool:
-            stats = http.get("/dashboard/stats.json", headers=auth(ADMIN)).json()
+            stats = http.get("/dashboard/stats.json", headers=bearer(ADMIN)).json()
             return bool(stats["store_health"]["reachable"])
 
         assert http.get("/readyz").status_code == 200 and reachable()
         redis.kill()
         # Down, before any request noticed: the breaker is still closed, the truth is not.
         assert not reachable()
-        r = http.get("/readyz", headers=auth(ADMIN))
+        r = http.get("/readyz", headers=bearer(ADMIN))
         assert r.status_code == 503 and r.json()["store"]["ok"] is False
         assert boundary(http, unique_system("outage")).status_code == 200  # computed instead
         assert remote_of(app).breaker.state == "open"

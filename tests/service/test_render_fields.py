@@ -4,20 +4,15 @@ or refused with a 400 naming it. Real uvicorn, real tokenizer, a recording upstr
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from prefix_cache.demo import DEMO_TEMPLATE
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from tests.support import reference
-from tests.support.loopback import local_client
-from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import served, sidecar_app, unique_system
 from tests.support.tools import make_tools
 
 
@@ -33,19 +28,9 @@ DOCS_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def base(recorder_server: tuple[Any, str], demo_tokenizer: Any) -> Iterator[str]:
-    url = recorder_server[1]
-    models = ModelRegistry([served("rec", demo_tokenizer, Upstream(url)),
-                            served("boundary-only", demo_tokenizer)])
-    app = create_app(ServiceSettings(ready_timeout_s=1.0), models=models)
-    with ServerThread(app) as address:
-        yield address
-
-
-@pytest.fixture
-def http(base: str) -> Iterator[Any]:
-    with local_client(base_url=base) as client:
-        yield client
+def app(recorder_server: tuple[Any, str], demo_tokenizer: Any) -> Any:
+    return sidecar_app(served("rec", demo_tokenizer, Upstream(recorder_server[1])),
+                       served("boundary-only", demo_tokenizer), ready_timeout_s=1.0)
 
 
 def body(user: str = "Deploy the service.", tools: int = 2, **extra: Any) -> dict[str, Any]:

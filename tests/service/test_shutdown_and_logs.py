@@ -8,7 +8,6 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +16,13 @@ import pytest
 
 from prefix_cache.http.logs import JsonFormatter, uvicorn_log_config
 from prefix_cache.http.request_id import request_id_from
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
 from prefix_cache.service.upstream import Upstream
 
 from tests.support.loopback import local_client
 from tests.support.recording_upstream import Recorder
 from tests.support.serve_process import ServeProcess
 from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import served, sidecar_app, unique_system
 
 
 BOUNDED_S = 30.0
@@ -39,14 +36,7 @@ def chat(model: str = "rec", **recorder: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def app(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Any:
-    models = ModelRegistry([served("rec", demo_tokenizer, Upstream(recorder_server[1]))])
-    return create_app(ServiceSettings(), models=models)
-
-
-@pytest.fixture(scope="module")
-def base(app: Any) -> Iterator[str]:
-    with ServerThread(app) as url:
-        yield url
+    return sidecar_app(served("rec", demo_tokenizer, Upstream(recorder_server[1])))
 
 
 # -- request ids ------------------------------------------------------------------------------
@@ -120,7 +110,7 @@ def test_serve_starts_clean_only_its_own_lines_and_uvicorns(demo_folder: Path) -
 
 
 def test_a_draining_server_answers_503_and_reports_not_ready(demo_tokenizer: Any) -> None:
-    app = create_app(ServiceSettings(), models=ModelRegistry([served("demo", demo_tokenizer)]))
+    app = sidecar_app(served("demo", demo_tokenizer))
     with ServerThread(app) as url, local_client(base_url=url) as http:
         assert http.get("/readyz").status_code == 200
         app.state.service.drain.start()

@@ -19,12 +19,11 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from prefix_cache.service import ServiceSettings, create_app
-from prefix_cache.service.models import ModelRegistry
+from prefix_cache.service import ServiceSettings
 
 from tests.support.loopback import local_client
 from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import bearer, served, sidecar_app, unique_system
 from tests.support.tools import make_tools
 from tests.support.waits import EVENT_TIMEOUT_S, wait_until
 
@@ -43,29 +42,17 @@ KEYS = {
 def app(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Any:
     keys = tmp_path_factory.mktemp("limits") / "keys.json"
     keys.write_text(json.dumps(KEYS))
-    settings = ServiceSettings(keys_file=keys, max_prompt_bytes=PROMPT_LIMIT,
-                               tenant_max_concurrency=4)
-    return create_app(settings, models=ModelRegistry([served("demo", demo_tokenizer)]))
-
-
-@pytest.fixture(scope="module")
-def base(app: Any) -> Iterator[str]:
-    with ServerThread(app) as url:
-        yield url
+    return sidecar_app(served("demo", demo_tokenizer), keys_file=keys,
+                       max_prompt_bytes=PROMPT_LIMIT, tenant_max_concurrency=4)
 
 
 @pytest.fixture(scope="module")
 def strict(demo_tokenizer: Any) -> Iterator[str]:
     """Every tenant: one request prepared at a time, none waiting (settings only)."""
-    settings = ServiceSettings(api_keys={ACME: "acme", GLOBEX: "globex"},
-                               tenant_max_concurrency=1, tenant_max_queue=0)
-    app = create_app(settings, models=ModelRegistry([served("demo", demo_tokenizer)]))
+    app = sidecar_app(served("demo", demo_tokenizer), api_keys={ACME: "acme", GLOBEX: "globex"},
+                      tenant_max_concurrency=1, tenant_max_queue=0)
     with ServerThread(app) as url:
         yield url
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
 
 
 def chat(system: dict[str, str] | None = None, user: Any = "Hi") -> dict[str, Any]:
@@ -109,7 +96,7 @@ def wait_for_status(http: Any, key: str, status: int) -> Any:
     reached the server first); bounded."""
     deadline = time.monotonic() + EVENT_TIMEOUT_S
     while True:
-        r = http.post("/v1/prefix/boundary", json=chat(), headers=auth(key))
+        r = http.post("/v1/prefix/boundary", json=chat(), headers=bearer(key))
         if r.status_code == status or time.monotonic() > deadline:
             return r
         time.sleep(0.05)
@@ -123,11 +110,11 @@ def test_a_tenant_over_its_limit_gets_429_while_another_is_served(strict: str) -
         assert refused.headers["retry-after"] == "1"
         error = refused.json()["error"]
         assert error["code"] == "tenant_concurrency_limit" and "acme" in error["message"]
-        other = http.post("/v1/prefix/boundary", json=chat(), headers=auth(GLOBEX))
+        other = http.post("/v1/prefix/boundary", json=chat(), headers=bearer(GLOBEX))
         assert other.status_code == 200 and other.json()["cache"] == "miss"
         assert finish(held).startswith(b"HTTP/1.1 200")
         assert http.post("/v1/prefix/boundary", json=chat(),
-                         headers=auth(ACME)).status_code == 200   # the slot is free again
+                         headers=bearer(ACME)).status_code == 200   # the slot is free again
 
 
 def test_the_sdk_sees_a_rate_limit_error_it_can_retry(base: str) -> None:
@@ -149,11 +136,11 @@ def test_waiters_are_served_in_turn_and_a_full_line_is_refused(app: Any, base: s
         assert wait_until(lambda: "initech" in limits._gates and limits._gates["initech"].active == 1)
         waiting: list[Any] = []
         thread = threading.Thread(target=lambda: waiting.append(http.post(
-            "/v1/prefix/boundary", json=chat(), headers=auth(INITECH))))
+            "/v1/prefix/boundary", json=chat(), headers=bearer(INITECH))))
         thread.start()
         # ... a second request waits in line, and a third finds the line full.
         assert wait_until(lambda: len(limits._gates["initech"].waiters) == 1)
-        third = http.post("/v1/prefix/boundary", json=chat(), headers=auth(INITECH))
+        third = http.post("/v1/prefix/boundary", json=chat(), headers=bearer(INITECH))
         assert third.status_code == 429 and "1 are waiting" in third.json()["error"]["message"]
         assert finish(held).startswith(b"HTTP/1.1 200")
         thread.join(timeout=EVENT_TIMEOUT_S)
@@ -165,7 +152,7 @@ def test_waiters_are_served_in_turn_and_a_full_line_is_refused(app: Any, base: s
 def test_a_prompt_over_the_text_limit_is_a_413_before_any_render(base: str) -> None:
     with local_client(base_url=base) as http:
         r = http.post("/v1/prefix/boundary", json=chat(user="x" * (PROMPT_LIMIT + 1)),
-                      headers=auth(GLOBEX))
+                      headers=bearer(GLOBEX))
         assert r.status_code == 413, r.text
         assert r.json()["error"]["code"] == "prompt_too_large"
         assert "PREFIX_CACHE_MAX_PROMPT_BYTES" in r.json()["error"]["message"]
@@ -174,10 +161,10 @@ def test_a_prompt_over_the_text_limit_is_a_413_before_any_render(base: str) -> N
         parts = [{"type": "text", "text": "What is this?"},
                  {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}}]
         assert http.post("/v1/prefix/boundary", json=chat(user=parts),
-                         headers=auth(GLOBEX)).status_code == 200
+                         headers=bearer(GLOBEX)).status_code == 200
         # initech's own limit is four times larger.
         assert http.post("/v1/prefix/boundary", json=chat(user="x" * (PROMPT_LIMIT + 1)),
-                         headers=auth(INITECH)).status_code == 200
+                         headers=bearer(INITECH)).status_code == 200
 
 
 AGENT_BODIES = {
@@ -196,13 +183,13 @@ def test_the_agent_apis_share_the_tenants_slots_and_prompt_limit(strict: str, ba
     with local_client(base_url=strict) as http, held_slot(strict, ACME) as held:
         # acme's one slot is held by a boundary request: the agent API is refused, not queued.
         assert wait_for_status(http, ACME, 429).status_code == 429
-        refused = http.post(path, json=body("Hi"), headers=auth(ACME))
+        refused = http.post(path, json=body("Hi"), headers=bearer(ACME))
         assert refused.status_code == 429 and refused.headers["retry-after"] == "1", refused.text
         finish(held)
     if path != "/v1/messages/count_tokens":
         return  # the demo model has no upstream to generate with; the prompt check is shared
     with local_client(base_url=base) as http:
-        r = http.post(path, json=body("x" * (PROMPT_LIMIT + 1)), headers=auth(GLOBEX))
+        r = http.post(path, json=body("x" * (PROMPT_LIMIT + 1)), headers=bearer(GLOBEX))
         assert r.status_code == 413, r.text
         assert "PREFIX_CACHE_MAX_PROMPT_BYTES" in r.json()["error"]["message"]
 

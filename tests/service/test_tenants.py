@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +21,9 @@ from prefix_cache.store.memory import entry_size
 from tests.support.loopback import local_client, openai_client
 from tests.support.recording_upstream import Recorder
 from tests.support.server_thread import ServerThread
-from tests.support.sidecar import served, unique_system
+from tests.support.sidecar import bearer, served, unique_system, write_keys_file
 from tests.support.tools import make_tools
+from tests.support.store_keys import key
 
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
@@ -32,9 +32,8 @@ ACME, GLOBEX, ADMIN = "sk-acme-1", "sk-globex-1", "sk-admin-1"
 
 @pytest.fixture(scope="module")
 def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("keys") / "keys.yaml"
-    path.write_text(f"tenants:\n  {ACME}: acme\n  {GLOBEX}: globex\nadmin_keys:\n  - {ADMIN}\n")
-    return path
+    return write_keys_file(tmp_path_factory.mktemp("keys") / "keys.yaml",
+                           {ACME: "acme", GLOBEX: "globex"}, admin_keys=[ADMIN])
 
 
 @pytest.fixture(scope="module")
@@ -48,22 +47,6 @@ def app(keys_file: Path, models: ModelRegistry) -> Any:
     return create_app(ServiceSettings(keys_file=keys_file), models=models)
 
 
-@pytest.fixture(scope="module")
-def base(app: Any) -> Iterator[str]:
-    with ServerThread(app) as url:
-        yield url
-
-
-@pytest.fixture
-def http(base: str) -> Iterator[Any]:
-    with local_client(base_url=base) as client:
-        yield client
-
-
-def auth(key: str) -> dict[str, str]:
-    return {"authorization": f"Bearer {key}"}
-
-
 def body(system: dict[str, str], model: str = "rec", **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": [system, {"role": "user", "content": "Hi"}],
             "tools": make_tools(2), **extra}
@@ -74,9 +57,9 @@ def body(system: dict[str, str], model: str = "rec", **extra: Any) -> dict[str, 
 
 def test_two_tenants_with_one_system_prompt_never_share_an_entry(http: Any) -> None:
     system = unique_system()
-    acme = [http.post("/v1/prefix/boundary", json=body(system), headers=auth(ACME)).json()
+    acme = [http.post("/v1/prefix/boundary", json=body(system), headers=bearer(ACME)).json()
             for _ in range(2)]
-    globex = http.post("/v1/prefix/boundary", json=body(system), headers=auth(GLOBEX)).json()
+    globex = http.post("/v1/prefix/boundary", json=body(system), headers=bearer(GLOBEX)).json()
     assert [r["cache"] for r in acme] == ["miss", "hit"]
     assert globex["cache"] == "miss"  # acme's entry is invisible to globex
     assert acme[0]["key"].split(":")[1] == "acme" and globex["key"].split(":")[1] == "globex"
@@ -86,16 +69,16 @@ def test_two_tenants_with_one_system_prompt_never_share_an_entry(http: Any) -> N
 
 def test_a_client_sent_tenant_is_ignored(http: Any) -> None:
     system = unique_system()
-    http.post("/v1/prefix/boundary", json=body(system), headers=auth(ACME))
+    http.post("/v1/prefix/boundary", json=body(system), headers=bearer(ACME))
     spoof = http.post("/v1/prefix/boundary", json=body(system, tenant="acme", namespace="acme"),
-                      headers=auth(GLOBEX)).json()
+                      headers=bearer(GLOBEX)).json()
     assert spoof["cache"] == "miss" and spoof["key"].split(":")[1] == "globex"
 
 
 def test_tenant_chat_completions_through_the_sdk(base: str, recorder: Recorder) -> None:
     system = unique_system()
-    for key, expected in ((ACME, "miss"), (ACME, "hit"), (GLOBEX, "miss")):
-        raw = openai_client(base, key).chat.completions.with_raw_response.create(
+    for api_key, expected in ((ACME, "miss"), (ACME, "hit"), (GLOBEX, "miss")):
+        raw = openai_client(base, api_key).chat.completions.with_raw_response.create(
             model="rec", messages=[system, {"role": "user", "content": "Hi"}])
         assert raw.headers["x-prefix-cache"] == expected
     assert all(ACME not in json.dumps(r.headers) for r in recorder.requests)
@@ -107,8 +90,8 @@ def test_tenant_chat_completions_through_the_sdk(base: str, recorder: Recorder) 
 @pytest.mark.parametrize("headers, status, fragment", [
     ({}, 401, "missing API key"),
     ({"authorization": "Basic abc"}, 401, "missing API key"),
-    (auth("sk-nobody"), 401, "invalid API key"),
-    (auth(ADMIN), 403, "admin key"),
+    (bearer("sk-nobody"), 401, "invalid API key"),
+    (bearer(ADMIN), 403, "admin key"),
 ])
 def test_v1_needs_a_tenant_key(http: Any, headers: dict[str, str], status: int,
                                fragment: str) -> None:
@@ -130,8 +113,8 @@ def test_sdk_with_a_wrong_key_gets_an_authentication_error(base: str) -> None:
 
 @pytest.mark.parametrize("headers, status, code", [
     ({}, 401, "invalid_api_key"),
-    (auth("sk-nobody"), 401, "invalid_api_key"),
-    (auth(ACME), 403, "admin_key_required"),
+    (bearer("sk-nobody"), 401, "invalid_api_key"),
+    (bearer(ACME), 403, "admin_key_required"),
 ])
 def test_admin_refuses_without_the_admin_key(http: Any, headers: dict[str, str], status: int,
                                              code: str) -> None:
@@ -145,9 +128,9 @@ def test_health_endpoints_need_no_key_but_details_do(http: Any) -> None:
     assert http.get("/healthz").status_code == 200
     ready = http.get("/readyz")
     assert ready.status_code == 200 and ready.json() == {"status": "ready"}
-    for key in (ACME, "sk-unknown"):  # a tenant learns no more than anyone
-        assert http.get("/readyz", headers=auth(key)).json() == {"status": "ready"}
-    detailed = http.get("/readyz", headers=auth(ADMIN))
+    for api_key in (ACME, "sk-unknown"):  # a tenant learns no more than anyone
+        assert http.get("/readyz", headers=bearer(api_key)).json() == {"status": "ready"}
+    detailed = http.get("/readyz", headers=bearer(ADMIN))
     assert detailed.status_code == 200 and detailed.json()["upstreams"]["rec"]["ok"] is True
 
 
@@ -156,13 +139,13 @@ def test_health_endpoints_need_no_key_but_details_do(http: Any) -> None:
 
 def test_admin_purges_a_tenant_and_only_that_tenant(http: Any) -> None:
     system = unique_system()
-    for key in (ACME, GLOBEX):
-        assert http.post("/v1/prefix/boundary", json=body(system), headers=auth(key)).json()[
+    for api_key in (ACME, GLOBEX):
+        assert http.post("/v1/prefix/boundary", json=body(system), headers=bearer(api_key)).json()[
             "cache"] == "miss"
-    purged = http.post("/admin/purge", json={"tenant": "acme"}, headers=auth(ADMIN))
+    purged = http.post("/admin/purge", json={"tenant": "acme"}, headers=bearer(ADMIN))
     assert purged.status_code == 200 and purged.json()["purged"] >= 1
     assert purged.json()["pattern"] == "spc:acme:*:*"
-    again = {key: http.post("/v1/prefix/boundary", json=body(system), headers=auth(key)).json()
+    again = {key: http.post("/v1/prefix/boundary", json=body(system), headers=bearer(key)).json()
              for key in (ACME, GLOBEX)}
     assert again[ACME]["cache"] == "miss" and again[GLOBEX]["cache"] == "hit"
 
@@ -170,11 +153,11 @@ def test_admin_purges_a_tenant_and_only_that_tenant(http: Any) -> None:
 def test_admin_purges_a_model(http: Any) -> None:
     system = unique_system()
     for model in ("rec", "other"):
-        http.post("/v1/prefix/boundary", json=body(system, model), headers=auth(ACME))
-    r = http.post("/admin/purge", json={"model": "other"}, headers=auth(ADMIN))
+        http.post("/v1/prefix/boundary", json=body(system, model), headers=bearer(ACME))
+    r = http.post("/admin/purge", json={"model": "other"}, headers=bearer(ADMIN))
     assert r.json() == {"purged": r.json()["purged"], "pattern": "spc:*:other:*"}
     assert r.json()["purged"] >= 1
-    after = {m: http.post("/v1/prefix/boundary", json=body(system, m), headers=auth(ACME)).json()
+    after = {m: http.post("/v1/prefix/boundary", json=body(system, m), headers=bearer(ACME)).json()
              for m in ("rec", "other")}
     assert after["rec"]["cache"] == "hit" and after["other"]["cache"] == "miss"
 
@@ -188,16 +171,16 @@ def test_admin_purges_a_model(http: Any) -> None:
 def test_admin_purge_refuses_what_it_cannot_name_exactly(http: Any, payload: dict[str, Any],
                                                          status: int) -> None:
     system = unique_system()
-    http.post("/v1/prefix/boundary", json=body(system), headers=auth(ACME))
-    r = http.post("/admin/purge", json=payload, headers=auth(ADMIN))
+    http.post("/v1/prefix/boundary", json=body(system), headers=bearer(ACME))
+    r = http.post("/admin/purge", json=payload, headers=bearer(ADMIN))
     assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "code"}
     # Nothing was purged: a refused name is never rewritten into one that exists.
-    again = http.post("/v1/prefix/boundary", json=body(system), headers=auth(ACME))
+    again = http.post("/v1/prefix/boundary", json=body(system), headers=bearer(ACME))
     assert again.json()["cache"] == "hit"
 
 
 def test_admin_purges_a_model_no_longer_served_by_its_label(http: Any) -> None:
-    r = http.post("/admin/purge", json={"model": "retired-model.v2"}, headers=auth(ADMIN))
+    r = http.post("/admin/purge", json={"model": "retired-model.v2"}, headers=bearer(ADMIN))
     assert r.status_code == 200 and r.json() == {"purged": 0, "pattern": "spc:*:retired-model.v2:*"}
 
 
@@ -210,9 +193,9 @@ def test_a_tenant_name_with_a_newline_is_refused_in_the_keys_file(tmp_path: Path
 
 def test_admin_stats(http: Any) -> None:
     system = unique_system()
-    http.post("/v1/prefix/boundary", json=body(system), headers=auth(GLOBEX))
-    http.post("/v1/prefix/boundary", json=body(system), headers=auth(GLOBEX))
-    stats = http.get("/admin/stats", headers=auth(ADMIN)).json()
+    http.post("/v1/prefix/boundary", json=body(system), headers=bearer(GLOBEX))
+    http.post("/v1/prefix/boundary", json=body(system), headers=bearer(GLOBEX))
+    stats = http.get("/admin/stats", headers=bearer(ADMIN)).json()
     assert stats["tenants"] == ["acme", "globex"] and stats["models"] == ["rec", "other"]
     assert stats["cache"]["hits"] >= 1 and stats["cache"]["misses"] >= 1
     assert stats["store"]["backend"] == "memory"
@@ -229,7 +212,7 @@ def test_one_tenant_flooding_the_cache_evicts_only_its_own_entries(
     with ServerThread(app) as url, local_client(base_url=url) as http:
         def ask(key: str, system: dict[str, str]) -> str:
             return str(http.post("/v1/prefix/boundary", json=body(system),
-                                 headers=auth(key)).json()["cache"])
+                                 headers=bearer(key)).json()["cache"])
 
         kept = unique_system("globex")
         assert ask(GLOBEX, kept) == "miss"
@@ -280,10 +263,6 @@ def test_bad_keys_file_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tenant": {}}))
     with pytest.raises(ValueError, match="unknown fields"):
         KeyRing.from_settings(ServiceSettings(keys_file=path))
-
-
-def key(ns: str, i: int) -> str:
-    return f"spc:{ns}:m:{i:032x}"
 
 
 def test_quota_store_keeps_each_tenant_within_its_entries() -> None:

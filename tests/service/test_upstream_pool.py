@@ -19,9 +19,9 @@ from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_cache.keys import model_label
-from prefix_cache.service import ServiceSettings, create_app
+from prefix_cache.service import ServiceSettings
 from prefix_cache.service.flags import add_serve_flags, flag_overrides
-from prefix_cache.service.models import ModelRegistry, ServedModel, load_model_specs
+from prefix_cache.service.models import ServedModel, load_model_specs
 from prefix_cache.service.pool import UpstreamPool
 from prefix_cache.service.routing import affinity_order, routing_key
 from prefix_cache.service.upstream import Upstream
@@ -37,6 +37,7 @@ from tests.support.loopback import free_port, local_client
 from tests.support.paths import GRAFANA_DASHBOARD
 from tests.support.recording_upstream import Recorder, recording_upstream
 from tests.support.server_thread import ServerThread
+from tests.support.sidecar import bearer, sidecar_app
 from tests.support.waits import wait_until
 
 
@@ -119,7 +120,7 @@ class Sidecar:
         """One turn of an agent (a static system prompt and tools of its own); the status
         and the replica that answered."""
         tag = uuid.uuid4().hex
-        headers = {"authorization": f"Bearer {key}"} if key else {}
+        headers = bearer(key) if key else {}
         r = self.client.post(f"{self.base}/v1/chat/completions", headers=headers,
                              json={**chat_body(agent, turn), "tag": tag, **extra})
         return r.status_code, self.replicas.which(tag)
@@ -143,7 +144,7 @@ def sidecar_for(replicas: Replicas, demo_tokenizer: Any) -> Iterator[Any]:
         upstreams = [Upstream(u) for u in (urls or replicas.urls)]
         pool = UpstreamPool(upstreams, policy, eject_s=eject_s, load_floor=load_floor)
         model = ServedModel(MODEL, model_label(MODEL), demo_tokenizer, upstreams[0], pool=pool)
-        app = create_app(ServiceSettings(**settings), models=ModelRegistry([model]))
+        app = sidecar_app(model, **settings)
         server = ServerThread(app, log_level="critical")
         client = local_client()
         opened.append((server, client))
@@ -250,7 +251,7 @@ def test_tenants_with_the_same_static_prefix_are_routed_independently(
         homes = {}
         for api_key, tenant in (("key-a", "alpha"), ("key-b", "beta")):
             boundary = sidecar.client.post(f"{sidecar.base}/v1/prefix/boundary",
-                                           headers={"authorization": f"Bearer {api_key}"},
+                                           headers=bearer(api_key),
                                            json=chat_body(agent, 0)).json()
             expected = affinity_order(routing_key(tenant, boundary["key"]), sidecar.pool.names)[0]
             turns = [sidecar.ask(agent, turn, key=api_key) for turn in range(2)]

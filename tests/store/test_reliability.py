@@ -19,6 +19,7 @@ from prefix_cache.store.tiered import TieredStore
 
 from tests.support.clock import Clock
 from tests.support.redis_server import RedisServer, needs_redis
+from tests.support.store_keys import key
 
 pytestmark = needs_redis
 # Timeouts here are generous: the machine running the tests may be busy, and no assertion is
@@ -28,10 +29,6 @@ SLOW_OK_S = 2.0
 # average of 20 (where even answers from a healthy server wait that long for a core); its
 # set-up gets SLOW_OK_S. At a load average of 22 even that ran out once in 20 starts.
 BURST_ANSWER_S = 0.25
-
-
-def key(ns: str, i: int) -> str:
-    return f"spc:{ns}:m:{i:032x}"
 
 
 def redis_keys(redis: RedisServer, ns: str) -> set[str]:

@@ -52,7 +52,7 @@ def draft(engine_models_dir: Path) -> Any:
 @pytest.fixture
 def engines(target: tuple[Any, Any]) -> Any:
     """``make(model=None, **options)``: an MLXEngine on ``model`` (the target by default);
-    every engine made is closed at teardown."""
+    every engine still open at teardown is closed."""
     from engine_adapter.mlx_engine import MLXEngine
 
     made: list[MLXEngine] = []
@@ -64,7 +64,8 @@ def engines(target: tuple[Any, Any]) -> Any:
 
     yield make
     for engine in made:
-        engine.close()
+        if not engine._closed:  # a test may close some itself (a restart)
+            engine.close()
 
 
 def turn(tok: Any, static_words: int, user: str) -> tuple[list[int], int]:
@@ -74,6 +75,12 @@ def turn(tok: Any, static_words: int, user: str) -> tuple[list[int], int]:
                         + "<|im_end|>\n")
     rest = tok.encode(f"<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n")
     return static + rest, len(static)
+
+
+def next_turn(tok: Any, previous: list[int], reply: str, user: str) -> list[int]:
+    """``previous`` (ending in the assistant header) + the reply + a new user turn + header."""
+    return previous + tok.encode(f"{reply}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                                 "<|im_start|>assistant\n")
 
 
 def run(engine: Any, ids: list[int], end: int, **fields: Any) -> list[Any]:

@@ -50,3 +50,21 @@ def openai_client(base_url: str, api_key: str = "sk-none") -> Any:
     client: Any = sdk_http.Client(trust_env=False, timeout=30.0)
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0,
                          timeout=30.0, http_client=client)
+
+
+def anthropic_client(base_url: str, api_key: str = "sk-acme") -> Any:
+    """The real Anthropic SDK, no retries; its key goes as x-api-key, as Claude clients send it."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=base_url, api_key=api_key, max_retries=0, timeout=60.0)
+
+
+def streamed_chat(sdk: Any, **request: Any) -> tuple[dict[str, str], list[Any]]:
+    """A streamed chat completion through the OpenAI SDK: the response's headers and chunks."""
+    with sdk.chat.completions.with_streaming_response.create(stream=True, **request) as response:
+        return dict(response.headers), list(response.parse())
+
+
+def streamed_text(chunks: list[Any]) -> str:
+    """The text the chunks of a streamed chat completion carry."""
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 GRAFANA_DASHBOARD = DEPLOY / "grafana" / "prefix-cache-dashboard.json"
@@ -18,6 +20,7 @@ SHARED_TEMPLATES = REPO.parent / "shared" / "chat_templates"
 TEMPLATES_DIR = Path(os.environ.get("PREFIX_CACHE_TEMPLATES", SHARED_TEMPLATES))
 TEMPLATE_STEMS = (sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
                   if TEMPLATES_DIR.is_dir() else [])
+needs_templates = pytest.mark.skipif(not TEMPLATE_STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")
 
 # mlx's CPU backend is slow on its reference BLAS; OpenBLAS, where installed, is not (a server
 # process started by a test gets it preloaded; this process keeps what it was started with).

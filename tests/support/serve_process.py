@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from .loopback import local_client
@@ -38,16 +39,21 @@ class ServeProcess:
             self.lines.put(line)
         self.lines.put("")  # end of output
 
-    def wait_for(self, pattern: str, timeout: float = SERVE_STARTUP_TIMEOUT_S) -> re.Match[str]:
-        deadline = time.monotonic() + timeout
+    def _lines_until(self, deadline: float) -> Iterator[str]:
+        """The process's next lines, each kept in the log, until its output ends or the
+        deadline passes."""
         while time.monotonic() < deadline:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                break
-            self.log.append(line)
+                return
             if line == "":
-                break
+                return
+            self.log.append(line)
+            yield line
+
+    def wait_for(self, pattern: str, timeout: float = SERVE_STARTUP_TIMEOUT_S) -> re.Match[str]:
+        for line in self._lines_until(time.monotonic() + timeout):
             match = re.search(pattern, line)
             if match:
                 return match
@@ -56,15 +62,8 @@ class ServeProcess:
     def output(self, timeout: float = STARTUP_TIMEOUT_S) -> str:
         """Everything the process wrote, once it has exited (bounded)."""
         self.proc.wait(timeout)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line == "":
-                break
-            self.log.append(line)
+        for _ in self._lines_until(time.monotonic() + timeout):
+            pass
         return "".join(self.log)
 
     def base_url(self) -> str:

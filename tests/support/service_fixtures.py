@@ -22,8 +22,12 @@ from .loopback import free_port, local_client
 from .paths import openblas
 from .recording_upstream import Recorder, recording_upstream
 from .server_thread import ServerThread
+from .sidecar import TENANT_KEYS, engine_sidecar_app
 
 MLX_STARTUP_TIMEOUT_S = 120.0
+TINY_MODEL = "tiny-qwen3"   # the tiny model's folder name: the name the sidecar serves it by
+# The engine sidecar's admin key (the dashboard's) and metrics key (Prometheus's).
+ENGINE_ADMIN, ENGINE_METRICS = "sk-engine-admin", "sk-engine-metrics"
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +42,23 @@ def recorder(recorder_server: tuple[Recorder, str]) -> Recorder:
     rec = recorder_server[0]
     rec.reset()
     return rec
+
+
+# -- the test module's sidecar ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base(app: Any) -> Iterator[str]:
+    """The test module's ``app`` on a real uvicorn: its base URL."""
+    with ServerThread(app) as url:
+        yield url
+
+
+@pytest.fixture
+def http(base: str) -> Iterator[httpx.Client]:
+    """A loopback client of ``base``."""
+    with local_client(base_url=base) as client:
+        yield client
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -65,7 +86,26 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     pytest.importorskip("mlx_lm")
     from engine_adapter.testing.tiny_model import make_tiny_model
 
-    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen3")
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def engine_sidecar(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                   ) -> Iterator[tuple[str, Any]]:
+    """The sidecar on the in-process MLX engine serving the tiny model, its KV disk tier on (in
+    a folder of its own), with tenant, admin and metrics keys: its base URL and its engine (an
+    ``MLXBackend``). The app's shutdown closes the engine."""
+    from engine_adapter.backend import MLXBackend
+
+    kv_dir = tmp_path_factory.mktemp("engine-kv")
+    app = engine_sidecar_app(tiny_model_dir, api_keys=TENANT_KEYS, admin_keys=[ENGINE_ADMIN],
+                             metrics_keys=[ENGINE_METRICS],
+                             engine_options={"kv_disk_dir": str(kv_dir)})
+    engine = app.state.service.models.get(TINY_MODEL).engine
+    assert isinstance(engine, MLXBackend)
+    with ServerThread(app) as url:
+        yield url, engine
+    assert engine._closed  # the app's shutdown closed the engine
 
 
 def _mlx_env() -> dict[str, str]:
