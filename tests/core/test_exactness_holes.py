@@ -15,7 +15,8 @@ from prefix_cache.errors import InvalidRequestError
 
 from tests.support import reference
 from tests.support.paths import SHARED_TEMPLATES
-from tests.support.templates import DEFAULT_SYSTEM
+from tests.support.clock import FakeClock, fake_template_clock
+from tests.support.templates import DEFAULT_SYSTEM, LONG_SYSTEM, clock_template
 
 HELLO_SYSTEM = "Hello! You are the assistant. Hello again, and Hello once more: say Hello."
 
@@ -149,46 +150,11 @@ def test_lone_surrogate_in_kwargs_and_tools(qwen3) -> None:
 # -- 3. the clock and randomness in templates --------------------------------------------------
 
 
-def clock_template(expression: str) -> str:
-    """DEFAULT_SYSTEM with ``expression`` printed right after the system text."""
-    return DEFAULT_SYSTEM.replace("{{- '<|im_start|>system\\n' + sys }}",
-                                  "{{- '<|im_start|>system\\n' + sys + ' ' + " + expression + " }}")
-
-
-class FakeClock:
-    """Stands in for ``datetime`` in transformers' strftime_now and in the key's time tag."""
-
-    def __init__(self) -> None:
-        from datetime import datetime
-
-        self.base = datetime
-        self.at = datetime(2026, 12, 4, 10, 0, 5)
-        clock = self
-
-        class Fake(datetime):
-            @classmethod
-            def now(cls, tz: Any = None) -> Any:  # noqa: ARG003 - the signature it replaces
-                return clock.at
-
-        self.fake = Fake
-
-    def set(self, hour: int, minute: int, second: int) -> None:
-        self.at = self.base(2026, 12, 4, hour, minute, second)
-
-
 @pytest.fixture
 def clock(monkeypatch) -> FakeClock:
-    import transformers.utils.chat_template_utils as ctu
-
-    from prefix_cache import template_clock
-
-    fake = FakeClock()
-    monkeypatch.setattr(ctu, "datetime", fake.fake)
-    monkeypatch.setattr(template_clock, "datetime", fake.fake)
-    return fake
+    return fake_template_clock(monkeypatch)
 
 
-LONG_SYSTEM = {"role": "system", "content": "You are the agent of the day; " * 6}
 
 
 def test_minute_format_is_keyed_by_the_minute(qwen3, clock: FakeClock) -> None:

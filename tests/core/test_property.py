@@ -204,15 +204,10 @@ def time_formats(draw: Any) -> str:
 def test_time_formats_in_templates(qwen3, monkeypatch, fmt, times) -> None:
     """strftime_now at any granularity: every answer equals the reference at that time; a hit
     only when the template's own formats print the same; below a minute, never cached."""
-    import transformers.utils.chat_template_utils as ctu
+    from tests.support.clock import fake_template_clock
+    from tests.support.templates import LONG_SYSTEM, clock_template
 
-    from prefix_cache import template_clock
-
-    from .test_exactness_holes import LONG_SYSTEM, FakeClock, clock_template
-
-    clock = FakeClock()
-    monkeypatch.setattr(ctu, "datetime", clock.fake)
-    monkeypatch.setattr(template_clock, "datetime", clock.fake)
+    clock = fake_template_clock(monkeypatch)
     template = clock_template(f"strftime_now({fmt!r})")
     messages = [LONG_SYSTEM, {"role": "user", "content": "Hi"}]
     cache = StaticPrefixCache()

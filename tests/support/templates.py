@@ -130,3 +130,13 @@ BEHAVIOURS = {
     "tools_not_none": TOOLS_NOT_NONE,
     "thinking": THINKING,
 }
+
+
+def clock_template(expression: str) -> str:
+    """DEFAULT_SYSTEM with ``expression`` printed right after the system text."""
+    return DEFAULT_SYSTEM.replace("{{- '<|im_start|>system\\n' + sys }}",
+                                  "{{- '<|im_start|>system\\n' + sys + ' ' + " + expression + " }}")
+
+
+# A system text long enough that a clock printed after it leaves a static prefix worth caching.
+LONG_SYSTEM = {"role": "system", "content": "You are the agent of the day; " * 6}
