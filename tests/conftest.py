@@ -1,4 +1,6 @@
-"""Shared fixtures: real tokenizers built offline once per machine (disk cache), tool sets."""
+"""Fixtures every test folder may use: the support plugins (the sidecar's recording upstream and
+models, the engine's tiny models, the demo chat model), real tokenizers built offline once per
+machine (disk cache), and a redis-server of a test's own."""
 
 from __future__ import annotations
 
@@ -9,61 +11,29 @@ from typing import Any
 
 import pytest
 
-SHARED_TEMPLATES = Path(__file__).resolve().parents[1].parent / "shared" / "chat_templates"
-# The real chat templates the template suites run over (../shared, or PREFIX_CACHE_TEMPLATES);
-# none there, and those suites skip themselves.
-TEMPLATES_DIR = Path(os.environ.get("PREFIX_CACHE_TEMPLATES", SHARED_TEMPLATES))
-TEMPLATE_STEMS = (sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
-                  if TEMPLATES_DIR.is_dir() else [])
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # Helper modules whose asserts test modules call: rewrite them for pytest's assert messages.
-pytest.register_assert_rewrite("tests.engine_fixtures")
+pytest.register_assert_rewrite("tests.support")
 
-
-class Clock:
-    """A monotonic clock the test moves by hand (circuit breakers, TTLs)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+# Session fixtures live in these plugins, so each exists once per run however many folders use
+# it. None of them imports mlx at load: the tests that need it skip themselves without it.
+pytest_plugins = [
+    "tests.support.service_fixtures",
+    "tests.support.engine_fixtures",
+    "tests.support.demo_model_fixtures",
+]
 
 
 @pytest.fixture
 def redis(tmp_path: Path) -> Iterator[Any]:
     """A redis-server of this test's own, for tests that kill, pause or fill it."""
-    from .redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     server = RedisServer(tmp_path / "redis").start()
     yield server
     server.stop()
-
-
-def make_tools(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """n distinct OpenAI function tools of realistic size."""
-    return [
-        {
-            "type": "function",
-            "function": {
-                "name": f"tool_{seed}_{i}",
-                "description": f"Tool number {i}: reads, edits or searches files in the workspace.",
-                "parameters": {
-                    "type": "object",
-                    "properties": {
-                        "path": {"type": "string", "description": "Path relative to the root."},
-                        "limit": {"type": "integer", "description": "Maximum results.", "default": 20},
-                        "recursive": {"type": "boolean"},
-                    },
-                    "required": ["path"],
-                },
-            },
-        }
-        for i in range(n)
-    ]
 
 
 @pytest.fixture(scope="session")

@@ -217,3 +217,21 @@ def test_the_readme_layout_table_matches_the_tree() -> None:
                 continue
             missing.append(own)
     assert missing == []
+
+
+def readme_tests_table() -> dict[str, str]:
+    """README's tests table: first backticked path of each row -> the whole row."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    table = text.split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): line for line in table.splitlines()
+            if (m := re.match(r"\| `([^`]+)` \|", line))}
+
+
+def test_the_readme_tests_table_matches_the_tests_tree() -> None:
+    rows = readme_tests_table()
+    folders = sorted(f"{p.parent.relative_to(REPO).as_posix()}/"
+                     for p in (REPO / "tests").glob("*/__init__.py"))
+    assert sorted(rows) == folders
+    support = rows["tests/support/"]
+    assert [p.name for p in sorted((REPO / "tests" / "support").glob("*.py"))
+            if p.name != "__init__.py" and f"`{p.name}`" not in support] == []

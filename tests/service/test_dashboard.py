@@ -1,0 +1,161 @@
+"""/metrics, the stats endpoint and the dashboard page agree; the page works in a real Chromium."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+
+from tests.support.browser import (
+    CHROMEDRIVER,
+    CHROMIUM,
+    browser_errors,
+    headless_chromium,
+    wait_for_js,
+)
+from tests.support.loopback import local_client
+from tests.support.paths import ARTIFACTS
+from tests.support.paths import GRAFANA_DASHBOARD
+from tests.support.sidecar import bearer, served, sidecar_app, unique_system, write_keys_file
+
+
+ACME, GLOBEX, ADMIN = "sk-dash-acme", "sk-dash-globex", "sk-dash-admin"
+METRICS = "sk-dash-metrics"  # what Prometheus scrapes with
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Any:
+    keys = write_keys_file(tmp_path_factory.mktemp("dash") / "keys.yaml",
+                           {ACME: "acme", GLOBEX: "globex"}, admin_keys=[ADMIN],
+                           metrics_keys=[METRICS])
+    return sidecar_app(served("demo", demo_tokenizer), keys_file=keys)
+
+
+def burst(base: str) -> tuple[int, int]:
+    """A scripted burst: per tenant, 3 distinct static parts each asked 4 times."""
+    hits = misses = 0
+    with local_client(base_url=base) as http:
+        for key in (ACME, GLOBEX):
+            systems = [unique_system(key) for _ in range(3)]
+            for round_ in range(4):
+                for system in systems:
+                    r = http.post("/v1/prefix/boundary", headers=bearer(key),
+                                  json={"messages": [system, {"role": "user", "content": f"q{round_}"}]})
+                    assert r.status_code == 200, r.text
+                    hits += r.json()["cache"] == "hit"
+                    misses += r.json()["cache"] == "miss"
+    return hits, misses
+
+
+def scrape(base: str) -> dict[tuple[str, tuple], float]:
+    with local_client(base_url=base) as http:
+        text = http.get("/metrics", headers=bearer(METRICS)).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def total(samples: dict, name: str, **match: str) -> float:
+    return sum(v for (n, labels), v in samples.items()
+               if n == name and all(dict(labels).get(k) == val for k, val in match.items()))
+
+
+def stats(base: str) -> dict[str, Any]:
+    with local_client(base_url=base) as http:
+        r = http.get("/dashboard/stats.json", headers=bearer(ADMIN))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_metrics_stats_and_counts_agree(base: str) -> None:
+    before_m, before_s = scrape(base), stats(base)["metrics"]
+    hits, misses = burst(base)
+    assert (hits, misses) == (18, 6)
+    after_m, after_s = scrape(base), stats(base)["metrics"]
+    for result, n in (("hit", hits), ("miss", misses)):
+        assert total(after_m, "prefix_cache_requests_total", result=result) - \
+            total(before_m, "prefix_cache_requests_total", result=result) == n
+    assert after_s["hits"] - before_s["hits"] == hits
+    assert after_s["misses"] - before_s["misses"] == misses
+    assert after_s["hits"] == total(after_m, "prefix_cache_requests_total", result="hit")
+    assert after_s["hit_rate"] == pytest.approx(
+        after_s["hits"] / (after_s["hits"] + after_s["misses"]))
+    tenants = {t["name"]: t for t in after_s["tenants"]}
+    assert tenants["acme"]["hit"] >= 9 and tenants["globex"]["miss"] >= 3
+    assert total(after_m, "prefix_cache_store_entries") >= 6
+
+
+def test_grafana_queries_exist_in_live_metrics(base: str) -> None:
+    burst(base)
+    exposed = {name for name, _ in scrape(base)}
+    dash = json.loads(GRAFANA_DASHBOARD.read_text())
+    queried = {m for p in dash["panels"] for t in p["targets"]
+               for m in re.findall(r"\b(prefix_cache_[a-z_]+)", t["expr"])}
+    # The engine row's metrics exist only with an in-process engine: test_engine_serving checks
+    # them against a live sidecar that has one.
+    # Likewise the upstream pool's, which exist only with an upstream: test_upstream_pool.
+    queried = {m for m in queried
+               if not m.startswith(("prefix_cache_engine_", "prefix_cache_upstream_"))}
+    assert queried and not queried - exposed, sorted(queried - exposed)
+
+
+def test_dashboard_needs_the_admin_key(base: str) -> None:
+    with local_client(base_url=base) as http:
+        for path in ("/dashboard", "/dashboard/stats.json"):
+            r = http.get(path)
+            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Basic")
+            assert "admin key" in r.json()["error"]["message"]
+            assert http.get(path, headers=bearer(ACME)).status_code == 401
+        basic = base64.b64encode(f"admin:{ADMIN}".encode()).decode()
+        page = http.get("/dashboard", headers={"authorization": f"Basic {basic}"})
+        assert page.status_code == 200 and "<svg" in page.text and "http" not in re.sub(
+            r"<!--.*?-->", "", page.text).split("<script>")[0].split("<style>")[1].split("</style>")[0]
+        cookie = page.cookies.get("prefix_cache_dashboard")
+        assert cookie
+        assert http.get("/dashboard/stats.json", cookies={"prefix_cache_dashboard": cookie}).status_code == 200
+        assert http.get("/dashboard/stats.json", cookies={"prefix_cache_dashboard": "forged"}).status_code == 401
+
+
+def test_metrics_endpoint_is_prometheus_text(base: str) -> None:
+    with local_client(base_url=base) as http:
+        r = http.get("/metrics", headers=bearer(METRICS))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert "# TYPE prefix_cache_requests_total counter" in r.text
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
+def test_page_in_headless_chromium(base: str) -> None:
+    pytest.importorskip("selenium.webdriver")
+    with headless_chromium() as driver:
+        host = base.split("://", 1)[1]
+        driver.get(f"http://admin:{ADMIN}@{host}/dashboard?poll_ms=300")  # the login prompt's answer
+
+        def wait_for(js: str) -> Any:
+            return wait_for_js(driver, js)
+
+        wait_for("return window.dashboard && window.dashboard.renders >= 2")
+        burst(base)
+        wait_for("return window.dashboard.history.length >= 4 && "
+                 "document.querySelector('#chart-hit-rate path') !== null")
+        time.sleep(0.7)  # one more poll after the burst, so page and endpoint see the same counts
+        last = driver.execute_script("return window.dashboard.last.metrics")
+        now = stats(base)["metrics"]
+        assert (last["hits"], last["misses"]) == (now["hits"], now["misses"])
+        shown = driver.find_element("id", "kpi-hit-rate").text
+        assert shown == f"{now['hit_rate'] * 100:.1f}%"
+        assert driver.find_element("id", "kpi-requests").text.startswith(f"{now['requests_total']:,}")
+        points = int(driver.execute_script(
+            "return document.querySelector('#chart-rps path').dataset.points"))
+        assert points >= 3
+        tenant_cells = driver.execute_script(
+            "return [...document.querySelectorAll('#tenants tbody td:first-child')].map(e => e.textContent)")
+        assert {"acme", "globex"} <= set(tenant_cells)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
+        assert not browser_errors(driver)
+        assert not driver.find_element("id", "engines").is_displayed()  # no in-process engine

@@ -1,0 +1,149 @@
+"""The hit path made short (issue 30): every way a hit is now served gives the uncached answer.
+
+In process, ``aresolve`` serves a hit with a short dynamic part on the event loop and the rest
+(long prompts, sampled full checks, the cap's extra render) in its render threads; the prompt's
+ids are a list only when read. Through HTTP, ``POST /v1/prefix/boundary`` takes the client's
+``prompt_ids``: the boundary is cut against them, and ids that are not token ids get a 400 and
+cache nothing. Real Qwen3 tokenizers and templates, a real uvicorn."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from prefix_cache import StaticPrefixCache
+from prefix_cache.cache import INLINE_HIT_CHARS
+from prefix_cache.service import ServiceSettings, create_app
+from prefix_cache.service.served_models import ModelRegistry
+from tests.support import reference
+from tests.support.loopback import local_client
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, unique_system
+from tests.support.templates import BEHAVIOURS
+from tests.support.tools import make_tools
+
+TEMPLATE = BEHAVIOURS["default_system"]
+SYSTEM = {"role": "system", "content": "Follow the repository rules. You are the release agent."}
+ASSISTANT = {"role": "assistant", "content": "Three tests fail in test_io.py."}
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    """The cache's render threads, counting what is handed to them."""
+
+    submitted = 0
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        self.submitted += 1
+        return super().submit(*args, **kwargs)
+
+
+def _cache(check_rate: float) -> tuple[StaticPrefixCache, CountingExecutor]:
+    cache = StaticPrefixCache(tokenize_check_rate=check_rate)
+    cache._executor.shutdown()
+    cache._executor = executor = CountingExecutor(max_workers=2)
+    return cache, executor
+
+
+CASES = {
+    # name: (messages, tools, template, render threads a hit uses with no sampled check)
+    "short": ([SYSTEM, {"role": "user", "content": "Ship it."}], 3, TEMPLATE, 0),
+    "long": ([SYSTEM, {"role": "user", "content": "Ship it. " * (INLINE_HIT_CHARS // 9 + 1)}],
+             3, TEMPLATE, 1),
+    "multi-turn, named": ([SYSTEM, {"role": "user", "content": "Go", "name": "ana"}, ASSISTANT,
+                           {"role": "user", "content": "Fix the first one."}], 3, TEMPLATE, 0),
+    # Mistral-like, the first user text starting like the system text: the cut passes the
+    # multi-turn cap, so the hit renders once more (in a thread).
+    "past the cap": ([SYSTEM, {"role": "user", "content": "Follow them, list the failing tests."},
+                      ASSISTANT, {"role": "user", "content": "Fix the first one."}], 0,
+                     BEHAVIOURS["before_last_user"], 1),
+}
+
+
+@pytest.mark.parametrize("check_rate", [0.0, 1.0])
+@pytest.mark.parametrize("case", list(CASES))
+async def test_every_hit_path_gives_the_uncached_answer(qwen3: Any, case: str,
+                                                       check_rate: float) -> None:
+    messages, n_tools, template, threads = CASES[case]
+    tools = make_tools(n_tools) or None
+    uncached = StaticPrefixCache().resolve(qwen3, messages, tools, chat_template=template)
+    cache, executor = _cache(check_rate)
+    miss = await cache.aresolve(qwen3, messages, tools, chat_template=template)
+    submitted, checks = executor.submitted, cache.stats.tokenize_checks
+    hit = await cache.aresolve(qwen3, messages, tools, chat_template=template)
+    assert (miss.cache, hit.cache) == ("miss", "hit")
+    prompt = reference.render(qwen3, messages, tools, None, template)
+    for r in (miss, hit):
+        assert r.specprefill_system_end == uncached.specprefill_system_end
+        assert type(r.prompt_ids) is list and r.prompt_ids == prompt
+        assert r.prompt_tokens == len(prompt)
+    if case == "past the cap":
+        assert cache.stats.cap_renders == 2  # the miss's and the hit's
+    if check_rate:  # the sampled check ran, in a render thread (the cap's render with it)
+        assert cache.stats.tokenize_checks == checks + 1
+        assert executor.submitted == submitted + 1
+    else:
+        assert executor.submitted == submitted + threads
+
+
+def test_prompt_ids_are_made_once_and_compare_by_value(qwen3: Any) -> None:
+    cache = StaticPrefixCache(tokenize_check_rate=0.0)
+    messages = [SYSTEM, {"role": "user", "content": "Ship it."}]
+    cache.resolve(qwen3, messages, chat_template=TEMPLATE)
+    hit = cache.resolve(qwen3, messages, chat_template=TEMPLATE)
+    again = cache.resolve(qwen3, messages, chat_template=TEMPLATE)
+    assert hit.prompt_ids is hit.prompt_ids  # made on first read, then kept
+    assert hit == again and hit.prompt_ids == again.prompt_ids
+
+
+# -- POST /v1/prefix/boundary with the client's prompt ids ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base(demo_tokenizer: Any) -> Any:
+    app = create_app(ServiceSettings(), models=ModelRegistry([served("demo", demo_tokenizer)]))
+    with ServerThread(app) as url:
+        yield url, app
+
+
+def _entries(app: Any) -> int:
+    return int(app.state.service.store.stats().memory.entries)
+
+
+def test_boundary_is_cut_against_the_prompt_ids_sent(base: Any, demo_tokenizer: Any) -> None:
+    url, _ = base
+    body = {"messages": [unique_system("ids"), {"role": "user", "content": "Deploy it."}],
+            "tools": make_tools(4)}
+    prompt = reference.render(demo_tokenizer, body["messages"], body["tools"], None, None)
+    expected = reference.two_probe(demo_tokenizer, body["messages"], body["tools"])
+    with local_client(base_url=url) as http:
+        rendered = http.post("/v1/prefix/boundary", json=body).json()
+        sent = http.post("/v1/prefix/boundary", json={**body, "prompt_ids": prompt,
+                                                      "return_prompt_ids": True}).json()
+        cut = http.post("/v1/prefix/boundary", json={**body, "prompt_ids": prompt[:expected - 3]})
+    assert (rendered["cache"], sent["cache"]) == ("miss", "hit")
+    assert rendered["specprefill_system_end"] == sent["specprefill_system_end"] == expected > 0
+    assert sent["prompt_ids"] == prompt and sent["prompt_tokens"] == len(prompt)
+    assert cut.json()["specprefill_system_end"] == expected - 3  # never past the ids sent
+    assert cut.headers["x-specprefill-system-end"] == str(expected - 3)
+
+
+@pytest.mark.parametrize("ids", ["1 2 3", [1, "2"], [-1], [2**32], [1.5], [[1]], {"0": 1}],
+                         ids=["text", "a string id", "negative", "2**32", "float", "nested",
+                              "object"])
+@pytest.mark.parametrize("cached", [False, True], ids=["new key", "cached key"])
+def test_prompt_ids_that_are_not_token_ids_are_a_400(base: Any, ids: Any, cached: bool) -> None:
+    url, app = base
+    body = {"messages": [unique_system("bad-ids"), {"role": "user", "content": "Deploy it."}]}
+    with local_client(base_url=url) as http:
+        if cached:
+            assert http.post("/v1/prefix/boundary", json=body).json()["cache"] == "miss"
+        before = _entries(app)
+        r = http.post("/v1/prefix/boundary", json={**body, "prompt_ids": ids})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "invalid_request" and "prompt_ids" in error["message"]
+        assert _entries(app) == before, "a refused request cached something"
+        again = http.post("/v1/prefix/boundary", json=body).json()
+        assert again["cache"] == ("hit" if cached else "miss")

@@ -1,0 +1,170 @@
+"""Graceful shutdown (SIGTERM: streams in flight finish within the grace period, new requests get
+503), request ids (kept or made, sent upstream, returned) and JSON logs that carry them."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from prefix_cache.http.logs import JsonFormatter, uvicorn_log_config
+from prefix_cache.http.request_id import request_id_from
+from prefix_cache.service.upstream import Upstream
+
+from tests.support.loopback import local_client
+from tests.support.recording_upstream import Recorder
+from tests.support.serve_process import ServeProcess
+from tests.support.server_thread import ServerThread
+from tests.support.sidecar import served, sidecar_app, unique_system
+
+
+BOUNDED_S = 30.0
+GRACE_S = 6.0   # long enough for the acked stream on a busy machine, short of the upstream's hold
+
+
+def chat(model: str = "rec", **recorder: Any) -> dict[str, Any]:
+    return {"model": model, "stream": bool(recorder), "recorder": recorder or None,
+            "messages": [unique_system("shutdown"), {"role": "user", "content": "Go."}]}
+
+
+@pytest.fixture(scope="module")
+def app(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Any:
+    return sidecar_app(served("rec", demo_tokenizer, Upstream(recorder_server[1])))
+
+
+# -- request ids ------------------------------------------------------------------------------
+
+
+def test_request_id_is_kept_sent_upstream_and_returned(base: str, recorder: Recorder) -> None:
+    with local_client(base_url=base) as http:
+        r = http.post("/v1/chat/completions", json=chat(), headers={"x-request-id": "trace-42.a:b"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42.a:b"
+        assert recorder.requests[-1].headers["x-request-id"] == "trace-42.a:b"
+        made = http.post("/v1/chat/completions", json=chat())
+        assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
+        assert recorder.requests[-1].headers["x-request-id"] == made.headers["x-request-id"]
+        # Not an id (spaces, too long): replaced, never echoed into logs or headers.
+        for bad in ("two words", "x" * 129, "a\tb"):
+            r = http.get("/healthz", headers={"x-request-id": bad})
+            assert r.headers["x-request-id"] != bad
+        assert http.get("/nowhere").headers["x-request-id"]   # errors carry one too
+    assert request_id_from("ok-1") == "ok-1" and request_id_from(None) != request_id_from(None)
+
+
+def test_json_formatter_writes_one_object_per_record() -> None:
+    import logging
+
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 1, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", "/healthz", "1.1", 200), None)
+    record.request_id = "r1"
+    line = json.loads(JsonFormatter().format(record))
+    assert line["request_id"] == "r1" and line["status"] == 200 and line["path"] == "/healthz"
+    assert line["level"] == "info" and line["logger"] == "uvicorn.access"
+    config = uvicorn_log_config("info", log_format="json")
+    assert all(h["filters"] == ["request_id"] for h in config["handlers"].values())
+    with pytest.raises(ValueError, match="log format"):
+        uvicorn_log_config("info", log_format="xml")
+
+
+def test_serve_writes_json_logs_with_request_ids(demo_folder: Path,
+                                                 recorder_server: tuple[Recorder, str]) -> None:
+    serve = ServeProcess(["--upstream", recorder_server[1], "--log-format", "json"],
+                         demo_folder.parent)
+    try:
+        base = serve.base_url()
+        with local_client(base_url=base) as http:
+            r = http.post("/v1/chat/completions", json=chat("demo-qwen3"),
+                          headers={"x-request-id": "trace-json-1"})
+            assert r.status_code == 200
+        access = serve.wait_for(r'"request_id": "trace-json-1"')
+        line = json.loads(access.string)
+        assert line["logger"] == "uvicorn.access" and line["status"] == 200
+        assert line["path"] == "/v1/chat/completions"
+    finally:
+        serve.stop()
+    ours = [ln for ln in serve.output().splitlines() if "uvicorn" in ln or "prefix_cache" in ln]
+    assert ours and all(json.loads(ln)["message"] for ln in ours)   # every one of them JSON
+
+
+def test_serve_starts_clean_only_its_own_lines_and_uvicorns(demo_folder: Path) -> None:
+    """No library noise on start (transformers' "PyTorch was not found" read as a broken
+    install): every line is the project's or uvicorn's."""
+    serve = ServeProcess([], demo_folder.parent)
+    try:
+        serve.base_url()
+    finally:
+        serve.stop()
+    lines = [ln for ln in serve.output().splitlines() if ln.strip()]
+    assert lines and not [ln for ln in lines if "PyTorch" in ln or "torch" in ln.lower()]
+    assert all(re.match(r"(INFO|WARNING|ERROR):\s", ln) for ln in lines), lines
+
+
+# -- draining ---------------------------------------------------------------------------------
+
+
+def test_a_draining_server_answers_503_and_reports_not_ready(demo_tokenizer: Any) -> None:
+    app = sidecar_app(served("demo", demo_tokenizer))
+    with ServerThread(app) as url, local_client(base_url=url) as http:
+        assert http.get("/readyz").status_code == 200
+        app.state.service.drain.start()
+        for path in ("/readyz", "/healthz", "/v1/models"):
+            r = http.get(path)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+            assert r.headers["retry-after"] and r.headers["connection"] == "close"
+
+
+def test_sigterm_finishes_streams_in_flight_refuses_new_ones_then_exits(
+        demo_folder: Path, recorder_server: tuple[Recorder, str], recorder: Recorder) -> None:
+    serve = ServeProcess(["--upstream", recorder_server[1]], demo_folder.parent,
+                         env={"PREFIX_CACHE_SHUTDOWN_GRACE_S": str(GRACE_S)})
+    try:
+        base = serve.base_url()
+        go = threading.Event()
+        started = {"acked": threading.Event(), "hung": threading.Event()}
+        seen: dict[str, list[str]] = {"acked": [], "hung": []}
+
+        def stream(name: str, body: dict[str, Any]) -> None:
+            try:
+                with local_client(base_url=base, timeout=BOUNDED_S) as client, \
+                        client.stream("POST", "/v1/chat/completions", json=body) as r:
+                    for line in r.iter_lines():
+                        if not line.startswith("data: "):
+                            continue
+                        seen[name].append(line[6:])
+                        started[name].set()
+                        if name == "acked" and line[6:] != "[DONE]":
+                            go.wait(BOUNDED_S)  # hold chunk i+1 until the test says so
+                            recorder.events[f"ack-{len(seen[name]) - 1}"].set()
+            except httpx.HTTPError as exc:
+                seen[name].append(f"cut: {type(exc).__name__}")
+
+        threads = [threading.Thread(target=stream, args=("acked", chat("demo-qwen3", mode="lockstep", chunks=4))),
+                   threading.Thread(target=stream, args=("hung", chat("demo-qwen3", mode="hang", chunks=3)))]
+        for t in threads:
+            t.start()
+        assert all(e.wait(BOUNDED_S) for e in started.values()), seen
+        serve.proc.send_signal(signal.SIGTERM)
+        with local_client(base_url=base) as http:
+            deadline = time.monotonic() + BOUNDED_S
+            while (r := http.get("/healthz")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        go.set()   # the stream in flight now runs to its end, inside the grace period
+        for t in threads:
+            t.join(BOUNDED_S * 2)
+        assert seen["acked"][-1] == "[DONE]" and len(seen["acked"]) == 5, seen["acked"]
+        assert "[DONE]" not in seen["hung"]  # cut when the grace period ended
+        serve.proc.wait(BOUNDED_S)
+        assert serve.proc.returncode in (0, -signal.SIGTERM)
+        assert recorder.streams_open == 0
+    finally:
+        serve.stop()
+    log = serve.output()
+    assert "draining: 2 request(s) in flight" in log and "cancelling 1 request(s)" in log

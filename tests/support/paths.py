@@ -1,0 +1,33 @@
+"""Where things are: this repository, its deploy folder, the chat templates the template suites
+run over, where browser tests leave screenshots, and OpenBLAS for mlx server processes."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+GRAFANA_DASHBOARD = DEPLOY / "grafana" / "prefix-cache-dashboard.json"
+# Screenshots the browser tests leave for people to look at (CI keeps the folder).
+ARTIFACTS = Path(os.environ.get("PREFIX_CACHE_ARTIFACTS", REPO / "artifacts"))
+
+SHARED_TEMPLATES = REPO.parent / "shared" / "chat_templates"
+# The real chat templates the template suites run over (../shared, or PREFIX_CACHE_TEMPLATES);
+# none there, and those suites skip themselves.
+TEMPLATES_DIR = Path(os.environ.get("PREFIX_CACHE_TEMPLATES", SHARED_TEMPLATES))
+TEMPLATE_STEMS = (sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
+                  if TEMPLATES_DIR.is_dir() else [])
+needs_templates = pytest.mark.skipif(not TEMPLATE_STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")
+
+# mlx's CPU backend is slow on its reference BLAS; OpenBLAS, where installed, is not (a server
+# process started by a test gets it preloaded; this process keeps what it was started with).
+OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
+            "/lib/x86_64-linux-gnu/libopenblas.so.0")
+
+
+def openblas() -> str | None:
+    """The first OpenBLAS library installed here, if any."""
+    return next((p for p in OPENBLAS if os.path.isfile(p)), None)

@@ -1,0 +1,42 @@
+"""An ASGI app on a real uvicorn in a thread, on loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+STARTUP_TIMEOUT_S = 15.0
+
+
+class ServerThread:
+    """An ASGI app served by a real uvicorn in a thread, on a socket bound before it starts."""
+
+    def __init__(self, app: Any, log_level: str = "warning") -> None:
+        self.app = app
+        self.log_level = log_level
+
+    def __enter__(self) -> str:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level=self.log_level, lifespan="on",
+                                timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True, name=f"uvicorn-{port}")
+        self.thread.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not self.server.started:  # readiness poll, bounded
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn on port {port} did not start")
+            time.sleep(0.01)
+        return f"http://127.0.0.1:{port}"
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=STARTUP_TIMEOUT_S)
