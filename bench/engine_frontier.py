@@ -201,7 +201,8 @@ def table(report: dict[str, Any], command: str) -> str:
     for p in points:
         keep = "" if p["keep"] is None else f"{p['keep']:.0%}"
         kl = "0 (the reference)" if p["variant"] == "e" else (
-            "not exposed" if p["kl"] is None else f"{p['kl']:.3f}")
+            # max: at keep 100% the KL is 0 up to float rounding, which can print as -0.000
+            "not exposed" if p["kl"] is None else f"{max(p['kl'], 0.0):.3f}")
         interp, best = d_at(points, p["ttft"])
         where = "" if p["variant"] == "d" else (
             f"{'-' if interp is None else f'{interp:.1f}'} / {'-' if best is None else best}")
