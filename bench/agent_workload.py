@@ -177,44 +177,41 @@ def agent_prompt(seed: int, filler: int = 24) -> AgentPrompt:
     return AgentPrompt(messages, TOOLS, values[field], question)
 
 
-# -- static-prefix fidelity: questions whose answer lives in the system prompt or the tools ----
+# -- static-prefix fidelity: questions whose answer lives in the system prompt ----------------
 
-CODE_WORDS = ["PELICAN", "MARIGOLD", "TANGERINE", "COBALT", "NIGHTINGALE", "JUNIPER", "SAFFRON",
-              "GRANITE"]
-CHANNELS = ["war-room", "ops-alerts", "sev-bridge", "incident-desk", "red-phone", "pager-hub"]
-MANAGERS = ["Beatrix Quill", "Orson Vale", "Marisol Dunne", "Casimir Holt", "Ottilie Frost",
-            "Leopold Grey"]
-HOUSE_RULES = ("House rules of this team: the team's code word is {word}. Incidents are "
-               "announced in the #{channel} channel. The on-call manager this week is "
-               "{manager}.")
-# (question, what the answer must contain: a house fact, or a tool's name)
-STATIC_QUESTIONS = [
-    ("What is the team's code word?", "word"),
-    ("In which channel are incidents announced?", "channel"),
-    ("Who is the on-call manager this week?", "manager"),
-    ("Which tool pages the on-call engineer of a service? Answer with the tool's name.",
-     "page_oncall"),
-    ("Which tool rolls a service back to its previous version? Answer with the tool's name.",
-     "rollback_deploy"),
-    ("Which tool runs a PromQL query? Answer with the tool's name.", "query_metrics"),
+# Tuned on dense alone until SmolLM2-135M answers most turns (bench/README.md, "Static-prefix
+# fidelity"): it copies a distinctive value (an upper-case word, a number, an address) stated
+# once in the system prompt across the ~700 tool tokens and the pasted document, but not a
+# plain-word channel or a person's name, nor a tool's name from its description (dense was
+# right on 1 of 34 and 0 of 18 such turns over the phrasings tried), so the facts are of the
+# first kind. The agent's usual "answer from the document" instruction is left out: with it
+# the model answers from the postmortem whatever the question.
+FIDELITY_SYSTEM = (
+    "You are Atlas, the operations assistant of Northwind Cloud. You help engineers with "
+    "services, incidents and runbooks. Keep answers to one short sentence."
+)
+# (the house fact, stated once at the end of the system prompt; the question; its values)
+HOUSE_FACTS: list[tuple[str, str, list[str]]] = [
+    ("The team's code word is {value}.", "What is the team's code word?",
+     ["PELICAN", "MARIGOLD", "TANGERINE", "COBALT", "NIGHTINGALE", "JUNIPER", "SAFFRON",
+      "GRANITE"]),
+    ("The staging server is called {value}.", "What is the staging server called?",
+     ["ORION", "VEGA", "ALTAIR", "RIGEL", "DENEB", "CAPELLA"]),
+    ("The emergency phone number is {value}.", "What is the emergency phone number?",
+     ["555-0147", "555-0193", "555-0122", "555-0168", "555-0135"]),
 ]
-# As the quality benchmark's turn, the question before and after the document; the user says
-# where the answer is (a 135M model otherwise answers from the document it just read).
-STATIC_TURN = ("{question} (See your instructions.) A postmortem for context:\n\n{text}\n\n"
-               "Question: {question} Answer from your instructions, not from the postmortem.")
+STATIC_TURN = "Here is a postmortem:\n\n{text}\n\n{question}"
 
 
 def static_prompt(seed: int, filler: int = 12) -> AgentPrompt:
-    """Turn ``seed`` of the fidelity workload: the agent's system prompt with its house rules
-    (picked by the seed) and tools, a fresh postmortem pasted (``filler`` paragraphs, ~500
-    tokens: half the quality benchmark's, for a shared 2-core machine), and a question that only
-    the static prefix answers (a house fact, or which tool does a described task)."""
+    """Turn ``seed`` of the fidelity workload: the agent's tools and a system prompt stating one
+    house fact (its kind and value picked by the seed), a fresh postmortem pasted (``filler``
+    paragraphs, ~500 tokens: half the quality benchmark's, for a shared 2-core machine), and a
+    question that only the system prompt answers (the document never says)."""
     rng = random.Random(10_000 + seed)
-    facts = {"word": rng.choice(CODE_WORDS), "channel": rng.choice(CHANNELS),
-             "manager": rng.choice(MANAGERS)}
+    fact, question, values = HOUSE_FACTS[seed % len(HOUSE_FACTS)]
+    value = rng.choice(values)
     text, _ = incident_report(rng, filler)
-    question, field = STATIC_QUESTIONS[seed % len(STATIC_QUESTIONS)]
-    system = SYSTEM_PROMPT + " " + HOUSE_RULES.format(**facts)
-    messages = [{"role": "system", "content": system},
+    messages = [{"role": "system", "content": FIDELITY_SYSTEM + " " + fact.format(value=value)},
                 {"role": "user", "content": STATIC_TURN.format(text=text, question=question)}]
-    return AgentPrompt(messages, TOOLS, facts.get(field, field), question)
+    return AgentPrompt(messages, TOOLS, value, question)

@@ -184,7 +184,7 @@ def table(report: dict[str, Any], command: str) -> str:
         f"while it ran, so TTFTs carry that load (all points of a turn ran back to back, in a "
         f"rotating order).",
         f"Command: `{command}`.",
-        f"{n} turns" + (f" (of {report['prompts']} asked: the run's time budget ended it)"
+        f"{n} turns" + (f" (of {report['prompts']} asked: the run stopped there, for time)"
                         if n < report["prompts"] else "")
         + f", prompts {min(t['prompt_tokens'] for t in turns)}-"
         f"{max(t['prompt_tokens'] for t in turns)} tokens, cached boundary "
@@ -197,20 +197,25 @@ def table(report: dict[str, Any], command: str) -> str:
         "(d) at this TTFT: interpolated / best point at most it |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    misses = []
+    misses: dict[str, list[str]] = {"interpolated": [], "measured": []}
     for p in points:
         keep = "" if p["keep"] is None else f"{p['keep']:.0%}"
         kl = "0 (the reference)" if p["variant"] == "e" else (
-            "not exposed" if p["kl"] is None else f"{p['kl']:.3f}")
+            # max: at keep 100% the KL is 0 up to float rounding, which can print as -0.000
+            "not exposed" if p["kl"] is None else f"{max(p['kl'], 0.0):.3f}")
         interp, best = d_at(points, p["ttft"])
         where = "" if p["variant"] == "d" else (
             f"{'-' if interp is None else f'{interp:.1f}'} / {'-' if best is None else best}")
+        if p["variant"] in "bc" and (interp is None or interp < p["agree"]):
+            misses["interpolated"].append(f"{p['label']} at {keep}")
         if p["variant"] in "bc" and (best is None or best < p["agree"]):
-            misses.append(f"{p['label']} at {keep}")
+            misses["measured"].append(f"{p['label']} at {keep}")
         lines.append(f"| {p['label']} | {keep} | {p['ttft'] * 1000:.0f} ms | {p['agree']}/{n} "
                      f"| {kl} | {where} |")
-    lines += ["", "Where (d) has no point at most as slow with at least as many answers equal "
-              "to dense: " + (", ".join(misses) if misses else "none") + "."]
+    lines += ["", "Where (d) at the same TTFT has fewer answers equal to dense: "
+              + (", ".join(misses["interpolated"]) or "none") + " (interpolated between (d)'s "
+              "points); where none of (d)'s measured points at most that TTFT has as many: "
+              + (", ".join(misses["measured"]) or "none") + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -3,11 +3,13 @@ the tools, asked after a long pasted document (SmolLM2-135M-Instruct, the demo c
 
     bash bench/static_fidelity.sh [--prompts 12] [--keep-pcts 0.2,0.5] [--update-docs]
 
-Every turn (``agent_workload.static_prompt``): the operations agent's system prompt with house
-rules picked for the turn (a code word, an announcement channel, an on-call manager) and its 8
-tools, then a user turn pasting a fresh ~500-token postmortem and asking something only the
-static prefix answers: a house fact, or which tool does a described task (the answer: the tool's
-name). The document never says. Variants, side by side on every turn, answered greedily:
+Every turn (``agent_workload.static_prompt``): the operations agent's 8 tools and a short
+system prompt stating one house fact picked for the turn (the team's code word, the staging
+server's name, the emergency phone number), then a user turn pasting a fresh ~500-token
+postmortem and asking for that fact; the document never says. (Which tool does a described
+task, a plain-word channel or a person's name were tried: SmolLM2-135M does not answer them
+densely across the tools; see docs/engine.md.) Variants, side by side on every turn, answered
+greedily:
 
   dense  in-process, the reference ("= dense")
   (b)    SpecPrefill over the whole prompt (no boundary)
