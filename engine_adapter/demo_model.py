@@ -21,13 +21,12 @@ tools it renders byte for byte what the GGUF's template renders (tested).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+
+from prefix_cache.file_lock import file_lock
 
 from .gguf import fetch
 from .gguf.fetch import GGUF_DISTRIBUTION, GGUF_FILE, GGUF_VERSION
@@ -85,18 +84,6 @@ def _stamp(gguf: Path, layers: int | None) -> dict[str, object]:
             "template": hashlib.sha256(DEMO_CHAT_TEMPLATE.encode()).hexdigest()[:16]}
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """One converter at a time per folder, across processes (a server and a test, say)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) -> Path:
     """The demo chat model folder, converted on first use (about 3 s, 540 MB); ``layers``
     keeps only the first ones (a layer-truncated draft). DemoModelUnavailable when the GGUF can
@@ -116,7 +103,7 @@ def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) 
 
     if current():
         return folder
-    with _locked(folder.with_name(f".{name}.lock")):
+    with file_lock(folder.with_name(f".{name}.lock")):
         if not current():  # another process may have converted it while we waited
             from .gguf.convert import convert_gguf
 

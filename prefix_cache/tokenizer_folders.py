@@ -15,18 +15,19 @@ packages are imported inside the functions that need them.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from importlib import util as _importlib_util
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .file_lock import file_lock
 
 if TYPE_CHECKING:  # type hints only; importing these at runtime is what we avoid
     from tokenizers import Tokenizer
@@ -224,26 +225,6 @@ def _version_tag(name: str, packages: tuple[str, ...]) -> str:
     return f"r{RECIPE_VERSION}-{digest}"
 
 
-@contextlib.contextmanager
-def _build_lock(path: Path) -> Iterator[None]:
-    """Serialize builds of one folder across processes (saves duplicate work under xdist).
-
-    Correctness does not depend on it (the rename below is atomic); where flock is missing
-    (Windows) the builds just race and the loser's folder is discarded.
-    """
-    try:
-        import fcntl
-    except ImportError:
-        yield
-        return
-    with open(path, "a+b") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def _write_folder(name: str, recipe: Recipe, dest: Path) -> None:
     """Build tokenizer ``name`` and write tokenizer.json + tokenizer_config.json into ``dest``."""
     built = recipe.build()
@@ -293,7 +274,7 @@ def tokenizer_dir(name: str, cache_dir: Path | None = None,
     if _is_complete(final):
         return final
     root.mkdir(parents=True, exist_ok=True)
-    with _build_lock(root / f".{final.name}.lock"):
+    with file_lock(root / f".{final.name}.lock"):
         if _is_complete(final):  # another process built it while we waited
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))

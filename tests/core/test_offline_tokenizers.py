@@ -521,7 +521,7 @@ def test_concurrent_builds_see_complete_folder(
     import contextlib
 
     if not with_lock:  # both threads build; the loser's rename fails and it uses the winner's
-        monkeypatch.setattr(tokenizer_folders, "_build_lock", lambda path: contextlib.nullcontext())
+        monkeypatch.setattr(tokenizer_folders, "file_lock", lambda path: contextlib.nullcontext())
     results: list[Path] = []
     errors: list[BaseException] = []
 
