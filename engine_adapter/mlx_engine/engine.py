@@ -41,6 +41,7 @@ from .sampling import make_sampler
 from .sequence import Deliver, EngineSequence
 from .sparse import SparseJob, SparsePrefill, specprefill_steps
 from .specprefill import SpecPrefillConfig
+from .streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -120,7 +121,8 @@ class MLXEngine:
         self._generator: BatchGenerator  # made on the engine thread (mlx streams are per thread)
         self._start_error: BaseException | None = None
         self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="mlx-engine", daemon=True)
+        self._thread = threading.Thread(target=releasing_streams(self._run), name="mlx-engine",
+                                        daemon=True)
         self._thread.start()
         self._ready.wait()
         if self._start_error is not None:

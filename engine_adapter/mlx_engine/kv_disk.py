@@ -43,6 +43,7 @@ from ..defaults import DEFAULT_KV_DISK_QUEUE
 from . import kv_file
 from .kv_cache import KVSnapshot
 from .kv_file import KVFileError
+from .streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -99,7 +100,8 @@ class DiskKVStore:
         self._purged_at: dict[str | None, int] = {}
         self._queue: queue.Queue[_Write | None] = queue.Queue(queue_entries)
         self.scan()
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-writer",
+        self._writer = threading.Thread(target=releasing_streams(self._write_loop),
+                                        name="kv-disk-writer",
                                         daemon=True)
         self._writer.start()
 
