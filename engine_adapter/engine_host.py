@@ -34,7 +34,7 @@ from prefix_cache.chat.conversation import Conversation
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.http.auth import bearer_matches, client_authorization, key_hint
-from prefix_cache.http.body import read_json_object
+from prefix_cache.http.body import JSONBody, read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized
 from prefix_cache.keys import validate_label
 from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
@@ -153,20 +153,20 @@ class EngineHost:
     def slot(self, tenant: str) -> AbstractAsyncContextManager[None]:
         return nullcontext()
 
-    async def read_body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+    async def read_body(self, request: Request, tenant: str) -> JSONBody:
         return await read_json_object(request, self.max_body_bytes)
 
     def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
         """Nothing beyond what the API's parser checks: a sidecar's body may carry only ids."""
 
     async def prepare(self, model: EngineModel, tenant: str, conversation: Conversation,
-                      body: Mapping[str, Any], body_size: int) -> PrefixResult:
+                      body: JSONBody) -> PrefixResult:
         """The ids a sidecar sent, or the conversation rendered off the event loop (a long
         template takes a while); the boundary it sent (default 0: nothing reused)."""
-        ids = prompt_ids_of(body, self.chat.vocab_size)
+        ids = prompt_ids_of(body.data, self.chat.vocab_size)
         if ids is None:
             ids = await asyncio.to_thread(render_conversation, self.chat.tokenizer, conversation)
-        return PrefixResult(boundary_of(body, len(ids)), TokenIds.of_rendered(ids), NONE, "")
+        return PrefixResult(boundary_of(body.data, len(ids)), TokenIds.of_rendered(ids), NONE, "")
 
     def headers(self, result: PrefixResult) -> dict[str, str]:
         return {}

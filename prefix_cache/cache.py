@@ -29,6 +29,7 @@ from typing import Any
 from . import boundary, keys
 from .entry import Entry, decode_entry, encode_entry
 from .errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
+from .known_parts import KnownParts
 from .messages import dynamic_chars
 from .observer import CacheObserver, ObserverGroup
 from .plan import Plan as _Plan
@@ -134,6 +135,7 @@ class StaticPrefixCache:
         model: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        known: KnownParts | None = None,
     ) -> PrefixResult:
         """The boundary for one request (blocking; renders run in the calling thread).
 
@@ -143,8 +145,8 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model,
-                              RenderOptions(add_generation_prompt, continue_final_message))
-            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
+                              RenderOptions(add_generation_prompt, continue_final_message), known)
+            given = _given_ids(prompt_ids, known)
             if plan.static is None:
                 return self._none(plan, given if given is not None else self._prepare(plan, None, None)[0])
             stored = self._read(plan, self._get(plan.key)) if plan.cached else None
@@ -177,6 +179,7 @@ class StaticPrefixCache:
         model: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        known: KnownParts | None = None,
     ) -> PrefixResult:
         """The boundary for one request; renders run in a thread pool, off the event loop."""
         loop = asyncio.get_running_loop()
@@ -184,8 +187,8 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model,
-                              RenderOptions(add_generation_prompt, continue_final_message))
-            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
+                              RenderOptions(add_generation_prompt, continue_final_message), known)
+            given = _given_ids(prompt_ids, known)
             if plan.static is None:
                 if given is None:
                     given = (await loop.run_in_executor(run, self._prepare, plan, None, None))[0]
@@ -232,10 +235,11 @@ class StaticPrefixCache:
 
     def _plan(self, tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
               chat_template: str | None, namespace: str, model: str | None,
-              options: RenderOptions = DEFAULT_OPTIONS) -> _Plan:
+              options: RenderOptions = DEFAULT_OPTIONS,
+              known: KnownParts | None = None) -> _Plan:
         return make_plan(tokenizer, messages, tools, kwargs, chat_template, namespace, model,
                          options, prefix=self.prefix,
-                         protect_default_prefix=self.protect_default_prefix)
+                         protect_default_prefix=self.protect_default_prefix, known=known)
 
     def _render(self, plan: _Plan) -> _Text:
         """The request's prompt text, with the documented tools fallback (tools and kwargs are
@@ -443,6 +447,14 @@ class StaticPrefixCache:
     def _store_failed(self, op: str, exc: StoreUnavailableError) -> None:
         self._events.store_error(op=op)
         log.warning("store %s failed, computing instead: %s", op, exc)
+
+
+def _given_ids(prompt_ids: Any, known: KnownParts | None) -> TokenIds | None:
+    """The caller's prompt ids, checked (already, when its body's parse packed them)."""
+    if prompt_ids is None:
+        return None
+    found = known.token_ids(prompt_ids) if known else None
+    return found if found is not None else checked_token_ids(prompt_ids)
 
 
 def _tools(plan: _Plan, entry: Entry) -> list[dict[str, Any]] | None:

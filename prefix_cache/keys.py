@@ -19,6 +19,7 @@ import msgpack
 import xxhash
 
 from .errors import InvalidRequestError
+from .known_parts import KnownParts
 
 KEY_VERSION = b"spc-key-v2"
 DEFAULT_PREFIX = "spc"
@@ -47,7 +48,7 @@ def model_label(name: str) -> str:
 
 
 def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
-                    kwargs: Mapping[str, Any] | None) -> bytes:
+                    kwargs: Mapping[str, Any] | None, known: KnownParts | None = None) -> bytes:
     """Exact bytes of the plain data a template is given; InvalidRequestError for anything else.
 
     Plain data is what a JSON body parses to: exactly dict, list, str, int, float, bool and None
@@ -68,7 +69,14 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     it cannot take (integers beyond 64 bits, a lone surrogate, a type to refuse) goes through
     the Python walk. The one refused kind it does take -- binary and extension values -- is
     found in its output (``_has_binary``).
+
+    ``known``: parts (the tools, static messages) a body parser already packed, from bytes it
+    saw before (``body_parts``); the same bytes, without packing those parts again.
     """
+    if known:
+        assembled = _assembled(static, tools, kwargs, known)
+        if assembled is not None:
+            return assembled
     fields = [list(static), None if tools is None else list(tools), dict(kwargs) if kwargs else None]
     try:
         packed = _pack(fields)
@@ -78,6 +86,44 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
         return packed
     packed = _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
     return packed
+
+
+def packed_part(value: Any) -> bytes | None:
+    """``value`` packed as ``canonical_bytes`` packs it among its fields, when it is plain data
+    msgpack takes as it is (no integer beyond 64 bits, no lone surrogate); else None."""
+    try:
+        packed = _pack(value)
+    except (TypeError, OverflowError, ValueError):
+        return None
+    return None if _has_binary(packed) else packed
+
+
+def _assembled(static: Sequence[Any], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
+               known: KnownParts) -> bytes | None:
+    """``canonical_bytes`` from its parts: a msgpack array packs as its header and then each
+    element's own packing, so known parts are put in as they are; None when a part is not
+    plain data as it is (the whole walk then decides, and names what it refuses)."""
+    parts = [b"\x93", _array_header(len(static))]
+    for message in static:
+        parts.append(known.packed(message) or packed_part(message) or b"")
+    if tools is None:
+        parts.append(_NIL)
+    else:
+        parts.append(known.packed(tools) or packed_part(list(tools)) or b"")
+    parts.append((packed_part(dict(kwargs)) or b"") if kwargs else _NIL)
+    return None if b"" in parts else b"".join(parts)  # b"": a part msgpack did not take
+
+
+_NIL = msgpack.packb(None)
+
+
+def _array_header(length: int) -> bytes:
+    """msgpack's header of an array of ``length`` elements (fixarray, array 16, array 32)."""
+    if length < 16:
+        return bytes([0x90 | length])
+    if length < 1 << 16:
+        return b"\xdc" + length.to_bytes(2, "big")
+    return b"\xdd" + length.to_bytes(4, "big")
 
 
 def _has_binary(packed: bytes) -> bool:
@@ -172,10 +218,11 @@ def key_material(
     tools: Sequence[Mapping[str, Any]] | None,
     kwargs: Mapping[str, Any] | None,
     date: str | None = None,
+    known: KnownParts | None = None,
 ) -> bytes:
     """Length-prefixed fields, so no field's bytes can run into the next one's."""
     fields = (KEY_VERSION, namespace.encode(), identity, (date or "").encode(),
-              canonical_bytes(static, tools, kwargs))
+              canonical_bytes(static, tools, kwargs, known))
     return b"".join([len(f).to_bytes(4, "little") + f for f in fields])
 
 

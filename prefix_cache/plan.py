@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import boundary, keys
+from .known_parts import KnownParts
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
 from .render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
 
@@ -48,9 +49,10 @@ class Plan:
 def make_plan(tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
               chat_template: str | None, namespace: str, model: str | None,
               options: RenderOptions = DEFAULT_OPTIONS, *, prefix: str,
-              protect_default_prefix: bool) -> Plan:
+              protect_default_prefix: bool, known: KnownParts | None = None) -> Plan:
     """Validates a request's inputs, picks its renderer and computes its key (none when there
-is nothing static to protect, or when the render cannot be reproduced)."""
+is nothing static to protect, or when the render cannot be reproduced). ``known``: parts of the
+key material its body's parse already packed."""
     started = time.perf_counter()
     keys.validate_label(namespace, "namespace")
     messages = validate_messages(messages)
@@ -62,18 +64,18 @@ is nothing static to protect, or when the render cannot be reproduced)."""
     label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
     if everything_static or (n_static == 0 and not protect_default_prefix):
         # Not keyed, but refused alike: what would be refused in a key is refused here too.
-        keys.canonical_bytes(messages[:n_static], tools, kwargs)
+        keys.canonical_bytes(messages[:n_static], tools, kwargs, known)
         return Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
                      namespace, label, started, options)
     static = messages[:n_static]
     if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
-        keys.canonical_bytes(static, tools, kwargs)
+        keys.canonical_bytes(static, tools, kwargs, known)
         return Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
                      namespace, label, started, options)
     date = renderer.date_tag()
     material = keys.key_material(
         namespace=namespace, identity=renderer.identity, static=static,
-        tools=tools, kwargs=kwargs, date=date,
+        tools=tools, kwargs=kwargs, date=date, known=known,
     )
     key = keys.format_key(prefix, namespace, label, keys.key_hash(material))
     return Plan(renderer, messages, tools, kwargs, n_static, static, key,

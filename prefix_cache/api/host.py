@@ -27,6 +27,7 @@ from ..chat.agent_call import AgentCall
 from ..chat.conversation import Conversation
 from ..chat.events import Events
 from ..chat.responses_store import ResponseStore
+from ..http.body import JSONBody
 from ..http.relay import RelayTap
 
 Api = Literal["chat", "messages", "responses"]
@@ -105,8 +106,8 @@ class Host(Protocol):
         """The tenant's share of this worker, held while its request is prepared."""
         ...
 
-    async def read_body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
-        """The raw JSON body and its object, within the size limit."""
+    async def read_body(self, request: Request, tenant: str) -> JSONBody:
+        """The caller's JSON body, within the size limit."""
         ...
 
     def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
@@ -114,7 +115,7 @@ class Host(Protocol):
         ...
 
     async def prepare(self, model: ServedModel, tenant: str, conversation: Conversation,
-                      body: Mapping[str, Any], body_size: int) -> PrefixResult:
+                      body: JSONBody) -> PrefixResult:
         """The conversation's prompt ids and boundary (renders off the event loop)."""
         ...
 

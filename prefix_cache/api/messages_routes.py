@@ -66,8 +66,7 @@ async def count_tokens(request: Request, host: HostDep, tenant: Caller) -> Respo
         admitted = await admit(request, host, tenant, "messages")
         conversation = messages_conversation(admitted.body)
         model = host.model(model_name(admitted.body))
-        result = await host.prepare(model, tenant, conversation, admitted.body,
-                                    len(admitted.raw))
+        result = await host.prepare(model, tenant, conversation, admitted.json)
     return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
                     media_type="application/json", headers=host.headers(result))
 

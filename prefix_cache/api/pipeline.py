@@ -18,6 +18,7 @@ from fastapi import Request
 
 from ..cache import PrefixResult
 from ..chat.agent_call import AgentCall
+from ..http.body import JSONBody
 from .host import Api, Host, ServedModel
 
 
@@ -27,15 +28,22 @@ class Admitted:
 
     tenant: str
     namespace: str
-    raw: bytes
-    body: dict[str, Any]
+    json: JSONBody
+
+    @property
+    def raw(self) -> bytes:
+        return self.json.raw
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return self.json.data
 
 
 async def admit(request: Request, host: Host, tenant: str, api: Api) -> Admitted:
     """The body read (size limit) and checked at the host's edge, and the caller's namespace."""
-    raw, body = await host.read_body(request)
-    host.check_body(api, body)
-    return Admitted(tenant, host.namespace(tenant, body), raw, body)
+    body = await host.read_body(request, tenant)
+    host.check_body(api, body.data)
+    return Admitted(tenant, host.namespace(tenant, body.data), body)
 
 
 async def prepare(host: Host, api: Api, model: ServedModel, call: AgentCall,
@@ -43,8 +51,7 @@ async def prepare(host: Host, api: Api, model: ServedModel, call: AgentCall,
     """The call's prompt ids and boundary, once its model's target can run it (a refused
     request caches nothing)."""
     model.target.check(call, api)
-    return await host.prepare(model, admitted.tenant, call.conversation, admitted.body,
-                              len(admitted.raw))
+    return await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
 
 
 def model_name(body: Mapping[str, Any]) -> str | None:

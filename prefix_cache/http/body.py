@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from .. import json_io
+from ..body_parts import PartMemo, parse_body
+from ..known_parts import KnownParts
 from .errors import BadRequest, ClientDisconnected, PayloadTooLarge, UnsupportedMediaType
 
 JSON_MEDIA_TYPE = "application/json"
@@ -30,9 +33,22 @@ def require_json(content_type: str | None) -> None:
                                    f"(got {shown})")
 
 
-async def read_json_object(request: Request, limit: int,
-                           setting: str | None = None) -> tuple[bytes, dict[str, Any]]:
-    """The raw body and its parsed JSON object.
+@dataclass(frozen=True, slots=True)
+class JSONBody:
+    """A request's raw body, its JSON object, and what its parse already worked out of it
+    (``body_parts``: the key material of parts sent before, the checked prompt ids)."""
+
+    raw: bytes
+    data: dict[str, Any]
+    known: KnownParts
+
+
+async def read_json_object(request: Request, limit: int, setting: str | None = None,
+                           memo: PartMemo | None = None, scope: str = "",
+                           share: bool = False) -> JSONBody:
+    """The raw body and its parsed JSON object (``memo``, ``scope``, ``share``: where the exact
+    bytes of large parts are remembered, whose they are, and whether their values may be
+    shared with other requests: ``body_parts.parse_body``).
 
     415 unless it is ``application/json``; 413 past ``limit`` bytes (``setting``: what raises
     the limit, named in the message), closing the connection; 400 if it is not a JSON object
@@ -59,13 +75,13 @@ async def read_json_object(request: Request, limit: int,
         raise ClientDisconnected("the client disconnected while sending the body") from exc
     raw = b"".join(chunks)
     try:
-        body = json_io.loads(raw)  # integers of any size stay exact; nesting is bounded
+        body, known = parse_body(raw, memo, scope, share)  # ints exact; nesting bounded
     except json_io.JSONInputError as exc:
         raise BadRequest(f"the body is {exc}", code=exc.code) from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object (an OpenAI chat body)",
                          code="invalid_json")
-    return raw, body
+    return JSONBody(raw, body, known)
 
 
 def _too_large(limit: int, setting: str | None) -> PayloadTooLarge:

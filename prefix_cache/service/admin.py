@@ -36,7 +36,7 @@ async def stats(state: State) -> dict[str, Any]:
              responses=docs.responses(PurgeResponse, 400, 401, 403, 413, 415, 503))
 async def purge(request: Request, state: State, host: Sidecar) -> dict[str, Any]:
     """Remove every entry of a tenant, of a model, or of a tenant's use of a model."""
-    _, body = await host.read_body(request)
+    body = (await host.read_body(request, ":admin")).data  # no tenant's scope
     req = PurgeRequest.model_validate(body)
     if req.tenant is None and req.model is None:
         raise BadRequest("give 'tenant', 'model' or both")

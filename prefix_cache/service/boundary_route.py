@@ -9,11 +9,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from ..api import openapi_docs as docs
-from ..api.deps import Caller
 from ..api.schemas import BoundaryRequest, BoundaryResponse, PrefixBoundaryRequest
 from ..chat.render_fields import chat_conversation
-from .deps import Sidecar, State
-from .sidecar_host import cache_headers
+from .sidecar_host import SidecarHost, cache_headers
 
 router = APIRouter()
 
@@ -21,14 +19,18 @@ router = APIRouter()
 @router.post("/v1/prefix/boundary", openapi_extra=docs.json_body(PrefixBoundaryRequest),
              responses=docs.responses(BoundaryResponse, *docs.PREPARE_ERRORS,
                                       headers=docs.CACHE_HEADERS))
-async def prefix_boundary(request: Request, state: State, host: Sidecar,
-                          tenant: Caller) -> Response:
-    async with state.limits.slot(tenant):  # the tenant's share of this worker
-        raw, body = await host.read_body(request)
-        req = BoundaryRequest.model_validate(body)
+async def prefix_boundary(request: Request) -> Response:
+    # No FastAPI dependencies: on a hit, resolving them cost as much as the key (issue 30).
+    host: SidecarHost = request.app.state.api_host
+    tenant = host.caller(request)
+    async with host.slot(tenant):  # the tenant's share of this worker
+        # Shared parts: this body is only validated and resolved (the cache changes nothing).
+        body = await host.read_body(request, tenant, share=True)
+        req = BoundaryRequest.model_validate(body.data)
         # Prompt ids the client sends are the ids the boundary is cut against (no render).
-        result = await host.resolve(state.models.get(req.model), tenant,
-                                    chat_conversation(body), len(raw), body.get("prompt_ids"))
+        result = await host.resolve(host.state.models.get(req.model), tenant,
+                                    chat_conversation(body.data), len(body.raw),
+                                    body.data.get("prompt_ids"), body.known)
     out: dict[str, Any] = {
         "specprefill_system_end": result.specprefill_system_end,
         "prompt_tokens": result.prompt_tokens,

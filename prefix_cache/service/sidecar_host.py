@@ -13,11 +13,13 @@ from fastapi import Request
 from ..api.engine_target import EngineTarget
 from ..api.host import Api, Target
 from ..api.schemas import ChatRequest
+from ..body_parts import PartMemo
 from ..cache import PrefixResult
 from ..chat.conversation import Conversation
 from ..chat.responses_store import ResponseStore
 from ..http.auth import client_authorization, key_hint
-from ..http.body import read_json_object
+from ..http.body import JSONBody, read_json_object
+from ..known_parts import KnownParts
 from .proxy_target import ProxyTarget
 from .served_models import ServedModel
 from .settings import env_name
@@ -50,6 +52,8 @@ class SidecarHost:
         self.state = state
         self.started_at = state.started_at
         self._routed = {m.name: Routed(m, self._target(m)) for m in state.models}
+        # The exact bytes of large body parts each tenant sent before (its own, invariant 5).
+        self._parts = PartMemo()
 
     def _target(self, model: ServedModel) -> Target:
         if model.engine is not None:
@@ -67,10 +71,10 @@ class SidecarHost:
         return self._routed[self.state.models.get(name).name]  # NotFound for an unknown name
 
     def caller(self, request: Request) -> str:
+        headers = request.headers  # (scope["path"]: request.url builds a whole URL object)
         return self.state.keyring.tenant_for(
-            client_authorization(request.headers.get("authorization"),
-                                 request.headers.get("x-api-key")),
-            key_hint(request.url.path))
+            client_authorization(headers.get("authorization"), headers.get("x-api-key")),
+            key_hint(request.scope["path"]))
 
     def namespace(self, tenant: str, fields: Mapping[str, Any]) -> str:
         return tenant  # from the caller's key, never from what it sends (invariant 5)
@@ -78,30 +82,35 @@ class SidecarHost:
     def slot(self, tenant: str) -> AbstractAsyncContextManager[None]:
         return self.state.limits.slot(tenant)
 
-    async def read_body(self, request: Request) -> tuple[bytes, dict[str, Any]]:
+    async def read_body(self, request: Request, tenant: str, share: bool = False) -> JSONBody:
+        """``share``: the caller changes nothing in the body (``body_parts.parse_body``)."""
         return await read_json_object(request, self.state.settings.max_body_bytes,
-                                      MAX_BODY_SETTING)
+                                      MAX_BODY_SETTING, self._parts, tenant, share)
 
     def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
         if api == "chat":
             ChatRequest.model_validate(body)
 
     async def prepare(self, model: Routed, tenant: str, conversation: Conversation,
-                      body: Mapping[str, Any], body_size: int) -> PrefixResult:
+                      body: JSONBody) -> PrefixResult:
         """The conversation's boundary (of any API) in the tenant's namespace, within the
         tenant's prompt size limit."""
-        return await self.resolve(model.model, tenant, conversation, body_size)
+        return await self.resolve(model.model, tenant, conversation, len(body.raw),
+                                  known=body.known)
 
     async def resolve(self, model: ServedModel, tenant: str, conversation: Conversation,
-                      body_size: int, prompt_ids: Any = None) -> PrefixResult:
-        """``prompt_ids``: the client's own (checked by the cache: a 400 unless token ids)."""
+                      body_size: int, prompt_ids: Any = None,
+                      known: KnownParts | None = None) -> PrefixResult:
+        """``prompt_ids``: the client's own (checked by the cache: a 400 unless token ids);
+        ``known``: what the body's parse already worked out (``body_parts``)."""
         c, state = conversation, self.state
         state.limits.check_prompt(tenant, body_size, c.messages, c.tools, c.chat_template_kwargs)
         return await state.cache.aresolve(
             model.tokenizer, c.messages, c.tools, c.chat_template_kwargs, namespace=tenant,
             model=model.label, chat_template=c.chat_template,
             add_generation_prompt=c.add_generation_prompt,
-            continue_final_message=c.continue_final_message, prompt_ids=prompt_ids)
+            continue_final_message=c.continue_final_message, prompt_ids=prompt_ids,
+            known=known)
 
     def headers(self, result: PrefixResult) -> dict[str, str]:
         return cache_headers(result)

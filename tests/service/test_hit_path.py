@@ -11,6 +11,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import orjson
 import pytest
 
 from prefix_cache import StaticPrefixCache
@@ -147,3 +148,41 @@ def test_prompt_ids_that_are_not_token_ids_are_a_400(base: Any, ids: Any, cached
         assert _entries(app) == before, "a refused request cached something"
         again = http.post("/v1/prefix/boundary", json=body).json()
         assert again["cache"] == ("hit" if cached else "miss")
+
+
+# -- large bodies: their parts remembered, and shared on this route (body_parts) ----------------
+
+
+@pytest.mark.parametrize("check_rate", [0.0, 1.0])
+def test_large_bodies_answer_as_the_uncached_render(demo_tokenizer: Any, check_rate: float) -> None:
+    """Tools and a system prompt over ``REMEMBERED_BYTES`` are remembered by their bytes and
+    their parsed values shared between hits: every answer is still the uncached one (with the
+    sampled full check on every hit too: the official render reads the shared values), and the
+    shared values are still exactly what their bytes parse to afterwards."""
+    app = create_app(ServiceSettings(tokenize_check_rate=check_rate),
+                     models=ModelRegistry([served("demo", demo_tokenizer)]))
+    system = {"role": "system", "content": "Follow the repository rules. " * 60}
+    tools = make_tools(12)
+    turns = [[system, {"role": "user", "content": f"Fix test {i}."}] for i in range(4)]
+    with ServerThread(app) as url, local_client(base_url=url) as http:
+        for round_ in range(3):
+            for messages in turns:
+                prompt = reference.render(demo_tokenizer, messages, tools, None, None)
+                expected = reference.two_probe(demo_tokenizer, messages, tools)
+                for extra in ({}, {"prompt_ids": prompt}):
+                    r = http.post("/v1/prefix/boundary", json={
+                        "messages": messages, "tools": tools, "return_prompt_ids": True,
+                        **extra}).json()
+                    assert r["specprefill_system_end"] == expected > 0
+                    assert r["prompt_ids"] == prompt
+                    assert r["cache"] == ("miss" if (round_, messages, extra) ==
+                                          (0, turns[0], {}) else "hit")
+            bad = http.post("/v1/prefix/boundary", json={
+                "messages": turns[0], "tools": tools, "prompt_ids": [1, 2**32]})
+            assert bad.status_code == 400 and "prompt_ids[1]" in bad.json()["error"]["message"]
+    memo = app.state.api_host._parts
+    remembered = [found for _, found in memo._lru.items()]
+    assert len(remembered) >= 2  # the tools and the system message
+    for found in remembered:
+        assert found.value == orjson.loads(found.part)
+        assert orjson.dumps(found.value) == orjson.dumps(orjson.loads(found.part))

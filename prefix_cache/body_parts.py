@@ -1,0 +1,203 @@
+"""A JSON request body parsed part by part, the exact bytes of its large parts remembered.
+
+An agent sends the same tools and system prompt on every turn, byte for byte. The body is split
+into its top-level fields (and ``messages`` into its messages) by msgspec, which only finds
+where each value starts and ends; every part is then parsed by ``json_io`` as the whole body
+would have been, so orjson's rules still decide what is valid JSON. A large part (a tool list,
+a message) whose exact bytes this scope (the caller's tenant) sent before is parsed without the
+checks those bytes already passed (nesting, long integers) and comes with its key material
+already packed (``KnownParts``): the key of a hit is then an xxh3 over bytes already at hand.
+Its value is parsed afresh, unless the caller reads the body without changing any of it and
+asks to ``share`` parts: then the value parsed the first time is handed out again (the
+sidecar's boundary route: the body goes only to the cache, whose renders cannot change it).
+
+Whatever the split cannot vouch for -- whitespace or duplicate keys it cannot account for, a
+key with escapes, a part that does not parse -- goes to ``json_io.loads`` of the whole body,
+which answers exactly as before (the same value, or the same error).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import orjson
+import xxhash
+
+from . import json_io
+from .keys import packed_part
+from .known_parts import KnownParts
+from .lru import ByteLRU
+from .token_ids import TokenIds, pack_ids
+
+REMEMBERED_BYTES = 1024   # parts at least this long are remembered
+MEMO_BYTES = 32 << 20     # all remembered parts' bytes, per worker
+_ENTRY_OVERHEAD = 200     # the memo's own bytes per entry (key, tuple, OrderedDict node)
+_VALUE_BYTES = 6          # a parsed value's Python objects per byte of its JSON (~4 measured)
+
+_NOT_KEPT: Any = object()  # a Remembered without its value
+
+_OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
+_WHITESPACE = b" \t\n\r"
+# Keys counted by their decoded length must be written without escapes or whitespace.
+_PLAIN_KEY = re.compile(r"[\x21\x23-\x5b\x5d-\x7e]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """A part's exact bytes, its packed key material, and its value when it is shared."""
+
+    part: bytes
+    packed: bytes
+    value: Any = _NOT_KEPT
+
+
+class PartMemo:
+    """Exact bytes of large parts -> what they parsed to, per scope; LRU in bytes."""
+
+    def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
+        self._lru: ByteLRU[tuple[str, int], Remembered] = ByteLRU(max_bytes)
+        self._lock = threading.Lock()
+
+    def get(self, scope: str, part: bytes) -> Remembered | None:
+        key = (scope, xxhash.xxh3_64_intdigest(part))
+        with self._lock:
+            found = self._lru.get(key)
+        return found if found is not None and found.part == part else None
+
+    def put(self, scope: str, found: Remembered) -> None:
+        key = (scope, xxhash.xxh3_64_intdigest(found.part))
+        size = len(found.part) + len(found.packed) + _ENTRY_OVERHEAD
+        if found.value is not _NOT_KEPT:
+            size += _VALUE_BYTES * len(found.part)
+        with self._lock:
+            self._lru.put(key, found, size)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+
+def parse_body(raw: bytes, memo: PartMemo | None = None, scope: str = "",
+               share: bool = False) -> tuple[Any, KnownParts]:
+    """``json_io.loads(raw)`` (the same value, or the same JSONInputError), and what is known of
+    its parts: with ``memo``, the key material of large parts and the checked ``prompt_ids``.
+    ``share``: large parts may be values other requests of ``scope`` also hold (read-only)."""
+    known = KnownParts()
+    if memo is not None and len(raw) >= REMEMBERED_BYTES and raw[:1] == b"{":
+        try:
+            return _Parts(memo, scope, known, share).body(raw), known
+        except _Unsplit:
+            known = KnownParts()
+    return json_io.loads(raw), known
+
+
+class _Unsplit(Exception):
+    """The split cannot vouch for this body: parse it whole."""
+
+
+class _Parts:
+    """One body's parse, part by part."""
+
+    def __init__(self, memo: PartMemo, scope: str, known: KnownParts, share: bool) -> None:
+        self.memo, self.scope, self.known, self.share = memo, scope, known, share
+
+    def body(self, raw: bytes) -> dict[str, Any]:
+        fields = _split(_OBJECT, raw)
+        if not all(_PLAIN_KEY.fullmatch(name) for name in fields):
+            raise _Unsplit
+        # One value per key, and nothing else: outside the values, the body is the braces, the
+        # keys, colons and commas (a duplicate key's dropped value, or an escape in a key,
+        # would be left over).
+        spans = _spans(raw, fields.values())
+        expected = "{" + ",".join(f'"{name}":' for name in fields) + "}"
+        if _between(raw, spans) != expected.encode():
+            raise _Unsplit
+        return {name: self.field(name, raw[start:end])
+                for name, (start, end) in zip(fields, spans, strict=True)}
+
+    def field(self, name: str, span: bytes) -> Any:
+        if name == "messages" and span[:1] == b"[":
+            return self.messages(span)
+        if name == "prompt_ids":
+            return self.token_ids(span)
+        return self.value(span, json_io.MAX_DEPTH - 1)
+
+    def messages(self, span: bytes) -> list[Any]:
+        items = _split(_ARRAY, span)
+        spans = _spans(span, items)
+        if _between(span, spans) != b"[" + b"," * max(len(items) - 1, 0) + b"]":
+            raise _Unsplit
+        return [self.value(span[start:end], json_io.MAX_DEPTH - 2) for start, end in spans]
+
+    def token_ids(self, span: bytes) -> Any:
+        """Token ids: a flat list of small integers, checked by packing them (what the cache
+        does with them first); anything else is parsed as any other value."""
+        try:
+            value = orjson.loads(span)
+            packed = pack_ids(value) if type(value) is list else None
+        except (orjson.JSONDecodeError, OverflowError, TypeError, ValueError):
+            packed = None
+        if packed is None:
+            return self.value(span, json_io.MAX_DEPTH - 1)
+        self.known.add_token_ids(value, TokenIds(value, packed))
+        return value
+
+    def value(self, span: bytes, max_depth: int) -> Any:
+        """``span`` parsed as ``json_io.loads`` parses it, at ``max_depth`` levels left."""
+        large = len(span) >= REMEMBERED_BYTES
+        if large and (found := self.memo.get(self.scope, span)) is not None:
+            if self.share and found.value is not _NOT_KEPT:
+                value = found.value
+            else:
+                # These bytes parsed before within the depth limit, and packed as they are:
+                # no integer orjson cannot keep, so orjson alone gives their exact value again.
+                value = orjson.loads(span)
+                if self.share:
+                    self.memo.put(self.scope, Remembered(span, found.packed, value))
+            self.known.add_packed(value, found.packed)
+            return value
+        try:
+            value = json_io.loads(span, max_depth)
+        except json_io.JSONInputError:
+            raise _Unsplit from None  # the whole body's parse words the error
+        if large and (packed := packed_part(value)) is not None:
+            kept = value if self.share else _NOT_KEPT
+            self.memo.put(self.scope, Remembered(span, packed, kept))
+            self.known.add_packed(value, packed)
+        return value
+
+
+def _split(decoder: msgspec.json.Decoder, raw: bytes) -> Any:
+    try:
+        return decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        raise _Unsplit from None
+
+
+def _spans(raw: bytes, parts: Iterable[msgspec.Raw]) -> list[tuple[int, int]]:
+    """Where each part (a view into ``raw``) starts and ends in it, in order."""
+    base = _address(raw)
+    spans = sorted((start, start + len(part)) for part in parts
+                   for start in (_address(part) - base,))
+    edges = [0, *(edge for span in spans for edge in span), len(raw)]
+    if any(edges[i] > edges[i + 1] for i in range(len(edges) - 1)):
+        raise _Unsplit  # not views into raw after all, or overlapping
+
+    return spans
+
+
+def _address(buffer: Any) -> int:
+    return int(np.frombuffer(buffer, np.uint8).ctypes.data)
+
+
+def _between(raw: bytes, spans: list[tuple[int, int]]) -> bytes:
+    """The bytes of ``raw`` outside ``spans``, JSON whitespace left out."""
+    edges = [0, *(edge for span in spans for edge in span), len(raw)]
+    gaps = b"".join(raw[edges[i]:edges[i + 1]] for i in range(0, len(edges), 2))
+    return gaps.translate(None, _WHITESPACE)
