@@ -11,6 +11,11 @@ Its value is parsed afresh, unless the caller reads the body without changing an
 asks to ``share`` parts: then the value parsed the first time is handed out again (the
 sidecar's boundary route: the body goes only to the cache, whose renders cannot change it).
 
+A sharing caller also gets ``prompt_ids`` as ``TokenIds`` (checked and packed) when they are
+token ids. A client sends back the ids it was given plus a new tail, so the text of the ids its
+scope sent last is kept: the part of the new text equal to it is taken as its packed ids (no
+integers made), and only the rest is parsed.
+
 Whatever the split cannot vouch for -- whitespace or duplicate keys it cannot account for, a
 key with escapes, a part that does not parse -- goes to ``json_io.loads`` of the whole body,
 which answers exactly as before (the same value, or the same error).
@@ -41,6 +46,7 @@ _ENTRY_OVERHEAD = 200     # the memo's own bytes per entry (key, tuple, OrderedD
 _VALUE_BYTES = 6          # a parsed value's Python objects per byte of its JSON (~4 measured)
 
 _NOT_KEPT: Any = object()  # a Remembered without its value
+_IDS = -1  # the memo's key (scope, _IDS): a scope's last token ids (hashes are >= 0)
 
 _OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
@@ -78,6 +84,16 @@ class PartMemo:
             size += _VALUE_BYTES * len(found.part)
         with self._lock:
             self._lru.put(key, found, size)
+
+    def get_ids(self, scope: str) -> Remembered | None:
+        """The text of the last token ids ``scope`` sent, and their packed form."""
+        with self._lock:
+            return self._lru.get((scope, _IDS))
+
+    def put_ids(self, scope: str, text: bytes, packed: bytes) -> None:
+        with self._lock:
+            self._lru.put((scope, _IDS), Remembered(text, packed),
+                          len(text) + len(packed) + _ENTRY_OVERHEAD)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -124,7 +140,7 @@ class _Parts:
     def field(self, name: str, span: bytes) -> Any:
         if name == "messages" and span[:1] == b"[":
             return self.messages(span)
-        if name == "prompt_ids":
+        if name == "prompt_ids" and self.share and span[:1] == b"[":
             return self.token_ids(span)
         return self.value(span, json_io.MAX_DEPTH - 1)
 
@@ -136,17 +152,20 @@ class _Parts:
         return [self.value(span[start:end], json_io.MAX_DEPTH - 2) for start, end in spans]
 
     def token_ids(self, span: bytes) -> Any:
-        """Token ids: a flat list of small integers, checked by packing them (what the cache
-        does with them first); anything else is parsed as any other value."""
-        try:
-            value = orjson.loads(span)
-            packed = pack_ids(value) if type(value) is list else None
-        except (orjson.JSONDecodeError, OverflowError, TypeError, ValueError):
-            packed = None
-        if packed is None:
+        """``TokenIds`` when ``span`` is a list of token ids (checked by packing them, as the
+        cache would); anything else is parsed as any other value (the cache refuses it)."""
+        last = self.memo.get_ids(self.scope)
+        ids = _after(last, span) if last is not None else None
+        if ids is None:
+            try:
+                value = orjson.loads(span)
+                ids = TokenIds(value, pack_ids(value)) if type(value) is list else None
+            except (orjson.JSONDecodeError, OverflowError, TypeError, ValueError):
+                ids = None
+        if ids is None:
             return self.value(span, json_io.MAX_DEPTH - 1)
-        self.known.add_token_ids(value, TokenIds(value, packed))
-        return value
+        self.memo.put_ids(self.scope, span, ids.packed)
+        return ids
 
     def value(self, span: bytes, max_depth: int) -> Any:
         """``span`` parsed as ``json_io.loads`` parses it, at ``max_depth`` levels left."""
@@ -171,6 +190,31 @@ class _Parts:
             self.memo.put(self.scope, Remembered(span, packed, kept))
             self.known.add_packed(value, packed)
         return value
+
+
+def _after(last: Remembered, text: bytes) -> TokenIds | None:
+    """The token ids of ``text`` (a list's JSON) when it starts as ``last.part`` did, the ids
+    ``last.packed``: up to the last comma both have in common, the ids are the same (a JSON list
+    of integers has no other commas); the rest is parsed. None when there is no such start or
+    the rest is not token ids (then ``text`` is parsed whole)."""
+    cut = text.rfind(b",", 0, _common_prefix_len(text, last.part))
+    if cut < 0:
+        return None
+    known = text.count(b",", 0, cut)  # the ids before the cut: one comma after each
+    try:
+        rest = orjson.loads(b"[" + text[cut + 1:])
+        if type(rest) is not list or not rest:  # "[1,]" is not JSON
+            return None
+        packed = last.packed[:4 * known + 4] + pack_ids(rest)
+    except (orjson.JSONDecodeError, OverflowError, TypeError, ValueError):
+        return None
+    return TokenIds(None, packed)
+
+
+def _common_prefix_len(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
+    return int(differ[0]) if differ.size else n
 
 
 def _split(decoder: msgspec.json.Decoder, raw: bytes) -> Any:

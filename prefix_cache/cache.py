@@ -67,7 +67,6 @@ class PrefixResult:
 
     @property
     def prompt_ids(self) -> list[int]:
-        """The prompt's token ids."""
         return self.prompt.ids
 
     @property
@@ -129,13 +128,12 @@ class StaticPrefixCache:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         *,
-        prompt_ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | TokenIds | None = None,
         chat_template: str | None = None,
         namespace: str = "default",
         model: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        known: KnownParts | None = None,
     ) -> PrefixResult:
         """The boundary for one request (blocking; renders run in the calling thread).
 
@@ -145,8 +143,8 @@ class StaticPrefixCache:
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model,
-                              RenderOptions(add_generation_prompt, continue_final_message), known)
-            given = _given_ids(prompt_ids, known)
+                              RenderOptions(add_generation_prompt, continue_final_message))
+            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
             if plan.static is None:
                 return self._none(plan, given if given is not None else self._prepare(plan, None, None)[0])
             stored = self._read(plan, self._get(plan.key)) if plan.cached else None
@@ -173,7 +171,7 @@ class StaticPrefixCache:
         tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
         *,
-        prompt_ids: Sequence[int] | None = None,
+        prompt_ids: Sequence[int] | TokenIds | None = None,
         chat_template: str | None = None,
         namespace: str = "default",
         model: str | None = None,
@@ -181,14 +179,15 @@ class StaticPrefixCache:
         continue_final_message: bool = False,
         known: KnownParts | None = None,
     ) -> PrefixResult:
-        """The boundary for one request; renders run in a thread pool, off the event loop."""
+        """The boundary for one request; renders run in a thread pool, off the event loop.
+        ``known``: what the request's body parse already packed (``body_parts``)."""
         loop = asyncio.get_running_loop()
         run = self._executor
         try:
             plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
                               chat_template, namespace, model,
                               RenderOptions(add_generation_prompt, continue_final_message), known)
-            given = _given_ids(prompt_ids, known)
+            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
             if plan.static is None:
                 if given is None:
                     given = (await loop.run_in_executor(run, self._prepare, plan, None, None))[0]
@@ -235,8 +234,7 @@ class StaticPrefixCache:
 
     def _plan(self, tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
               chat_template: str | None, namespace: str, model: str | None,
-              options: RenderOptions = DEFAULT_OPTIONS,
-              known: KnownParts | None = None) -> _Plan:
+              options: RenderOptions = DEFAULT_OPTIONS, known: KnownParts | None = None) -> _Plan:
         return make_plan(tokenizer, messages, tools, kwargs, chat_template, namespace, model,
                          options, prefix=self.prefix,
                          protect_default_prefix=self.protect_default_prefix, known=known)
@@ -389,10 +387,8 @@ class StaticPrefixCache:
         """Another flight may have stored the entry between our read and our claim: one more
         read is far cheaper than the renders it can save."""
         stored = self._get(plan.key)
-        if stored is None:
-            return None
         try:
-            return decode_entry(stored, plan.key, plan.check)
+            return None if stored is None else decode_entry(stored, plan.key, plan.check)
         except EntryError:
             return None
 
@@ -447,14 +443,6 @@ class StaticPrefixCache:
     def _store_failed(self, op: str, exc: StoreUnavailableError) -> None:
         self._events.store_error(op=op)
         log.warning("store %s failed, computing instead: %s", op, exc)
-
-
-def _given_ids(prompt_ids: Any, known: KnownParts | None) -> TokenIds | None:
-    """The caller's prompt ids, checked (already, when its body's parse packed them)."""
-    if prompt_ids is None:
-        return None
-    found = known.token_ids(prompt_ids) if known else None
-    return found if found is not None else checked_token_ids(prompt_ids)
 
 
 def _tools(plan: _Plan, entry: Entry) -> list[dict[str, Any]] | None:

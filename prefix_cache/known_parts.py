@@ -1,6 +1,5 @@
 """What a request's body parser already worked out for some of the objects it made: the key
-material of a large part (a tool list, a message) whose exact bytes were seen before, and the
-checked, packed form of the prompt's token ids.
+material of a large part (a tool list, a message) whose exact bytes were seen before.
 
 Entries are found by object identity and hold the object itself, so an id cannot be reused
 while the entry lives (a lookup also checks ``is``). They are valid for the objects exactly as
@@ -13,20 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from .token_ids import TokenIds
-
 
 class KnownParts:
-    """Packed key material and checked token ids, per object parsed in one request."""
+    """Packed key material, per object parsed in one request."""
 
-    __slots__ = ("_ids", "_packed")
+    __slots__ = ("_packed",)
 
     def __init__(self) -> None:
         self._packed: dict[int, tuple[Any, bytes]] = {}
-        self._ids: dict[int, tuple[Any, TokenIds]] = {}
 
     def __bool__(self) -> bool:
-        return bool(self._packed or self._ids)
+        return bool(self._packed)
 
     def add_packed(self, value: Any, packed: bytes) -> None:
         """``packed``: ``value`` as ``keys.canonical_bytes`` packs one of its parts."""
@@ -34,12 +30,4 @@ class KnownParts:
 
     def packed(self, value: Any) -> bytes | None:
         found = self._packed.get(id(value))
-        return found[1] if found is not None and found[0] is value else None
-
-    def add_token_ids(self, value: Any, ids: TokenIds) -> None:
-        """``ids``: ``value`` (a list of ints) checked and packed."""
-        self._ids[id(value)] = (value, ids)
-
-    def token_ids(self, value: Any) -> TokenIds | None:
-        found = self._ids.get(id(value))
         return found[1] if found is not None and found[0] is value else None

@@ -75,7 +75,10 @@ class TokenIds:
 
 
 def checked_token_ids(value: Any, what: str = "prompt_ids") -> TokenIds:
-    """``value`` checked as token ids (integers in [0, 2**32)), with its packed form."""
+    """``value`` checked as token ids (integers in [0, 2**32)), with its packed form; a
+    ``TokenIds`` is such ids already (packed uint32: nothing else fits)."""
+    if isinstance(value, TokenIds):
+        return value
     if not isinstance(value, (list, tuple)):
         raise InvalidRequestError(f"{what} must be a list of token ids, got {type(value).__name__}")
     try:

@@ -5,6 +5,7 @@ material, its value) is only ever what those exact bytes parse to, in the scope 
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import orjson
@@ -14,8 +15,9 @@ from hypothesis import strategies as st
 
 from prefix_cache import body_parts, json_io, keys
 from prefix_cache.body_parts import REMEMBERED_BYTES, PartMemo, parse_body
+from prefix_cache.errors import InvalidRequestError
 from prefix_cache.known_parts import KnownParts
-from prefix_cache.token_ids import pack_ids
+from prefix_cache.token_ids import TokenIds, checked_token_ids
 
 PAD = "x" * REMEMBERED_BYTES  # makes a part large enough to be remembered
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": PAD,
@@ -139,11 +141,63 @@ def test_remembered_parts_come_with_their_key_material() -> None:
         assert known.packed(parsed["tools"]) == keys.packed_part(TOOLS)
         assert known.packed(parsed["messages"][0]) == keys.packed_part(SYSTEM)
         assert known.packed(parsed["messages"][1]) is None  # small: not remembered
-        assert known.token_ids(parsed["prompt_ids"]).packed == pack_ids([1, 2, 3])
+        assert parsed["prompt_ids"] == [1, 2, 3]  # a list, unless the caller shares parts
         static = parsed["messages"][:1]
         assert keys.canonical_bytes(static, parsed["tools"], {"k": 1}, known) == \
             keys.canonical_bytes(static, parsed["tools"], {"k": 1})
     assert data2["tools"] is not data["tools"]  # not shared unless asked
+
+
+def shared_ids(raw: bytes, memo: PartMemo, scope: str = "t") -> Any:
+    value = parse_body(raw, memo, scope, share=True)[0]["prompt_ids"]
+    return ("ids", value.ids) if isinstance(value, TokenIds) else ("value", value)
+
+
+def expected_ids(raw: bytes) -> Any:
+    """What the ids are: token ids (the cache's own check), or another value it refuses."""
+    value = json_io.loads(raw)["prompt_ids"]
+    try:
+        return "ids", checked_token_ids(value).ids
+    except InvalidRequestError:
+        return "value", value
+
+
+@pytest.mark.parametrize("dump", [lambda v: json.dumps(v, separators=(",", ":")).encode(),
+                                  lambda v: json.dumps(v).encode(),
+                                  lambda v: json.dumps(v, indent=1).encode()])
+def test_prompt_ids_from_the_last_ids_text(dump: Any) -> None:
+    """A sharing caller gets the ids packed; a text that starts as the scope's last one is
+    taken from it up to their last common comma, and only the rest parsed."""
+    rng = random.Random(7)
+    memo = PartMemo()
+    ids = [rng.randrange(200_000) for _ in range(3000)]
+    turns = [ids, ids + [5, 6], ids[:-1] + [ids[-1] + 1], ids[:1500] + [1] * 10, ids[:1500],
+             ids[:1500] + [10, 2], ids[:1500] + [1], [3], [], [ids[0]] + [1], ids + ids, ids,
+             ids[:10] + [1.5], ids[:10] + [2**32], ids[:10] + [2**70], ids[:10] + [[1]],
+             ids[:10] + [True, None], ids[:10] + ["7"], ids]
+    for turn in turns:
+        raw = dump(body(prompt_ids=turn))
+        assert shared_ids(raw, memo) == expected_ids(raw), turn[-3:]
+    # odd texts after a good one: each gets the whole parse's answer
+    good = json.dumps(body(prompt_ids=ids)).encode()
+    for tail in (b"]", b",]", b", ]", b",1]", b"1]", b", 1e3]", b", -1]", b", 01]", b"]]",
+                 b", 4294967296]", b", \"1\"]", b", {}]", b",,1]", b", 1 2]"):
+        assert shared_ids(good, memo)[0] == "ids"
+        at = good.index(b"]", good.index(b'"prompt_ids"'))
+        odd = good[:at - 3] + tail + good[at + 1:]
+        assert whole(odd)[0] == "error" or shared_ids(odd, memo) == expected_ids(odd), odd[-40:]
+        if whole(odd)[0] == "error":
+            assert parts(odd, memo, share=True) == whole(odd)
+
+
+def test_prompt_ids_texts_are_per_scope() -> None:
+    memo = PartMemo()
+    ids = list(range(2000))
+    parse_body(json.dumps(body(prompt_ids=ids)).encode(), memo, "a", share=True)
+    raw = json.dumps(body(prompt_ids=ids[:1000] + [7])).encode()
+    assert memo.get_ids("b") is None
+    assert shared_ids(raw, memo, "b") == ("ids", ids[:1000] + [7])
+    assert memo.get_ids("b").part != memo.get_ids("a").part
 
 
 def test_known_parts_are_found_by_identity_only() -> None:
