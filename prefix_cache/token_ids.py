@@ -13,6 +13,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from .errors import InvalidRequestError
 
 TOKEN_ID_LIMIT = 2**32  # ids are stored as uint32
@@ -75,10 +77,18 @@ class TokenIds:
 
 
 def checked_token_ids(value: Any, what: str = "prompt_ids") -> TokenIds:
-    """``value`` checked as token ids (integers in [0, 2**32)), with its packed form; a
-    ``TokenIds`` is such ids already (packed uint32: nothing else fits)."""
+    """``value`` checked as token ids (integers in [0, 2**32)), with its packed form.
+
+    A list or tuple of ints, or ids an engine already holds as an array: a one-dimensional
+    integer numpy array (``np.asarray`` of an mlx array), an ``array.array`` of 4-byte
+    unsigned ints, or ``TokenIds``; an array is checked by its range and packed in one copy,
+    without a Python int per id."""
     if isinstance(value, TokenIds):
         return value
+    if isinstance(value, array) and value.typecode == _U32:
+        return TokenIds(None, _swapped(value).tobytes())
+    if isinstance(value, np.ndarray):
+        return TokenIds(None, _packed_array(value, what))
     if not isinstance(value, (list, tuple)):
         raise InvalidRequestError(f"{what} must be a list of token ids, got {type(value).__name__}")
     try:
@@ -86,6 +96,24 @@ def checked_token_ids(value: Any, what: str = "prompt_ids") -> TokenIds:
     except (OverflowError, TypeError, ValueError):
         raise InvalidRequestError(_first_bad(value, what)) from None
     return TokenIds(value if isinstance(value, list) else list(value), packed)
+
+
+def _swapped(ids: array) -> array:
+    if not _SWAP:
+        return ids
+    swapped = array(_U32, ids)
+    swapped.byteswap()
+    return swapped
+
+
+def _packed_array(ids: np.ndarray, what: str) -> bytes:
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise InvalidRequestError(f"{what} must be a one-dimensional array of integers, got "
+                                  f"{ids.ndim} dimensions of {ids.dtype}")
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= TOKEN_ID_LIMIT):
+        raise InvalidRequestError(f"{what} must be integers in [0, {TOKEN_ID_LIMIT}), got "
+                                  f"values in [{int(ids.min())}, {int(ids.max())}]")
+    return ids.astype("<u4", copy=False).tobytes()
 
 
 def validate_token_ids(value: Any, what: str = "prompt_ids") -> list[int]:

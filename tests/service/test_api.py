@@ -13,7 +13,6 @@ import pytest
 
 from prefix_cache.demo import DEMO_TEMPLATE
 from prefix_cache.service.upstream import Upstream
-
 from tests.support import reference
 from tests.support.loopback import free_port, openai_client
 from tests.support.recording_upstream import Recorder
@@ -397,5 +396,7 @@ def test_body_over_the_limit_is_413(http: Any) -> None:
 def test_unknown_paths_and_methods_keep_the_error_shape(http: Any) -> None:
     missing = http.get("/v1/nothing")
     assert missing.status_code == 404 and set(missing.json()["error"]) == {"message", "type", "code"}
-    wrong = http.get("/v1/chat/completions")
-    assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+    for path in ("/v1/chat/completions", "/v1/prefix/boundary"):  # the latter: its fast lane
+        wrong = http.get(path)
+        assert wrong.status_code == 405 and wrong.json()["error"]["type"] == "invalid_request_error"
+        assert wrong.headers["allow"] == "POST"

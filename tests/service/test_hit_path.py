@@ -8,17 +8,20 @@ cache nothing. Real Qwen3 tokenizers and templates, a real uvicorn."""
 
 from __future__ import annotations
 
+from array import array
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
 from prefix_cache import StaticPrefixCache, body_parts
 from prefix_cache.cache import INLINE_HIT_CHARS
+from prefix_cache.errors import InvalidRequestError
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.served_models import ModelRegistry
-from prefix_cache.token_ids import unpack_ids
+from prefix_cache.token_ids import checked_token_ids, unpack_ids
 from tests.support import reference
 from tests.support.loopback import local_client
 from tests.support.server_thread import ServerThread
@@ -189,3 +192,35 @@ def test_large_bodies_answer_as_the_uncached_render(demo_tokenizer: Any, check_r
         assert orjson.dumps(found.value) == orjson.dumps(orjson.loads(found.part))
     last_ids = memo.get_ids("default")  # the last ids sent, as their text and packed
     assert unpack_ids(last_ids.packed) == orjson.loads(last_ids.part)
+
+
+@pytest.mark.parametrize("kind", ["numpy uint32", "numpy int64", "array.array", "TokenIds"])
+def test_prompt_ids_as_the_arrays_an_engine_holds(qwen3: Any, kind: str) -> None:
+    """An engine's ids (an mlx array through ``np.asarray``, an ``array.array``) are taken as
+    they are: the same answer as the list, with no Python int made per id."""
+    messages = [SYSTEM, {"role": "user", "content": "Ship it."}]
+    tools = make_tools(3)
+    ids = reference.render(qwen3, messages, tools, None, TEMPLATE)
+    given = {"numpy uint32": lambda: np.asarray(ids, dtype=np.uint32),
+             "numpy int64": lambda: np.asarray(ids, dtype=np.int64),
+             "array.array": lambda: array("I", ids),
+             "TokenIds": lambda: checked_token_ids(ids)}[kind]()
+    cache = StaticPrefixCache()
+    for expected in ("miss", "hit"):
+        r = cache.resolve(qwen3, messages, tools, prompt_ids=given, chat_template=TEMPLATE)
+        listed = StaticPrefixCache().resolve(qwen3, messages, tools, prompt_ids=ids,
+                                             chat_template=TEMPLATE)
+        assert r.cache == expected and r.prompt_ids == ids
+        assert r.specprefill_system_end == listed.specprefill_system_end > 0
+
+
+@pytest.mark.parametrize("bad", [np.array([1.5]), np.array([[1, 2]]), np.array([-1, 2]),
+                                 np.array([2**32], dtype=np.int64), np.array(["1"])],
+                         ids=["float", "2-d", "negative", "2**32", "strings"])
+def test_arrays_that_are_not_token_ids_are_refused_before_anything_is_stored(
+        qwen3: Any, bad: Any) -> None:
+    cache = StaticPrefixCache()
+    with pytest.raises(InvalidRequestError, match="prompt_ids"):
+        cache.resolve(qwen3, [SYSTEM, {"role": "user", "content": "Go"}], prompt_ids=bad,
+                      chat_template=TEMPLATE)
+    assert cache.store.stats().memory.entries == 0
