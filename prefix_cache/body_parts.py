@@ -13,8 +13,8 @@ sidecar's boundary route: the body goes only to the cache, whose renders cannot 
 
 A sharing caller also gets ``prompt_ids`` as ``TokenIds`` (checked and packed) when they are
 token ids. A client sends back the ids it was given plus a new tail, so the text of the ids its
-scope sent last is kept: the part of the new text equal to it is taken as its packed ids (no
-integers made), and only the rest is parsed.
+scope last sent starting the same way is kept: the part of the new text equal to it is taken as
+its packed ids (no integers made), and only the rest is parsed.
 
 Whatever the split cannot vouch for -- whitespace or duplicate keys it cannot account for, a
 key with escapes, a part that does not parse -- goes to ``json_io.loads`` of the whole body,
@@ -42,11 +42,14 @@ from .token_ids import TokenIds, pack_ids
 
 REMEMBERED_BYTES = 1024   # parts at least this long are remembered
 MEMO_BYTES = 32 << 20     # all remembered parts' bytes, per worker
+IDS_MEMO_BYTES = 16 << 20  # all remembered token ids' texts and packed ids, per worker
+# A scope's agents are told apart by their ids' first bytes (the start of their static part):
+# each one's last ids text is kept.
+IDS_HEAD = 512
 _ENTRY_OVERHEAD = 200     # the memo's own bytes per entry (key, tuple, OrderedDict node)
 _VALUE_BYTES = 6          # a parsed value's Python objects per byte of its JSON (~4 measured)
 
 _NOT_KEPT: Any = object()  # a Remembered without its value
-_IDS = -1  # the memo's key (scope, _IDS): a scope's last token ids (hashes are >= 0)
 
 _OBJECT = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ARRAY = msgspec.json.Decoder(list[msgspec.Raw])
@@ -67,8 +70,10 @@ class Remembered:
 class PartMemo:
     """Exact bytes of large parts -> what they parsed to, per scope; LRU in bytes."""
 
-    def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
+    def __init__(self, max_bytes: int = MEMO_BYTES,
+                 max_ids_bytes: int = IDS_MEMO_BYTES) -> None:
         self._lru: ByteLRU[tuple[str, int], Remembered] = ByteLRU(max_bytes)
+        self._ids: ByteLRU[tuple[str, int], Remembered] = ByteLRU(max_ids_bytes)
         self._lock = threading.Lock()
 
     def get(self, scope: str, part: bytes) -> Remembered | None:
@@ -85,15 +90,16 @@ class PartMemo:
         with self._lock:
             self._lru.put(key, found, size)
 
-    def get_ids(self, scope: str) -> Remembered | None:
-        """The text of the last token ids ``scope`` sent, and their packed form."""
+    def get_ids(self, scope: str, text: bytes) -> Remembered | None:
+        """The last token ids text ``scope`` sent that starts as ``text`` does (its first
+        ``IDS_HEAD`` bytes), and their packed form."""
         with self._lock:
-            return self._lru.get((scope, _IDS))
+            return self._ids.get((scope, xxhash.xxh3_64_intdigest(text[:IDS_HEAD])))
 
     def put_ids(self, scope: str, text: bytes, packed: bytes) -> None:
+        key = (scope, xxhash.xxh3_64_intdigest(text[:IDS_HEAD]))
         with self._lock:
-            self._lru.put((scope, _IDS), Remembered(text, packed),
-                          len(text) + len(packed) + _ENTRY_OVERHEAD)
+            self._ids.put(key, Remembered(text, packed), len(text) + len(packed) + _ENTRY_OVERHEAD)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -154,7 +160,7 @@ class _Parts:
     def token_ids(self, span: bytes) -> Any:
         """``TokenIds`` when ``span`` is a list of token ids (checked by packing them, as the
         cache would); anything else is parsed as any other value (the cache refuses it)."""
-        last = self.memo.get_ids(self.scope)
+        last = self.memo.get_ids(self.scope, span)
         ids = _after(last, span) if last is not None else None
         if ids is None:
             try:

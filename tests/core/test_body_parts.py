@@ -190,14 +190,26 @@ def test_prompt_ids_from_the_last_ids_text(dump: Any) -> None:
             assert parts(odd, memo, share=True) == whole(odd)
 
 
-def test_prompt_ids_texts_are_per_scope() -> None:
+def test_prompt_ids_texts_are_per_scope_and_per_start() -> None:
     memo = PartMemo()
     ids = list(range(2000))
     parse_body(json.dumps(body(prompt_ids=ids)).encode(), memo, "a", share=True)
     raw = json.dumps(body(prompt_ids=ids[:1000] + [7])).encode()
-    assert memo.get_ids("b") is None
+    text = json.dumps(ids).encode()
+    assert memo.get_ids("b", text) is None
     assert shared_ids(raw, memo, "b") == ("ids", ids[:1000] + [7])
-    assert memo.get_ids("b").part != memo.get_ids("a").part
+    assert memo.get_ids("b", text).part != memo.get_ids("a", text).part
+    # another agent of the same scope (another static part): its own text, the first kept
+    other = [9] * 300 + ids
+    assert shared_ids(json.dumps(body(prompt_ids=other)).encode(), memo, "a")[1] == other
+    assert len(memo._ids) == 3 and memo.get_ids("a", text).part == text
+
+
+def test_the_ids_memo_is_bounded_in_bytes() -> None:
+    memo = PartMemo(max_ids_bytes=200_000)
+    for i in range(50):
+        shared_ids(json.dumps(body(prompt_ids=[i] * 3000)).encode(), memo)
+    assert memo._ids.nbytes <= 200_000 and len(memo._ids) < 50
 
 
 def test_known_parts_are_found_by_identity_only() -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import orjson
 import pytest
 
-from prefix_cache import StaticPrefixCache, body_parts
+from prefix_cache import StaticPrefixCache
 from prefix_cache.cache import INLINE_HIT_CHARS
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.service import ServiceSettings, create_app
@@ -185,12 +185,12 @@ def test_large_bodies_answer_as_the_uncached_render(demo_tokenizer: Any, check_r
                 "messages": turns[0], "tools": tools, "prompt_ids": [1, 2**32]})
             assert bad.status_code == 400 and "prompt_ids[1]" in bad.json()["error"]["message"]
     memo = app.state.api_host._parts
-    remembered = [found for (_, what), found in memo._lru.items() if what != body_parts._IDS]
+    remembered = [found for _, found in memo._lru.items()]
     assert len(remembered) >= 2  # the tools and the system message
     for found in remembered:
         assert found.value == orjson.loads(found.part)
         assert orjson.dumps(found.value) == orjson.dumps(orjson.loads(found.part))
-    last_ids = memo.get_ids("default")  # the last ids sent, as their text and packed
+    (_, last_ids), = memo._ids.items()  # the last ids sent (one agent), text and packed
     assert unpack_ids(last_ids.packed) == orjson.loads(last_ids.part)
 
 
