@@ -7,6 +7,13 @@ split, then the tokenization of the rest of the text only.
 Both give the ids of a full tokenization (``split`` says why); at a sampled rate the fast path
 is checked against a full tokenization, and a mismatch turns it off for that tokenizer (logged
 once, counted), that request getting the full tokenization's ids.
+
+A check renders the prompt the official way and tokenizes all of it (10-30 ms at 64 tools):
+at 1% of a busy worker's hits that was more CPU than the hits themselves (issue 30). So below
+a rate of 1, checks are also held to ``CHECK_TIME_SHARE`` of the time: a drawn check is skipped
+while the checks so far took more than that share of the time since the first draw (the first
+drawn check always runs). A systematic mismatch is still found at the first check; under light
+load the rate alone decides. A rate of 1 checks every prompt (tests, debugging).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
+import time
 from collections.abc import Callable
 
 from .entry import Entry
@@ -25,6 +33,7 @@ from .token_ids import TokenIds, pack_ids, unpack_ids
 log = logging.getLogger("prefix_cache")
 
 DEFAULT_CHECK_RATE = 0.01
+CHECK_TIME_SHARE = 0.01    # sampled checks take at most this share of the time (rate < 1)
 
 # Why a prompt was tokenized whole (the ``reason`` of a full tokenization).
 NO_STATIC = "no_static"        # no static part, so no entry
@@ -51,6 +60,8 @@ class PromptTokenizer:
         self._rng = rng or random.Random()
         self._off: dict[bytes, str] = {}   # tokenizer fingerprint -> why the fast path is off
         self._lock = threading.Lock()
+        self._first_draw: float | None = None
+        self._checking_s = 0.0  # what the checks took so far
 
     def tokenize(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
                  model: str, official: Callable[[], str] | None = None,
@@ -70,6 +81,7 @@ class PromptTokenizer:
             self._events.tokenized(model=model, fast=True, reason="")
             return ids
         # The sampled check: the official render, tokenized whole, against what we made.
+        started = time.perf_counter()
         reference = official() if official is not None and direct else text
         if ids is None:  # only the render to check
             mismatch = reference != text
@@ -77,6 +89,7 @@ class PromptTokenizer:
         else:
             full = renderer.tokenize(reference)
             mismatch = full != ids.ids
+        self._checking_s += time.perf_counter() - started  # (a lost update only checks more)
         self._events.tokenize_checked(model=model, mismatch=mismatch)
         if mismatch and reference != text:
             renderer.direct_off("a sampled check found that its render differs")
@@ -89,8 +102,18 @@ class PromptTokenizer:
         return TokenIds.of_rendered(full)
 
     def sampled(self) -> bool:
-        """Whether the next tokenization is checked in full (true at ``check_rate``)."""
-        return bool(self.check_rate) and self._rng.random() < self.check_rate
+        """Whether the next tokenization is checked in full (true at ``check_rate``, within
+        the checks' share of the time below a rate of 1)."""
+        if self.check_rate >= 1.0:
+            return True
+        if not self.check_rate:
+            return False
+        now = time.monotonic()
+        if self._first_draw is None:
+            self._first_draw = now
+        if self._rng.random() >= self.check_rate:
+            return False
+        return self._checking_s <= CHECK_TIME_SHARE * (now - self._first_draw)
 
     def _fast(self, renderer: TemplateRenderer, text: str, entry: Entry | None
               ) -> tuple[TokenIds | None, str]:

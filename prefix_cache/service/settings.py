@@ -191,7 +191,7 @@ class ServiceSettings(BaseSettings):
     tokenize_check_rate: float = Field(
         default=DEFAULT_CHECK_RATE, ge=0.0, le=1.0, description="fraction of prompts tokenized "
         "from a stored split that are re-tokenized in full and compared (a mismatch turns the "
-        "fast path off for that tokenizer)", json_schema_extra=_flag("--tokenize-check-rate", "RATE"))
+        "fast path off for that tokenizer); below 1, checks take at most 1% of the time", json_schema_extra=_flag("--tokenize-check-rate", "RATE"))
     log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] = Field(
         default="info", description="log level")
     log_format: Literal["text", "json"] = Field(

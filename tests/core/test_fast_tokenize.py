@@ -10,24 +10,24 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from prefix_cache import MemoryStore, StaticPrefixCache, cli
+from prefix_cache import MemoryStore, StaticPrefixCache, cli, prompt_tokens
 from prefix_cache.entry import decode_entry, encode_entry
 from prefix_cache.metrics import Metrics
+from prefix_cache.observer import CacheObserver
 from prefix_cache.render import get_renderer
 from prefix_cache.split import SplitRule, StaticSplit, split_rule
 from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make_model_dir
 from prefix_cache.tokenizer_identity import current_fingerprint
-
 from tests.support import reference
 from tests.support.templates import BEFORE_LAST_USER, DEFAULT_SYSTEM, TOOLS_IN_FIRST_USER
 from tests.support.tokenizers import fresh
 from tests.support.tools import make_tools
-
 
 SYSTEM = {"role": "system", "content": "You are the release agent.\nKeep the changelog."}
 USER_TEXTS = ["Ship it.", "  two leading spaces", "\n\nline breaks first", "\u0301 combining",
@@ -317,7 +317,6 @@ def test_the_sidecar_prepares_prompts_from_the_split(recorder_server, demo_token
     """Boundary and chat endpoints: a hit's prompt ids (what the sidecar forwards to a
     specprefill upstream) are the full render's, tokenized from the split; /metrics counts it."""
     from prefix_cache.service.upstream import Upstream
-
     from tests.support.loopback import local_client
     from tests.support.server_thread import ServerThread
     from tests.support.sidecar import served, sidecar_app
@@ -362,3 +361,23 @@ def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None
     assert sorted(at[0] for at in texts) == list(range(len(tools)))  # one text per tool
     assert all(at[2] == 4 for at in texts)  # as the template asks: tojson(indent=4)
     assert texts[next(iter(texts))] == json.dumps(tools[0], ensure_ascii=False, indent=4)
+
+
+def test_sampled_checks_are_held_to_their_share_of_the_time(monkeypatch: Any) -> None:
+    """Below a rate of 1, a drawn check is skipped while the checks so far took more than
+    CHECK_TIME_SHARE of the time since the first draw (the first drawn check always runs); a
+    rate of 1 checks every prompt whatever they cost."""
+    clock = [1000.0]
+    monkeypatch.setattr(prompt_tokens.time, "monotonic", lambda: clock[0])
+    sampler = prompt_tokens.PromptTokenizer(CacheObserver(), 0.5, random.Random(3))
+    drawn = [sampler.sampled() for _ in range(200)]
+    assert 60 < sum(drawn) < 140  # the rate alone while the checks cost nothing
+    sampler._checking_s = 1.0  # the checks took 1 s, no time has passed
+    assert not any(sampler.sampled() for _ in range(200))
+    clock[0] += 1.0 / prompt_tokens.CHECK_TIME_SHARE  # their share of 100 s is 1 s: due again
+    assert any(sampler.sampled() for _ in range(20))
+    always = prompt_tokens.PromptTokenizer(CacheObserver(), 1.0)
+    always._checking_s = 1e9
+    assert all(always.sampled() for _ in range(20))
+    assert not any(prompt_tokens.PromptTokenizer(CacheObserver(), 0.0).sampled()
+                   for _ in range(20))
