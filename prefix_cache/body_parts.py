@@ -68,22 +68,23 @@ class Remembered:
 
 
 class PartMemo:
-    """Exact bytes of large parts -> what they parsed to, per scope; LRU in bytes."""
+    """Exact bytes of large parts -> what they parsed to, per scope and nesting allowed (the
+    same bytes deeper in a body may nest less); LRU in bytes."""
 
     def __init__(self, max_bytes: int = MEMO_BYTES,
                  max_ids_bytes: int = IDS_MEMO_BYTES) -> None:
-        self._lru: ByteLRU[tuple[str, int], Remembered] = ByteLRU(max_bytes)
+        self._lru: ByteLRU[tuple[str, int, int], Remembered] = ByteLRU(max_bytes)
         self._ids: ByteLRU[tuple[str, int], Remembered] = ByteLRU(max_ids_bytes)
         self._lock = threading.Lock()
 
-    def get(self, scope: str, part: bytes) -> Remembered | None:
-        key = (scope, xxhash.xxh3_64_intdigest(part))
+    def get(self, scope: str, depth: int, part: bytes) -> Remembered | None:
+        key = (scope, depth, xxhash.xxh3_64_intdigest(part))
         with self._lock:
             found = self._lru.get(key)
         return found if found is not None and found.part == part else None
 
-    def put(self, scope: str, found: Remembered) -> None:
-        key = (scope, xxhash.xxh3_64_intdigest(found.part))
+    def put(self, scope: str, depth: int, found: Remembered) -> None:
+        key = (scope, depth, xxhash.xxh3_64_intdigest(found.part))
         size = len(found.part) + len(found.packed) + _ENTRY_OVERHEAD
         if found.value is not _NOT_KEPT:
             size += _VALUE_BYTES * len(found.part)
@@ -176,7 +177,7 @@ class _Parts:
     def value(self, span: bytes, max_depth: int) -> Any:
         """``span`` parsed as ``json_io.loads`` parses it, at ``max_depth`` levels left."""
         large = len(span) >= REMEMBERED_BYTES
-        if large and (found := self.memo.get(self.scope, span)) is not None:
+        if large and (found := self.memo.get(self.scope, max_depth, span)) is not None:
             if self.share and found.value is not _NOT_KEPT:
                 value = found.value
             else:
@@ -184,7 +185,7 @@ class _Parts:
                 # no integer orjson cannot keep, so orjson alone gives their exact value again.
                 value = orjson.loads(span)
                 if self.share:
-                    self.memo.put(self.scope, Remembered(span, found.packed, value))
+                    self.memo.put(self.scope, max_depth, Remembered(span, found.packed, value))
             self.known.add_packed(value, found.packed)
             return value
         try:
@@ -193,7 +194,7 @@ class _Parts:
             raise _Unsplit from None  # the whole body's parse words the error
         if large and (packed := packed_part(value)) is not None:
             kept = value if self.share else _NOT_KEPT
-            self.memo.put(self.scope, Remembered(span, packed, kept))
+            self.memo.put(self.scope, max_depth, Remembered(span, packed, kept))
             self.known.add_packed(value, packed)
         return value
 

@@ -279,3 +279,16 @@ def test_small_bodies_and_no_memo_parse_whole(monkeypatch: pytest.MonkeyPatch) -
     assert parse_body(b'{"a": 1}', PartMemo())[0] == {"a": 1}
     assert parse_body(orjson.dumps(body()))[0] == json_io.loads(orjson.dumps(body()))
     assert calls == []
+
+
+def test_the_same_bytes_deeper_in_a_body_are_checked_again() -> None:
+    """A part remembered as a top-level value (one level more allowed) is not taken as a
+    message unchecked: the same bytes there nest one level too deep."""
+    memo = PartMemo()
+    depth = json_io.MAX_DEPTH - 1  # as deep as a top-level value may be
+    nested = "[" * (depth - 1) + "]" * (depth - 1)
+    part = f'{{"pad": "{PAD}", "x": {nested}}}'
+    top = f'{{"tools": {part}}}'.encode()
+    deeper = f'{{"messages": [{part}]}}'.encode()
+    assert parts(top, memo)[0] == "ok"
+    assert parts(deeper, memo) == whole(deeper) and whole(deeper)[0] == "error"
