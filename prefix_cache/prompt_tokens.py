@@ -125,7 +125,7 @@ class PromptTokenizer:
         if renderer.tokenizer_digest in self._off:
             return None, OFF
         at = entry.packed_ids[4 * split.index: 4 * split.index + 4]
-        tail, why = tail_from_split(split, unpack_ids(at)[0] if at else None, renderer.tokenize,
+        tail, why = tail_from_split(split, unpack_ids(at)[0] if at else None, renderer.tokenize_tail,
                                     text)
         if tail is None:
             return None, why

@@ -153,6 +153,7 @@ class TemplateRenderer:
         self._wrapped = self.tokenizer is not target
         self._direct = direct.compiled(target, template) if not self._wrapped else None
         self._direct_checked = False
+        self._backend = None if self._wrapped else _plain_backend(self.tokenizer)
 
     @property
     def uses_date(self) -> bool:
@@ -235,6 +236,21 @@ class TemplateRenderer:
     def renders_direct(self) -> bool:
         return self._direct is not None
 
+    def tokenize_tail(self, text: str) -> list[int]:
+        """``tokenize(text)`` for a hit's short tail: straight from the tokenizers backend when
+        transformers' call would only wrap that same call (no truncation or padding set on it,
+        special tokens not split): its wrapper costs more than the encoding of a short text.
+        The sampled full check compares what this makes with ``tokenize``'s."""
+        backend = self._backend
+        if backend is None or backend.truncation is not None or backend.padding is not None \
+                or backend.encode_special_tokens != bool(self.tokenizer.split_special_tokens):
+            return self.tokenize(text)
+        try:
+            return list(backend.encode(text, add_special_tokens=False).ids)
+        except Exception as exc:
+            _check_text(text)
+            raise TemplateRenderError(f"tokenizer error: {exc}") from exc
+
     def tokenize(self, text: str) -> list[int]:
         """Token ids of rendered text exactly as ``apply`` makes them: transformers tokenizes a
         render with ``add_special_tokens=False`` (and no padding or truncation); mlx-lm encodes
@@ -299,6 +315,23 @@ class TemplateRenderer:
         return self.target.apply_chat_template(
             messages, tools=tools, chat_template=self.template, tokenize=tokenize, **flags,
             **kwargs)
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The tokenizers backend of a transformers fast tokenizer whose call goes straight to it
+    (its class's and instance's ``__call__`` and ``_encode_plus`` are transformers' own), else
+    None."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # pragma: no cover - another transformers layout
+        return None
+    kind = type(tokenizer)
+    if not isinstance(tokenizer, TokenizersBackend) or kind.__call__ is not \
+            PreTrainedTokenizerBase.__call__ or kind._encode_plus is not \
+            TokenizersBackend._encode_plus or "_encode_plus" in vars(tokenizer):
+        return None
+    return getattr(tokenizer, "_tokenizer", None)
 
 
 def _check_text(text: str) -> None:

@@ -381,3 +381,26 @@ def test_sampled_checks_are_held_to_their_share_of_the_time(monkeypatch: Any) ->
     assert all(always.sampled() for _ in range(20))
     assert not any(prompt_tokens.PromptTokenizer(CacheObserver(), 0.0).sampled()
                    for _ in range(20))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "llama3.1", "deepseek", "spm-v7"])
+def test_a_tail_tokenized_straight_from_the_backend_is_the_full_call(name: str) -> None:
+    """``tokenize_tail`` skips transformers' wrapper only where the wrapper would only call the
+    backend: the same ids, and the wrapper itself once the backend truncates or pads, or
+    special tokens are to be split."""
+    tok = fresh(load_offline_tokenizer(name))
+    renderer = get_renderer(tok, DEFAULT_SYSTEM)
+    special = tok.all_special_tokens[0] if tok.all_special_tokens else ""
+    texts = ["", " ", "Fix the failing test in module_7.py.", f"{special}user\nhi{special}\n",
+             "naïve café — 日本語 🙂\r\n\t  x", "a" * 3000]
+    for text in texts:
+        assert renderer.tokenize_tail(text) == renderer.tokenize(text), (name, text[:20])
+    backend = tok.backend_tokenizer
+    calls: list[str] = []
+    wrapped = renderer.tokenize
+    renderer.tokenize = lambda text: calls.append(text) or wrapped(text)  # type: ignore[method-assign]
+    backend.enable_truncation(4)
+    assert renderer.tokenize_tail(texts[2]) == wrapped(texts[2]) and calls == [texts[2]]
+    backend.no_truncation()
+    tok.split_special_tokens = True
+    assert renderer.tokenize_tail(texts[3]) == wrapped(texts[3]) and len(calls) == 2
