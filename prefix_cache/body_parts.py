@@ -109,8 +109,9 @@ class PartMemo:
 def parse_body(raw: bytes, memo: PartMemo | None = None, scope: str = "",
                share: bool = False) -> tuple[Any, KnownParts]:
     """``json_io.loads(raw)`` (the same value, or the same JSONInputError), and what is known of
-    its parts: with ``memo``, the key material of large parts and the checked ``prompt_ids``.
-    ``share``: large parts may be values other requests of ``scope`` also hold (read-only)."""
+    its parts: with ``memo``, the key material of large parts. ``share``: large parts may be
+    values other requests of ``scope`` also hold (read-only), and ``prompt_ids`` that are token
+    ids come as ``TokenIds``."""
     known = KnownParts()
     if memo is not None and len(raw) >= REMEMBERED_BYTES and raw[:1] == b"{":
         try:
@@ -236,11 +237,15 @@ def _spans(raw: bytes, parts: Iterable[msgspec.Raw]) -> list[tuple[int, int]]:
     base = _address(raw)
     spans = sorted((start, start + len(part)) for part in parts
                    for start in (_address(part) - base,))
-    edges = [0, *(edge for span in spans for edge in span), len(raw)]
+    edges = _edges(raw, spans)
     if any(edges[i] > edges[i + 1] for i in range(len(edges) - 1)):
         raise _Unsplit  # not views into raw after all, or overlapping
-
     return spans
+
+
+def _edges(raw: bytes, spans: list[tuple[int, int]]) -> list[int]:
+    """0, each span's start and end, len(raw): the gaps are edges[0:2], edges[2:4], ..."""
+    return [0, *(edge for span in spans for edge in span), len(raw)]
 
 
 def _address(buffer: Any) -> int:
@@ -249,6 +254,6 @@ def _address(buffer: Any) -> int:
 
 def _between(raw: bytes, spans: list[tuple[int, int]]) -> bytes:
     """The bytes of ``raw`` outside ``spans``, JSON whitespace left out."""
-    edges = [0, *(edge for span in spans for edge in span), len(raw)]
+    edges = _edges(raw, spans)
     gaps = b"".join(raw[edges[i]:edges[i + 1]] for i in range(0, len(edges), 2))
     return gaps.translate(None, _WHITESPACE)

@@ -36,7 +36,7 @@ def require_json(content_type: str | None) -> None:
 @dataclass(frozen=True, slots=True)
 class JSONBody:
     """A request's raw body, its JSON object, and what its parse already worked out of it
-    (``body_parts``: the key material of parts sent before, the checked prompt ids)."""
+    (``body_parts``: the key material of parts its tenant sent before)."""
 
     raw: bytes
     data: dict[str, Any]
