@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import boundary, keys
-from .entry import Entry, decode_entry, encode_entry
+from .entry import DecodedEntries, Entry, encode_entry
 from .errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
 from .known_parts import KnownParts
 from .messages import dynamic_chars
@@ -113,7 +113,7 @@ class StaticPrefixCache:
         self._events = ObserverGroup(self.stats, self.observer)
         # Rendered prompts are tokenized from the entry's split, checked at this sampled rate.
         self._tokens = PromptTokenizer(self._events, tokenize_check_rate)
-        self._flights = SingleFlight()
+        self._flights, self._decoded = SingleFlight(), DecodedEntries()
         self._executor = ThreadPoolExecutor(
             max_workers=max_render_threads or min(8, (os.cpu_count() or 2) + 2),
             thread_name_prefix="prefix-render",
@@ -256,9 +256,8 @@ class StaticPrefixCache:
 
     def _prompt(self, plan: _Plan, text: _Text | None, entry: Entry | None,
                 check: bool | None = None) -> TokenIds:
-        """The rendered prompt's ids (from the entry's split when its text allows); the prompt
-        is rendered here unless ``text`` is given. ``check``: whether this is a sampled full
-        check (None: drawn here)."""
+        """The rendered prompt's ids (from the entry's split when its text allows), rendered
+        here unless ``text`` is given. ``check``: a sampled full check? (None: drawn here)"""
         if text is None:
             text = self._render(plan)
         if entry is not None and text.empty_tools != entry.empty_tools:
@@ -266,7 +265,8 @@ class StaticPrefixCache:
         def official() -> str:  # what a sampled check compares a direct render with
             tools = [] if text.empty_tools else plan.tools
             return plan.renderer.official_text(plan.messages, tools, plan.kwargs, plan.options)
-        return self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official, check)
+        return self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official, check,
+                                     plan.namespace)
 
     def _rerender(self, plan: _Plan, text: _Text, entry: Entry) -> _Text:
         """The prompt again, in the rare case its tools argument is not the probes'."""
@@ -329,7 +329,7 @@ class StaticPrefixCache:
         if value is None:
             return None
         try:
-            return decode_entry(value, plan.key, plan.check)
+            return self._decoded.decode(value, plan.key, plan.check)
         except EntryError as exc:
             log.warning("rejected stored entry %s: %s", plan.key, exc)
             self._events.verification_failure()
@@ -388,7 +388,7 @@ class StaticPrefixCache:
         read is far cheaper than the renders it can save."""
         stored = self._get(plan.key)
         try:
-            return None if stored is None else decode_entry(stored, plan.key, plan.check)
+            return None if stored is None else self._decoded.decode(stored, plan.key, plan.check)
         except EntryError:
             return None
 

@@ -38,11 +38,25 @@ MEMO_BYTES = 64 << 20
 
 
 @dataclass
+class _Texts:
+    """One key's tojson texts: by the tool's position for the default arguments (most
+    templates' only call), by position and arguments for the rest."""
+
+    plain: list[str | None]
+    other: dict[tuple[Any, ...], str] = field(default_factory=dict)
+
+    def size(self) -> int:
+        texts = [t for t in self.plain if t is not None] + list(self.other.values())
+        return sum(map(len, texts)) + 64 * len(texts)
+
+
+@dataclass
 class _Scope:
     """One render's view of its key's memo: which objects are the request's tools."""
 
+    by_id: dict[int, str | None]   # id(tool) -> its default-arguments text, if known yet
     positions: dict[int, int]
-    texts: dict[tuple[Any, ...], str]
+    texts: _Texts
     added: int = 0
 
 
@@ -53,20 +67,18 @@ _scope: ContextVar[_Scope | None] = ContextVar("prefix_cache_tojson_scope", defa
 class _Memo:
     """tojson texts per cache key (and check value), least recently used out."""
 
-    lru: ByteLRU[tuple[str, int], dict[tuple[Any, ...], str]] = field(
-        default_factory=lambda: ByteLRU(MEMO_BYTES))
+    lru: ByteLRU[tuple[str, int], _Texts] = field(default_factory=lambda: ByteLRU(MEMO_BYTES))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def texts(self, key: tuple[str, int]) -> dict[tuple[Any, ...], str]:
+    def texts(self, key: tuple[str, int], n: int) -> _Texts:
         with self.lock:
             found = self.lru.get(key)
-        return found if found is not None else {}
+        return found if found is not None and len(found.plain) == n else _Texts([None] * n)
 
-    def keep(self, key: tuple[str, int], texts: dict[tuple[Any, ...], str], added: int) -> None:
+    def keep(self, key: tuple[str, int], texts: _Texts, added: int) -> None:
         if not added:
             return
-        values = list(texts.values())  # one C-level copy: other threads may be adding
-        size = sum(map(len, values)) + 64 * len(values)
+        size = texts.size()  # C-level copies inside: other threads may be adding
         with self.lock:
             self.lru.put(key, texts, size)
 
@@ -97,16 +109,26 @@ def _remembering(tojson: Callable[..., str]) -> Callable[..., str]:
     def remembered(x: Any, ensure_ascii: bool = False, indent: Any = None,
                    separators: Any = None, sort_keys: bool = False) -> str:
         scope = _scope.get()
-        index = None if scope is None else scope.positions.get(id(x))
-        if scope is None or index is None:
+        if scope is None:
             return tojson(x, ensure_ascii, indent, separators, sort_keys)
+        plain = not ensure_ascii and indent is None and separators is None and not sort_keys
+        if plain and (text := scope.by_id.get(id(x))) is not None:
+            return text
+        index = scope.positions.get(id(x))
+        if index is None:  # not one of the request's tools
+            return tojson(x, ensure_ascii, indent, separators, sort_keys)
+        if plain:
+            text = scope.texts.plain[index] = tojson(x, ensure_ascii, indent, separators,
+                                                     sort_keys)
+            scope.added += 1
+            return text
         at = (index, ensure_ascii, indent, None if separators is None else tuple(separators),
               sort_keys)
-        text = scope.texts.get(at)
-        if text is None:
-            text = scope.texts[at] = tojson(x, ensure_ascii, indent, separators, sort_keys)
+        found = scope.texts.other.get(at)
+        if found is None:
+            found = scope.texts.other[at] = tojson(x, ensure_ascii, indent, separators, sort_keys)
             scope.added += 1
-        return text
+        return found
 
     return remembered
 
@@ -157,7 +179,10 @@ def render(template: Any, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     listed = None if tools is None else list(tools)
     scope = None
     if memo_key is not None and listed:
-        scope = _Scope({id(t): i for i, t in enumerate(listed)}, _memo.texts(memo_key))
+        texts = _memo.texts(memo_key, len(listed))
+        ids = list(map(id, listed))
+        scope = _Scope(dict(zip(ids, texts.plain, strict=True)),
+                       dict(zip(ids, range(len(ids)), strict=True)), texts)
     token = _scope.set(scope)
     try:
         text: str = template.render(messages=chat, tools=listed, documents=None,

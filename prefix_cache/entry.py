@@ -22,16 +22,19 @@ truncation, and the version lets a new layout be rolled out without misreading t
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import xxhash
 
 from .errors import EntryError
+from .lru import ByteLRU
 from .split import StaticSplit
 from .token_ids import pack_ids, unpack_ids
 
-__all__ = ["MAGIC", "VERSION", "Entry", "decode_entry", "encode_entry", "pack_ids"]
+__all__ = ["MAGIC", "VERSION", "DecodedEntries", "Entry", "decode_entry", "encode_entry",
+           "pack_ids"]
 
 MAGIC = b"SPCE"
 VERSION = 3
@@ -42,6 +45,7 @@ _DIGEST = struct.Struct("<Q")
 _MAX_U32 = 0xFFFF_FFFF
 _EMPTY_TOOLS = 0x01
 _HAS_SPLIT = 0x02
+DECODED_BYTES = 32 << 20   # remembered decoded entries, per cache (per worker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,3 +136,27 @@ def _decode_split(data: bytes, start: int, body_len: int, n_ids: int) -> StaticS
     if not (anchor < len(text) and index < n_ids):
         raise EntryError("entry split out of range")
     return StaticSplit(text, anchor, index)
+
+
+class DecodedEntries:
+    """``decode_entry`` remembering its last answer per key: a hit reads the same stored value
+    again and again, and decoding it (the digest over ~30 KB, copies of the ids and the split
+    text) was ~9 us of a hit. A remembered entry is given back only for the very bytes it was
+    decoded from (the same object, or equal bytes: a Redis read is a new object each time)
+    under the same key and check value; LRU, bounded in bytes."""
+
+    def __init__(self, max_bytes: int = DECODED_BYTES) -> None:
+        self._lru: ByteLRU[str, tuple[bytes, int, Entry]] = ByteLRU(max_bytes)
+        self._lock = threading.Lock()
+
+    def decode(self, data: bytes, key: str, check: int) -> Entry:
+        """``decode_entry(data, key, check)``."""
+        with self._lock:
+            known = self._lru.get(key)
+        if known is not None and known[1] == check and (known[0] is data or known[0] == data):
+            return known[2]
+        entry = decode_entry(data, key, check)
+        size = 2 * len(data) + (0 if entry.split is None else len(entry.split.text))
+        with self._lock:
+            self._lru.put(key, (bytes(data), check, entry), size)
+        return entry

@@ -28,6 +28,7 @@ from .entry import Entry
 from .observer import CacheObserver
 from .render import TemplateRenderer
 from .split import ANCHOR, TEXT_DIFFERS, tail_from_split
+from .tail_pieces import PieceMemo
 from .token_ids import TokenIds, pack_ids, unpack_ids
 
 log = logging.getLogger("prefix_cache")
@@ -62,15 +63,17 @@ class PromptTokenizer:
         self._lock = threading.Lock()
         self._first_draw: float | None = None
         self._checking_s = 0.0  # what the checks took so far
+        self._pieces = PieceMemo()
 
     def tokenize(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
                  model: str, official: Callable[[], str] | None = None,
-                 check: bool | None = None) -> TokenIds:
+                 check: bool | None = None, scope: str = "") -> TokenIds:
         """The prompt's ids, equal to ``renderer.tokenize(text)``. ``official``: the prompt
         rendered through ``apply_chat_template`` itself, for a sampled check of a direct render
         (``direct_render``) along with the tokenization. ``check``: whether this call is one of
-        the sampled checks, drawn beforehand with ``sampled()`` (None: drawn here)."""
-        ids, reason = self._fast(renderer, text, entry)
+        the sampled checks, drawn beforehand with ``sampled()`` (None: drawn here). ``scope``:
+        the tenant whose remembered tail pieces may be used (``tail_pieces``)."""
+        ids, reason = self._fast(renderer, text, entry, scope)
         direct = official is not None and renderer.renders_direct
         if check is None:
             check = self.sampled()
@@ -115,7 +118,7 @@ class PromptTokenizer:
             return False
         return self._checking_s <= CHECK_TIME_SHARE * (now - self._first_draw)
 
-    def _fast(self, renderer: TemplateRenderer, text: str, entry: Entry | None
+    def _fast(self, renderer: TemplateRenderer, text: str, entry: Entry | None, scope: str
               ) -> tuple[TokenIds | None, str]:
         if entry is None:
             return None, NO_STATIC
@@ -125,8 +128,9 @@ class PromptTokenizer:
         if renderer.tokenizer_digest in self._off:
             return None, OFF
         at = entry.packed_ids[4 * split.index: 4 * split.index + 4]
-        tail, why = tail_from_split(split, unpack_ids(at)[0] if at else None, renderer.tokenize_tail,
-                                    text)
+        def tokenize_tail(tail: str) -> list[int]:
+            return self._pieces.tokenize(renderer, scope, tail)
+        tail, why = tail_from_split(split, unpack_ids(at)[0] if at else None, tokenize_tail, text)
         if tail is None:
             return None, why
         head = entry.packed_ids[: 4 * split.index]

@@ -21,6 +21,7 @@ import hashlib
 import importlib.metadata
 import inspect
 import logging
+import re
 import sys
 import threading
 import weakref
@@ -33,6 +34,7 @@ import orjson
 import xxhash
 
 from . import direct_render as direct
+from . import tail_pieces
 from .errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
 from .template_clock import DAY_FORMAT, NO_CLOCK, ClockUse, clock_use
 from .tokenizer_identity import current_fingerprint
@@ -154,6 +156,7 @@ class TemplateRenderer:
         self._direct = direct.compiled(target, template) if not self._wrapped else None
         self._direct_checked = False
         self._backend = None if self._wrapped else _plain_backend(self.tokenizer)
+        self._cuts: re.Pattern[str] | None | bool = False  # False: not looked at yet
 
     @property
     def uses_date(self) -> bool:
@@ -250,6 +253,13 @@ class TemplateRenderer:
         except Exception as exc:
             _check_text(text)
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
+
+    def piece_cuts(self) -> re.Pattern[str] | None:
+        """Where ``tokenize_tail`` may cut a text into pieces encoded alone (``tail_pieces``);
+        None: it encodes texts whole."""
+        if self._cuts is False:
+            self._cuts = None if self._backend is None else tail_pieces.piece_cuts(self._backend)
+        return self._cuts  # type: ignore[return-value]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of rendered text exactly as ``apply`` makes them: transformers tokenizes a

@@ -38,6 +38,7 @@ LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
                    0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 RESULTS = ("hit", "miss", "none", "error")
+_MAX_CHILDREN = 10_000
 
 
 class TenantLabels:
@@ -72,6 +73,7 @@ class Metrics(CacheObserver):
         self._collectors: list[Collector] = []
         reg = None if self._multiprocess else self.registry
         self.tenant_label = TenantLabels(max_tenants)
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.requests = Counter(f"{NS}_requests_total", "Boundary requests by cache result.",
                                 ["result", "model", "tenant"], registry=reg)
         self.renders = Counter(f"{NS}_renders_total", "Probe renders run (four per computation).",
@@ -124,9 +126,9 @@ class Metrics(CacheObserver):
 
     def resolved(self, *, cache: str, namespace: str, model: str, seconds: float,
                  static_tokens: int, boundary: int) -> None:
-        self.requests.labels(cache, model, self.tenant_label(namespace)).inc()
-        self.lookup_seconds.labels(cache).observe(seconds)
-        self.static_tokens.labels(model).observe(boundary)
+        self._child(self.requests, cache, model, self.tenant_label(namespace)).inc()
+        self._child(self.lookup_seconds, cache).observe(seconds)
+        self._child(self.static_tokens, model).observe(boundary)
 
     def failed(self, *, namespace: str, model: str, error: Exception) -> None:
         self.requests.labels("error", model, self.tenant_label(namespace)).inc()
@@ -136,7 +138,7 @@ class Metrics(CacheObserver):
         self.render_seconds.labels(model).observe(seconds)
 
     def saved(self, *, model: str, seconds: float) -> None:
-        self.saved_seconds.labels(model).inc(seconds)
+        self._child(self.saved_seconds, model).inc(seconds)
 
     def cap_rendered(self) -> None:
         self.cap_renders.inc()
@@ -148,7 +150,7 @@ class Metrics(CacheObserver):
         self.verification_failures.inc()
 
     def tokenized(self, *, model: str, fast: bool, reason: str) -> None:
-        self.tokenizations.labels("fast" if fast else "full", reason).inc()
+        self._child(self.tokenizations, "fast" if fast else "full", reason).inc()
 
     def tokenize_checked(self, *, model: str, mismatch: bool) -> None:
         self.tokenize_checks.inc()
@@ -157,6 +159,18 @@ class Metrics(CacheObserver):
 
     def fast_path_off(self, *, model: str, reason: str) -> None:
         self.fast_path_offs.labels(model).inc()
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, remembered: every hit records five labelled samples, and
+        ``labels`` builds and locks its way to the same child each time. The label values are
+        bounded (results, reasons, configured models, ``tenant_label``); so is this map."""
+        key = (id(metric), values)
+        child = self._children.get(key)
+        if child is None:
+            child = metric.labels(*values)
+            if len(self._children) < _MAX_CHILDREN:
+                self._children[key] = child
+        return child
 
     # -- store gauges -----------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from starlette.routing import Route
 
 from ..api import openapi_docs as docs
-from ..api.schemas import BoundaryRequest, BoundaryResponse, PrefixBoundaryRequest
+from ..api.schemas import BoundaryResponse, PrefixBoundaryRequest, boundary_fields
 from ..chat.render_fields import chat_conversation
 from .sidecar_host import SidecarHost, cache_headers
 
@@ -33,9 +33,9 @@ async def prefix_boundary(request: Request) -> Response:
     async with host.slot(tenant):  # the tenant's share of this worker
         # Shared parts: this body is only validated and resolved (the cache changes nothing).
         body = await host.read_body(request, tenant, share=True)
-        req = BoundaryRequest.model_validate(body.data)
+        model, return_ids = boundary_fields(body.data)
         # Prompt ids the client sends are the ids the boundary is cut against (no render).
-        result = await host.resolve(host.state.models.get(req.model), tenant,
+        result = await host.resolve(host.state.models.get(model), tenant,
                                     chat_conversation(body.data), len(body.raw),
                                     body.data.get("prompt_ids"), body.known)
     out: dict[str, Any] = {
@@ -44,7 +44,7 @@ async def prefix_boundary(request: Request) -> Response:
         "cache": result.cache,
         "key": result.key,
     }
-    if req.return_prompt_ids:
+    if return_ids:
         out["prompt_ids"] = result.prompt_ids
     return Response(orjson.dumps(out), media_type="application/json",
                     headers=cache_headers(result))

@@ -111,3 +111,28 @@ SPLIT_DAMAGE = {
 def test_split_damage_is_detected(name: str) -> None:
     with pytest.raises(EntryError):
         decode_entry(SPLIT_DAMAGE[name], KEY, CHECK)
+
+
+def test_decoded_entries_answer_as_decode_entry() -> None:
+    """The decoded-entry memo gives back its entry only for the bytes it came from, under the
+    same key and check value; anything else is decoded (and refused) as ``decode_entry`` would."""
+    from prefix_cache.entry import DecodedEntries
+
+    memo = DecodedEntries()
+    split = StaticSplit("<|im_start|>system\nHi", 3, 2)
+    data = encode_entry(KEY, CHECK, IDS, 0.01, split=split)
+    first = memo.decode(data, KEY, CHECK)
+    assert first == decode_entry(data, KEY, CHECK)
+    assert memo.decode(data, KEY, CHECK) is first              # the same bytes object
+    assert memo.decode(bytes(bytearray(data)), KEY, CHECK) is first   # equal bytes (a Redis read)
+    with pytest.raises(EntryError, match="check value"):
+        memo.decode(data, KEY, CHECK ^ 1)
+    with pytest.raises(EntryError, match="another key"):
+        memo.decode(data, KEY + "0", CHECK)
+    for name, damaged in DAMAGE.items():
+        with pytest.raises(EntryError):
+            memo.decode(damaged, KEY, CHECK)
+        assert memo.decode(data, KEY, CHECK) == first, name
+    other = encode_entry(KEY, CHECK, IDS[:5], 0.02)  # a new value under the key replaces it
+    assert memo.decode(other, KEY, CHECK).static_ids == IDS[:5]
+    assert memo.decode(data, KEY, CHECK).static_ids == IDS

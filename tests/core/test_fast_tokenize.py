@@ -357,9 +357,10 @@ def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None
         keys[ns] = r.key
     memo = {key: texts for (key, _), texts in direct_render._memo.lru.items()}
     assert keys["tenant-a"] != keys["tenant-b"] and {keys["tenant-a"], keys["tenant-b"]} <= set(memo)
-    texts = memo[keys["tenant-a"]]
+    texts = memo[keys["tenant-a"]].other  # the template asks tojson(indent=4): not the plain call
+    assert memo[keys["tenant-a"]].plain == [None] * len(tools)
     assert sorted(at[0] for at in texts) == list(range(len(tools)))  # one text per tool
-    assert all(at[2] == 4 for at in texts)  # as the template asks: tojson(indent=4)
+    assert all(at[2] == 4 for at in texts)
     assert texts[next(iter(texts))] == json.dumps(tools[0], ensure_ascii=False, indent=4)
 
 

@@ -1,0 +1,106 @@
+"""A hit's tail tokenized piece by piece, pieces remembered per tenant.
+
+A tokenizers backend cuts its input at every added token (``<|im_start|>``, ``<|im_end|>``...)
+before anything else and encodes the text between them one piece at a time: normalizer,
+pre-tokenizer and model never see across such a cut. So a text's ids are the ids of its pieces,
+each encoded alone, in order, wherever the cuts fall exactly where the backend's own cutting
+falls. An agent's tail is its conversation after the static prefix: every turn sends the
+previous turns again, so with its pieces remembered a hit encodes only the new ones (a 50-turn
+conversation was re-tokenized whole on every hit before).
+
+Where that holds (``piece_cuts``): the backend splits special tokens out (``encode_special_tokens``
+off), no added token that is matched before normalization strips whitespace around itself or
+must stand as a single word (those look past the cut), and no pre-tokenizer does something only
+at the start of the whole text (Metaspace's ``prepend_scheme: first``). The cuts are found by
+the same leftmost-longest search the backend makes (a regular expression of the added tokens,
+longest first). Anything else: the tail is encoded whole, as before. The sampled full check of
+``prompt_tokens`` compares every fast prompt with a full tokenization, this path included.
+
+Pieces are remembered per tenant (scope) and tokenizer state, bounded in bytes (invariant 5: a
+tenant cannot learn from timing which pieces another sent).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+from .lru import ByteLRU
+
+MEMO_BYTES = 32 << 20      # per cache (per worker)
+_ENTRY_OVERHEAD = 120      # a key tuple, a list and the LRU's own bookkeeping, roughly
+# Pre-tokenizers that act on each piece alone, whatever came before it in the text.
+_LOCAL_PRE_TOKENIZERS = frozenset((
+    "Sequence", "Split", "ByteLevel", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit",
+    "BertPreTokenizer", "UnicodeScripts", "CharDelimiterSplit"))
+
+
+def piece_cuts(backend: Any) -> re.Pattern[str] | None:
+    """The added tokens the backend cuts at before normalizing, as one leftmost-longest search;
+    None where cutting a text there and encoding the pieces alone might not give its ids."""
+    try:
+        if backend.encode_special_tokens:
+            return None
+        added = list(backend.get_added_tokens_decoder().values())
+        pre = backend.pre_tokenizer
+        if pre is not None and not _local(json.loads(pre.__getstate__())):
+            return None
+    except Exception:  # another tokenizers layout: encode whole
+        return None
+    raw = [t for t in added if not t.normalized]
+    if not raw or any(t.lstrip or t.rstrip or t.single_word for t in raw):
+        return None
+    contents = sorted({t.content for t in raw if t.content}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, contents))) if contents else None
+
+
+def _local(config: Any) -> bool:
+    """Whether a pre-tokenizer (its JSON config) acts on each piece alone."""
+    if not isinstance(config, dict):
+        return False
+    kind = config.get("type")
+    if kind == "Metaspace":
+        return config.get("prepend_scheme", "always") in ("always", "never")
+    if kind not in _LOCAL_PRE_TOKENIZERS:
+        return False
+    return all(_local(p) for p in config.get("pretokenizers", ()))
+
+
+def pieces(cuts: re.Pattern[str], text: str) -> list[str]:
+    """``text`` cut before every added token the backend would match in it."""
+    starts = [m.start() for m in cuts.finditer(text)]
+    if not starts or starts[0] != 0:
+        starts.insert(0, 0)
+    return [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)], strict=True)]
+
+
+class PieceMemo:
+    """Token ids of tail pieces, per (scope, tokenizer state, piece text); LRU in bytes."""
+
+    def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
+        self._lru: ByteLRU[tuple[str, bytes, str], list[int]] = ByteLRU(max_bytes)
+        self._lock = threading.Lock()
+
+    def tokenize(self, renderer: Any, scope: str, text: str) -> list[int]:
+        """``renderer.tokenize_tail(text)``, from remembered pieces where the renderer's
+        tokenizer allows it (``TemplateRenderer.piece_cuts``)."""
+        cuts = renderer.piece_cuts()
+        if cuts is None:
+            return list(renderer.tokenize_tail(text))
+        digest = renderer.tokenizer_digest
+        out: list[int] = []
+        for piece in pieces(cuts, text):
+            key = (scope, digest, piece)
+            with self._lock:
+                ids = self._lru.get(key)
+            if ids is None:
+                ids = renderer.tokenize_tail(piece)
+                with self._lock:
+                    self._lru.put(key, ids, 2 * len(piece) + 8 * len(ids) + _ENTRY_OVERHEAD)
+            out += ids
+        return out
+
+    def __len__(self) -> int:
+        return len(self._lru)

@@ -1,0 +1,116 @@
+"""A hit's tail tokenized piece by piece (``tail_pieces``): exactly the whole text's ids on every
+offline tokenizer, pieces remembered per tenant, and encoded whole where a cut could move."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefix_cache import tail_pieces
+from prefix_cache.render import get_renderer
+from prefix_cache.tail_pieces import PieceMemo, piece_cuts, pieces
+from prefix_cache.testing.offline_tokenizers import NAMES, load_offline_tokenizer
+from tests.core.test_fast_tokenize import with_flags
+from tests.support.tokenizers import fresh
+
+ODD = ["", " ", "  ", "\n", "\n\n  ", "Hi", " Hi", "'ll", "\u0301", "e\u0301", "日本語", "🙂",
+       "<|im_", "|>", "<", "[INST]", "<s>", "</s>", "1234567", "a\tb", "\r\n", "<|im_end|><|im_end|>"]
+
+
+def specials(tok: Any) -> list[str]:
+    return sorted(t.content for t in tok.backend_tokenizer.get_added_tokens_decoder().values())[:40]
+
+
+def texts(tok: Any) -> list[str]:
+    """Tails as templates make them (turns between added tokens), and odd joins."""
+    marks = specials(tok)
+    out = []
+    for i, mark in enumerate(marks):
+        other = marks[(i * 7 + 3) % len(marks)]
+        for odd in ODD:
+            out.append(f"{odd}{mark}user\n{odd}Fix module_{i}.py{odd}{other}\n{mark}assistant\n")
+            out.append(f"{mark}{odd}{mark}{odd}")
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_pieces_give_the_whole_texts_ids(name: str) -> None:
+    tok = load_offline_tokenizer(name)
+    renderer = get_renderer(tok, "{{ messages }}")
+    memo = PieceMemo()
+    for text in texts(tok):
+        assert memo.tokenize(renderer, "t", text) == renderer.tokenize(text), text
+        assert memo.tokenize(renderer, "t", text) == renderer.tokenize(text), text  # remembered
+
+
+def test_which_tokenizers_are_cut() -> None:
+    """The tokenizers templates are rendered with most are cut; SentencePiece's "first piece"
+    prefix (Metaspace ``prepend_scheme: first``) is not."""
+    cut = {name for name in NAMES
+           if piece_cuts(load_offline_tokenizer(name).backend_tokenizer) is not None}
+    assert {"qwen3", "llama3", "llama3.1", "deepseek", "gpt-oss"} <= cut
+    assert not {"spm-v3", "spm-v7"} & cut
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>",
+                                           "<tool_call>", "</tool_call>", "<think>"]),
+                          st.text(max_size=6), st.sampled_from(ODD)), max_size=12))
+def test_any_join_of_tokens_and_text_on_qwen(parts: list[str]) -> None:
+    tok = load_offline_tokenizer("qwen3")
+    renderer = get_renderer(tok, "{{ messages }}")
+    text = "".join(parts)
+    assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
+
+
+def test_pieces_cut_before_each_added_token() -> None:
+    cuts = piece_cuts(load_offline_tokenizer("qwen3").backend_tokenizer)
+    assert cuts is not None
+    assert pieces(cuts, "a<|im_start|>user\nhi<|im_end|>\n<|im_start|>") == [
+        "a", "<|im_start|>user\nhi", "<|im_end|>\n", "<|im_start|>"]
+    assert pieces(cuts, "<|im_start|>x") == ["<|im_start|>x"]
+    assert pieces(cuts, "plain") == ["plain"] and pieces(cuts, "") == [""]
+
+
+def test_pieces_are_remembered_per_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = load_offline_tokenizer("qwen3")
+    renderer = get_renderer(tok, "{{ messages }}")
+    encoded: list[str] = []
+    inner = type(renderer).tokenize_tail
+    monkeypatch.setattr(type(renderer), "tokenize_tail",
+                        lambda self, text: encoded.append(text) or inner(self, text))
+    memo = PieceMemo()
+    turn1 = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    turn2 = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n" \
+            "<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    memo.tokenize(renderer, "a", turn1)
+    assert encoded == ["<|im_start|>user\nhi", "<|im_end|>\n", "<|im_start|>assistant\n"]
+    encoded.clear()
+    assert memo.tokenize(renderer, "a", turn2) == renderer.tokenize(turn2)
+    assert encoded == ["<|im_start|>assistant\nhello", "<|im_start|>user\nmore"]  # only new ones
+    encoded.clear()
+    memo.tokenize(renderer, "b", turn1)  # another tenant: nothing of a's is used
+    assert encoded == ["<|im_start|>user\nhi", "<|im_end|>\n", "<|im_start|>assistant\n"]
+
+
+@pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
+def test_a_token_that_looks_past_a_cut_means_no_cuts(qwen3: Any, flag: str) -> None:
+    tok = with_flags(qwen3, {"<|im_end|>": {flag: True}})
+    assert piece_cuts(tok.backend_tokenizer) is None
+    renderer = get_renderer(tok, "{{ messages }}")
+    text = "<|im_start|>user\nhi  <|im_end|>  \n<|im_start|>"
+    assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
+
+
+def test_split_special_tokens_or_a_first_piece_prefix_means_no_cuts(qwen3: Any) -> None:
+    tok = fresh(qwen3)
+    tok.backend_tokenizer.encode_special_tokens = True
+    assert piece_cuts(tok.backend_tokenizer) is None
+    assert not tail_pieces._local({"type": "Metaspace", "prepend_scheme": "first"})
+    assert tail_pieces._local({"type": "Metaspace", "prepend_scheme": "always"})
+    assert not tail_pieces._local({"type": "Sequence", "pretokenizers": [
+        {"type": "ByteLevel"}, {"type": "Metaspace", "prepend_scheme": "first"}]})
+    assert not tail_pieces._local({"type": "SomethingNew"})
