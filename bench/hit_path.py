@@ -299,29 +299,34 @@ def in_process(requests: int) -> dict[str, float]:
 
 
 def hot_hits(tokenizer: Any, template: str, requests: int) -> dict[str, float]:
-    """Hits back to back (no render between them), the prompt ids given as a list of ints and
-    as the uint32 array an engine holds, interleaved: medians in µs."""
+    """Hits back to back (no render between them), interleaved: the prompt ids given as a list
+    of ints, as the uint32 array an engine holds, and that array with the tools frozen once
+    (``FrozenTools``: an agent whose tool set is fixed). Medians in µs."""
     import numpy as np
 
-    from prefix_cache import StaticPrefixCache
+    from prefix_cache import FrozenTools, StaticPrefixCache
     from prefix_cache.render import get_renderer
 
     tools = bench_tools(TOOLS)
+    frozen = FrozenTools(tools)
     system = {"role": "system", "content": SYSTEM_PROMPT}
     renderer = get_renderer(tokenizer, template, tools)
     turns = []
     for i in range(20):
         messages = [system, {"role": "user", "content": f"Request {i}: fix module_{i}.py"}]
         ids = renderer.render_ids(messages, tools, {})
-        turns.append((messages, {"list": ids, "array": np.asarray(ids, dtype=np.uint32)}))
+        array = np.asarray(ids, dtype=np.uint32)
+        turns.append((messages, {"list": (tools, ids), "array": (tools, array),
+                                 "frozen": (frozen, array)}))
     cache = StaticPrefixCache()
-    times: dict[str, list[float]] = {"list": [], "array": []}
+    times: dict[str, list[float]] = {"list": [], "array": [], "frozen": []}
     rng = random.Random(1)
     for n in range(requests + 20):
         messages, given = turns[n % len(turns)]
-        for kind in rng.sample(list(times), 2):
+        for kind in rng.sample(list(times), len(times)):
+            kind_tools, ids = given[kind]
             started = time.perf_counter()
-            r = cache.resolve(tokenizer, messages, tools, prompt_ids=given[kind],
+            r = cache.resolve(tokenizer, messages, kind_tools, prompt_ids=ids,
                               chat_template=template)
             if n >= 20:  # the first round: misses, then the first hits
                 assert r.hit
@@ -347,7 +352,8 @@ def report(args: argparse.Namespace, inproc: dict[str, float] | None,
                   "| uncached two-probe | hit | hit speedup |", "|---|---:|---:|",
                   f"| {inproc['uncached_ms']:.2f} ms | {inproc['hit_us']:.1f} µs between "
                   f"uncached renders (`prefix-cache bench`'s) | **{inproc['speedup']:.0f}x** |"]
-        for kind, what in (("list", "a list of ints"), ("array", "a uint32 numpy array")):
+        for kind, what in (("list", "a list of ints"), ("array", "a uint32 numpy array"),
+                           ("frozen", "a uint32 numpy array, tools frozen once (`FrozenTools`)")):
             hot = inproc[f"hot_{kind}_us"]
             lines.append(f"| | {hot:.1f} µs back to back, ids as {what} | "
                          f"**{inproc['uncached_ms'] * 1e3 / hot:.0f}x** |")

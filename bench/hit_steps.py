@@ -31,9 +31,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `serve` sets it
 
 from prefix_cache import cache as cache_module  # noqa: E402
 from prefix_cache import direct_render, keys, plan, render  # noqa: E402
+
+try:  # steps of this tree that older trees (run with a copy of this file) do not have
+    from prefix_cache import tail_pieces
+except ImportError:  # pragma: no cover
+    tail_pieces = None  # type: ignore[assignment]
 from prefix_cache.api import schemas  # noqa: E402
 from prefix_cache.http import body as http_body  # noqa: E402
-from prefix_cache.service import sidecar_host  # noqa: E402
+from prefix_cache.service import boundary_route, sidecar_host  # noqa: E402
 from prefix_cache.service.app import create_app  # noqa: E402
 from prefix_cache.service.server import make_settings  # noqa: E402
 from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, machine  # noqa: E402
@@ -43,11 +48,14 @@ StaticPrefixCache = cache_module.StaticPrefixCache
 # (owner, attribute): the steps timed, outermost first.
 STEPS = [
     (sidecar_host.SidecarHost, "read_body"), (http_body, "parse_body"),
-    (schemas.BoundaryRequest, "model_validate"), (sidecar_host.SidecarHost, "resolve"),
+    (schemas.BoundaryRequest, "model_validate"), (boundary_route, "boundary_fields"),
+    (sidecar_host.SidecarHost, "resolve"),
     (StaticPrefixCache, "_plan"), (plan, "get_renderer"), (keys, "key_material"),
     (keys, "canonical_bytes"), (StaticPrefixCache, "_aget"), (StaticPrefixCache, "_read"),
     (StaticPrefixCache, "_render"), (direct_render, "render"), (StaticPrefixCache, "_prompt"),
-    (render.TemplateRenderer, "tokenize_tail"), (StaticPrefixCache, "_cut"),
+    (getattr(tail_pieces, "PieceMemo", None), "tokenize"),
+    (render.TemplateRenderer, "tokenize_tail"),
+    (StaticPrefixCache, "_cut"),
     (StaticPrefixCache, "_answer"),
 ]
 
@@ -55,7 +63,7 @@ STEPS = [
 def timed(owner: Any, name: str, spent: Counter[str]) -> None:
     """Replace ``owner.name`` with a wrapper adding its time to ``spent``."""
     label = f"{getattr(owner, '__name__', owner)}.{name}"
-    inner: Callable[..., Any] | None = getattr(owner, name, None)
+    inner: Callable[..., Any] | None = getattr(owner, name, None) if owner else None
     if inner is None:  # a step an older tree does not have (run on another commit)
         return
     if asyncio.iscoroutinefunction(inner):

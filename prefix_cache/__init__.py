@@ -11,12 +11,14 @@ from .errors import (
     StoreUnavailableError,
     TemplateRenderError,
 )
+from .frozen_tools import FrozenTools
 from .store import MemoryStore, Store
 
 __all__ = [
     "PROBE_A",
     "PROBE_B",
     "EntryError",
+    "FrozenTools",
     "InvalidRequestError",
     "MemoryStore",
     "NoChatTemplateError",

@@ -98,6 +98,21 @@ def packed_part(value: Any) -> bytes | None:
     return None if _has_binary(packed) else packed
 
 
+def packed_field(value: Any, what: str) -> bytes:
+    """``value`` packed exactly as ``canonical_bytes`` packs it as its field ``what`` (one of
+    ``messages``, ``tools``, ``chat_template_kwargs``), integers beyond 64 bits included;
+    InvalidRequestError for what it refuses."""
+    return packed_part(value) or _pack(_plain(value, what))
+
+
+def unpack_ext(code: int, data: bytes) -> Any:
+    """msgpack's ``ext_hook`` for what ``_plain`` packs as an extension: an integer beyond 64
+    bits, in decimal digits."""
+    if code != _BIG_INT:
+        raise ValueError(f"msgpack extension type {code} is not key material")
+    return int(data.decode())
+
+
 def _assembled(static: Sequence[Any], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
                known: KnownParts) -> bytes | None:
     """``canonical_bytes`` from its parts: a msgpack array packs as its header and then each

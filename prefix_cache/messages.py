@@ -9,6 +9,7 @@ from typing import Any
 import orjson
 
 from .errors import InvalidRequestError
+from .frozen_tools import FrozenTools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 STATIC_ROLES = frozenset(("system", "developer"))
@@ -77,8 +78,8 @@ def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
     """Tools are a list of JSON-schema objects, or None. ``[]`` stays ``[]``: templates that
     test ``tools is not none``, and transformers' choice of a ``tool_use`` named template, tell
     it from None."""
-    if tools is None:
-        return None
+    if tools is None or isinstance(tools, FrozenTools):  # checked when it was frozen
+        return tools
     if not isinstance(tools, list):
         raise InvalidRequestError("tools must be a list of tool objects")
     if all(map(isinstance, tools, repeat(dict))):  # one C loop: a hit checks 64 tools each time

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import boundary, keys
+from .frozen_tools import FrozenTools
 from .known_parts import KnownParts
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
 from .render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
@@ -57,6 +58,8 @@ key material its body's parse already packed."""
     keys.validate_label(namespace, "namespace")
     messages = validate_messages(messages)
     tools = validate_tools(tools)
+    if isinstance(tools, FrozenTools):
+        known = tools.known(known)
     kwargs = validate_kwargs(kwargs)
     renderer = get_renderer(tokenizer, chat_template, tools)
     n_static = count_static(messages)
