@@ -5,7 +5,7 @@ The sidecar app (demo model, memory store, `tokenize_check_rate=0`) is driven th
 with the steps named below timed around each call (wrappers add ~0.3 µs a step). Times are
 means per request, so nested steps add up inside their parent, not across.
 
-    PYTHONPATH=$PWD python bench/hit_steps.py [--requests 3000]
+    PYTHONPATH=$PWD python bench/hit_steps.py [--requests 3000] [--turns N]
 
 To see another commit's steps, copy this file into that commit's tree (``git archive``) and
 run it there: steps it does not have are left out.
@@ -118,10 +118,20 @@ async def call(app: Any, method: str, path: str, body: bytes = b"") -> None:
         raise SystemExit(f"{method} {path}: HTTP {status}")
 
 
-async def run(requests: int) -> tuple[dict[str, float], Counter[str]]:
+def conversation(turns: int) -> list[dict[str, Any]]:
+    """The system prompt, ``turns`` earlier exchanges, and the new request."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for i in range(turns):
+        messages += [{"role": "user", "content": f"Run the tests of module_{i}.py and fix what "
+                                                 "fails; keep the public API as it is."},
+                     {"role": "assistant", "content": f"module_{i}.py: 3 tests failed on a "
+                                                      "stale fixture; fixed it, all 41 pass."}]
+    return messages + [{"role": "user", "content": "Fix the failing test in module_7.py."}]
+
+
+async def run(requests: int, turns: int = 0) -> tuple[dict[str, float], Counter[str]]:
     app = create_app(make_settings({"tokenize_check_rate": 0.0}))
-    messages = [{"role": "system", "content": SYSTEM_PROMPT},
-                {"role": "user", "content": "Fix the failing test in module_7.py."}]
+    messages = conversation(turns)
     hit = json.dumps({"messages": messages, "tools": bench_tools(TOOLS)}).encode()
     requests_of = {"GET /healthz": ("GET", "/healthz", b""),
                    "boundary hit": ("POST", "/v1/prefix/boundary", hit)}
@@ -145,10 +155,14 @@ async def run(requests: int) -> tuple[dict[str, float], Counter[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=3000)
+    parser.add_argument("--turns", type=int, default=0,
+                        help="earlier exchanges in the conversation (its tail grows with them)")
     args = parser.parse_args()
-    whole, spent = asyncio.run(run(args.requests))
+    whole, spent = asyncio.run(run(args.requests, args.turns))
     print(f"Machine: {machine()}.")
-    print(f"Command: `PYTHONPATH=$PWD python bench/hit_steps.py --requests {args.requests}`\n")
+    turns = f" --turns {args.turns}" if args.turns else ""
+    print(f"Command: `PYTHONPATH=$PWD python bench/hit_steps.py --requests {args.requests}"
+          f"{turns}`\n")
     print("| request (ASGI, every middleware) | mean |\n|---|---:|")
     for label, seconds in whole.items():
         print(f"| {label} | {seconds * 1e6:.1f} µs |")

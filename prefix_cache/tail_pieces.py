@@ -90,12 +90,14 @@ class PieceMemo:
         if cuts is None:
             return list(renderer.tokenize_tail(text))
         digest = renderer.tokenizer_digest
+        keys = [(scope, digest, piece) for piece in pieces(cuts, text)]
+        get = self._lru.get
+        with self._lock:  # once for all pieces: a long conversation has hundreds
+            found = [get(key) for key in keys]
         out: list[int] = []
-        for piece in pieces(cuts, text):
-            key = (scope, digest, piece)
-            with self._lock:
-                ids = self._lru.get(key)
+        for key, ids in zip(keys, found, strict=True):
             if ids is None:
+                piece = key[2]
                 ids = renderer.tokenize_tail(piece)
                 with self._lock:
                     self._lru.put(key, ids, 2 * len(piece) + 8 * len(ids) + _ENTRY_OVERHEAD)
