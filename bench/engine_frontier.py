@@ -48,7 +48,8 @@ DOCS = ROOT / "docs" / "engine.md"
 PLOT = ROOT / "docs" / "engine-frontier.svg"
 MARK_START, MARK_END = "<!-- bench:frontier:start -->", "<!-- bench:frontier:end -->"
 KEEPS = (0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
-CURVES = {"b": "(b) no boundary", "c": "(c) naive boundary", "d": "(d) cached boundary"}
+CURVES = {"b": "(b) no boundary", "c": "(c) naive boundary", "d": "(d) cached boundary",
+          "g": "(g) cached boundary, the draft's layers reused"}
 
 
 def greedy_answer(engine: Any, ids: list[int], end: int, namespace: str, max_tokens: int, *,
@@ -85,8 +86,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok, renderer = models.tokenizer, models.renderer
     cache = StaticPrefixCache()
     engine, baseline, dense = make_engines(models, None, args.tail_tokens)
-    server, url = start_server(models.target_dir)
+    layered = layered_engine(models, args.tail_tokens) if "g" in args.variants else None
+    server, url = start_server(models.target_dir) if args.server else (None, "")
     report: dict[str, Any] = {"command": args.command, "machine": machine(),
+                              "variants": args.variants, "server": args.server,
                               "draft_layers": args.draft_layers,
                               "keeps": list(args.keeps), "tail_tokens": args.tail_tokens,
                               "max_tokens": args.max_tokens, "prompts": args.prompts,
@@ -94,10 +97,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     try:
         warm = [{"role": "user", "content": "Say hello."}]
-        for eng in (engine, baseline, dense):
-            engine_answer(eng, tok, renderer.render_ids(warm, None, {}), 0, "warm", 2)
-        server_answer(url, warm, [], 2)
-        points = [("a", None)] + [(v, k) for k in args.keeps for v in CURVES]
+        for eng in (engine, baseline, dense, layered):
+            if eng is not None:
+                engine_answer(eng, tok, renderer.render_ids(warm, None, {}), 0, "warm", 2)
+        if server is not None:
+            server_answer(url, warm, [], 2)
+        points = ([("a", None)] if server is not None else []) + [
+            (v, k) for k in args.keeps for v in CURVES if v in args.variants]
         for turn in range(args.prompts):
             if time.perf_counter() - started > args.max_minutes * 60:
                 break
@@ -121,7 +127,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 eng, boundary, spent = {"b": (baseline, 0, t_render),
                                         "c": (baseline, naive, t_render + t_naive),
-                                        "d": (engine, end, t_resolve)}[v]
+                                        "d": (engine, end, t_resolve),
+                                        "g": (layered, end, t_resolve)}[v]
                 # (d): one namespace per share, so no share restores another's sparse KV.
                 ttft, lp, tokens = greedy_answer(eng, ids, boundary, f"{v}{keep}",
                                                  len(reference), keep=keep,
@@ -138,16 +145,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for k, r in row.items() if isinstance(r, dict)), flush=True)
             mx.clear_cache()
     finally:
-        close_all(server, (engine, baseline, dense))
+        close_all(server, tuple(e for e in (engine, baseline, dense, layered) if e is not None))
     return report
+
+
+def layered_engine(models: Any, tail_tokens: int) -> Any:
+    """(g)'s engine: (d)'s, with the target reusing the draft's layers (``draft_layers``)."""
+    from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig
+
+    config = SpecPrefillConfig(threshold=256, tail_tokens=tail_tokens, reuse_draft_layers=True)
+    return MLXEngine(models.target, draft_model=models.draft, specprefill=config,
+                     stop_token_ids=models.stop)
 
 
 def summarize(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One point per (variant, keep share), dense and mlx_lm.server included: median TTFT,
     answers equal to dense, mean KL."""
     turns = report["turns"]
-    keys = [("e", None, "dense in-process"), ("a", None, "mlx_lm.server (dense)")] + [
-        (v, k, CURVES[v]) for v in CURVES for k in report["keeps"]]
+    variants = report.get("variants", "bcd")
+    keys = [("e", None, "dense in-process")] + (
+        [("a", None, "mlx_lm.server (dense)")] if report.get("server", True) else []) + [
+        (v, k, CURVES[v]) for v in CURVES if v in variants for k in report["keeps"]]
     points = []
     for v, keep, label in keys:
         rows = [t[v if keep is None else f"{v}{keep}"] for t in turns]
@@ -163,6 +181,8 @@ def d_at(points: list[dict[str, Any]], ttft: float) -> tuple[float | None, int |
     """(d)'s answers equal to dense at ``ttft``: interpolated linearly between its points, and
     the best of its points at most that TTFT (None: it has none that fast)."""
     curve = sorted((p["ttft"], p["agree"]) for p in points if p["variant"] == "d")
+    if not curve:
+        return None, None
     below = [a for t, a in curve if t <= ttft]
     best = max(below) if below else None
     if ttft < curve[0][0]:
@@ -232,13 +252,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 8), sharex=True)
     for v, label in CURVES.items():
         curve = sorted((p for p in points if p["variant"] == v), key=lambda p: p["ttft"])
+        if not curve:
+            continue
         xs = [p["ttft"] for p in curve]
         line = top.plot(xs, [p["agree"] for p in curve], "o-", label=label)[0]
         bottom.plot(xs, [p["kl"] for p in curve], "o-", color=line.get_color(), label=label)
         for p in curve:
             top.annotate(f"{p['keep']:.0%}", (p["ttft"], p["agree"]), fontsize=7,
                          textcoords="offset points", xytext=(3, 3))
-    for p, marker in zip(points[:2], ("*", "s"), strict=True):
+    for p, marker in zip([p for p in points if p["variant"] in "ea"], ("*", "s"),
+                         strict=False):
         top.plot([p["ttft"]], [p["agree"]], marker, markersize=11, label=p["label"],
                  linestyle="none")
     top.set_ylabel(f"answers equal to dense (of {n})")
@@ -269,8 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--update-docs", action="store_true",
                         help=f"write the table into {DOCS.relative_to(ROOT)} and the plot "
                              f"to {PLOT.relative_to(ROOT)}")
+    parser.add_argument("--variants", default="bcd",
+                        help="curves: b, c, d and g ((d) with the draft's layers reused)")
+    parser.add_argument("--no-server", dest="server", action="store_false",
+                        help="no mlx_lm.server point")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
+    if set(args.variants) - set(CURVES):
+        parser.error(f"variants are letters of {''.join(CURVES)}, got {args.variants!r}")
     if any(not 0.0 < k <= 1.0 for k in args.keeps):
         parser.error(f"keep shares must be in (0, 1], got {args.keeps}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

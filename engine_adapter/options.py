@@ -57,6 +57,9 @@ class EngineOptions(BaseModel):
                                 description="sequences decoded together")
     specprefill_keep_pct: float = Field(default=DEFAULT_KEEP_PCT, gt=0.0, le=1.0,
                                         description="share of the scored tokens kept")
+    reuse_draft_layers: bool = Field(default=False, description="the draft is the target's "
+                                     "first layers (a layer-truncated copy): the target reuses "
+                                     "the draft's work for them")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
@@ -87,7 +90,8 @@ class EngineOptions(BaseModel):
             "kv_disk_bytes": (int(self.kv_disk_bytes)
                               if self.kv_bytes > 0 or self.conversation_bytes > 0 else 0),
             "specprefill": SpecPrefillConfig(keep_pct=self.specprefill_keep_pct,
-                                             threshold=self.specprefill_threshold),
+                                             threshold=self.specprefill_threshold,
+                                             reuse_draft_layers=self.reuse_draft_layers),
         }
         if self.kv_bytes > 0:
             kwargs["kv_store"] = KVSnapshotStore(int(self.kv_bytes))

@@ -31,6 +31,7 @@ from prefix_cache.engine_protocol import EngineCounts, EngineHealth, EngineStats
 from ..defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
 from . import kv_cache
 from .delivery import async_events, blocking_events
+from .draft_layers import reused_layers
 from .kv_disk import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
@@ -81,9 +82,8 @@ class MLXEngine:
         self.kv_store: KVSnapshotStore | None = None
         if reuse_static_kv:
             self.kv_store = kv_store if kv_store is not None else KVSnapshotStore()
-        # Conversation prefixes: each request's prompt (minus its last token) per namespace; a
-        # later prompt restores the longest prefix it shares with one (mlx_lm.server's prompt
-        # cache, but namespaced and bounded in bytes like the static store).
+        # Conversation prefixes: each prompt (minus its last token) per namespace; a later one
+        # restores the longest prefix it shares (mlx_lm.server's prompt cache, namespaced).
         self.conversation_store: KVSnapshotStore | None = None
         if reuse_conversation_kv:
             self.conversation_store = (conversation_store if conversation_store is not None
@@ -96,6 +96,7 @@ class MLXEngine:
         self.kv_store = tiered(self.kv_store, kv_disk, "static")
         self.conversation_store = tiered(self.conversation_store, kv_disk, "conversation")
         self.specprefill = specprefill or SpecPrefillConfig()
+        self._draft_layers = reused_layers(self.specprefill.reuse_draft_layers, model, draft_model)
         self.stop_token_ids = tuple(stop_token_ids)
         self.vocab_size = vocab_size(model)
         # Prompt plus generated tokens may not pass the context window: beyond it RoPE models
@@ -145,8 +146,7 @@ class MLXEngine:
     # -- the caller's side ------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, deliver: Deliver) -> None:
-        """Queue a request; ``deliver`` gets its TokenEvents (or one exception) on the engine
-        thread, and must not block."""
+        """Queue a request; ``deliver`` gets its events (or an exception) on the engine thread."""
         request.validate(self.vocab_size, self.context_length)
         sampler = make_sampler(request.temperature, request.top_p, request.seed)
         seq = EngineSequence(request, deliver, time.perf_counter(), sampler)
@@ -165,8 +165,7 @@ class MLXEngine:
         return async_events(self.submit, self.cancel, request)
 
     def health(self) -> EngineHealth:
-        """Whether the engine thread is up to take requests, and how busy it is (what a
-        readiness probe reports)."""
+        """Whether the engine thread takes requests, and how busy it is (readiness probes)."""
         return EngineHealth(ok=self._thread.is_alive() and not self._closed,
                             active=len(self._by_id), queued=len(self._inbox),
                             sparse_prefills=len(self._sparse_jobs))
@@ -175,8 +174,7 @@ class MLXEngine:
         """Engine and KV-store figures now."""
         kv_store, conv = self.kv_store, self.conversation_store
         return EngineStats(
-            **counted(self.stats),
-            active=len(self._by_id),
+            **counted(self.stats), active=len(self._by_id),
             kv_store=kv_store.snapshot_stats() if kv_store is not None else None,
             conversation_store=conv.snapshot_stats() if conv is not None else None,
             kv_disk=self.kv_disk.snapshot_stats() if self.kv_disk is not None else None)
@@ -346,7 +344,8 @@ class MLXEngine:
             steps = specprefill_steps(
                 self.reuse, self.model, self.draft_model, self.specprefill,
                 namespace=req.namespace, ids=ids, static=static, conv=conv,
-                keep_pct=req.specprefill_keep_pct, step=self._step_size)
+                keep_pct=req.specprefill_keep_pct, step=self._step_size,
+                shared_layers=self._draft_layers)
             self._sparse_jobs.append(SparseJob(seq, ids, static, steps))
             return
         fallback = "no draft model" if req.specprefill and self.draft_model is None else None
@@ -357,8 +356,10 @@ class MLXEngine:
     def _keep_share(self, req: GenerationRequest, ids: list[int], static: int) -> float | None:
         """What this request keeps of its prompt after ``static`` when nothing is restored
         (None: it computes it all); what a sparse history may serve it."""
-        wants = self._wants_specprefill(req, len(ids) - static)
-        return self.specprefill.keep_share(req) if wants else None
+        if not self._wants_specprefill(req, len(ids) - static):
+            return None
+        share = self.specprefill.keep_share(req)  # negative: the draft's layers reused
+        return -share if self._draft_layers else share
 
     def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
         return self.reuse.positioned and self._asks_specprefill(req, rest)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar, cast
 import mlx.core as mx
 
 from ..defaults import DEFAULT_PREFILL_STEP
+from .draft_layers import captured_hidden
 from .rope import PositionPlan, mapped_positions
 
 T = TypeVar("T")
@@ -24,13 +25,20 @@ def _evaluate(cache: Sequence[Any]) -> None:
 
 
 def dense_prefill_steps(model: Any, ids: Sequence[int], cache: list[Any],
-                        step: int = DEFAULT_PREFILL_STEP) -> Generator[None, None, None]:
+                        step: int = DEFAULT_PREFILL_STEP,
+                        hidden: list[mx.array] | None = None) -> Generator[None, None, None]:
     """Run ``ids`` through ``model`` after what ``cache`` holds, ``step`` tokens at a time,
-    yielding after each chunk (the engine decodes other sequences in between)."""
+    yielding after each chunk (the engine decodes other sequences in between). ``hidden``: gets
+    each chunk's last-layer output (``draft_layers``)."""
     tokens = mx.array(list(ids), dtype=mx.uint32)
     for start in range(0, len(ids), step):
-        model(tokens[None, start:start + step], cache=cache)
-        _evaluate(cache)
+        if hidden is None:
+            model(tokens[None, start:start + step], cache=cache)
+            _evaluate(cache)
+        else:
+            with captured_hidden(model, hidden):
+                model(tokens[None, start:start + step], cache=cache)
+            mx.eval([c.state for c in cache], hidden[-1])
         yield
 
 

@@ -15,7 +15,10 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import mlx.core as mx
+
 from . import kv_cache
+from .draft_layers import layered_sparse_prefill_steps
 from .model_info import vocab_size
 from .prefill import sparse_prefill_steps
 from .reuse import DRAFT_ID, TARGET_ID, ConversationHit, KVReuse
@@ -51,8 +54,10 @@ class SparseJob:
 def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefillConfig, *,
                       namespace: str, ids: list[int], static: int,
                       conv: ConversationHit | None, keep_pct: float | None,
-                      step: int) -> Generator[None, None, SparsePrefill]:
-    """SpecPrefill of one prompt, a model chunk per step (see the module docstring)."""
+                      step: int, shared_layers: int = 0) -> Generator[None, None, SparsePrefill]:
+    """SpecPrefill of one prompt, a model chunk per step (see the module docstring).
+    ``shared_layers``: the draft is the target's first that many layers (``draft_layers``):
+    the target reuses what the draft computed instead of running those layers."""
     draft_vocab = vocab_size(draft)
     if draft_vocab is not None and max(ids) >= draft_vocab:
         raise ValueError(f"token id {max(ids)} is outside the draft's vocabulary "
@@ -71,15 +76,24 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
     # twentieth of the target's cost) and scores only what follows the protected part.
     draft_cache, _ = yield from reuse.static_cache_steps(draft, DRAFT_ID, namespace, ids,
                                                          static, step)
+    hidden: list[mx.array] | None = [] if shared_layers else None
+    hidden_start = kv_cache.cache_size(draft_cache)
     importance = yield from score_steps(draft, ids, protected, draft_cache,
                                         lookahead=config.lookahead,
-                                        pool_kernel=config.pool_kernel, step=step)
-    del draft_cache
+                                        pool_kernel=config.pool_kernel, step=step,
+                                        hidden=hidden)
     kept = select_chunks(importance, keep_pct or config.keep_pct, config.chunk_size,
                          config.tail_tokens)
     # The final prompt token is generation's first input: BatchGenerator feeds it.
     positions = tuple(protected + i for i in kept if protected + i != n - 1)
-    yield from sparse_prefill_steps(target, ids, positions, cache, step)
+    if hidden:
+        states = mx.concatenate(hidden, axis=1)
+        del hidden
+        yield from layered_sparse_prefill_steps(target, shared_layers, draft_cache, states,
+                                                hidden_start, positions, cache, step)
+    else:
+        yield from sparse_prefill_steps(target, ids, positions, cache, step)
+    del draft_cache
     shift = (n - 1) - kv_cache.cache_size(cache)
     for layer in cache:
         layer.position_shift = shift

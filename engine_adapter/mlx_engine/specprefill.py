@@ -41,6 +41,9 @@ class SpecPrefillConfig:
     tail_tokens: int = DEFAULT_TAIL_TOKENS
     lookahead: int = DEFAULT_LOOKAHEAD
     pool_kernel: int = DEFAULT_POOL_KERNEL
+    # The draft is the target's first layers (a layer-truncated copy): the target reuses the
+    # draft's work for them (``draft_layers``); the engine checks the weights.
+    reuse_draft_layers: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_pct <= 1.0:
@@ -99,15 +102,18 @@ def attention_importance(queries: Sequence[Sequence[mx.array]], cache: Sequence[
 
 def score_steps(draft: Any, ids: Sequence[int], start: int, cache: list[Any], *,
                 lookahead: int = DEFAULT_LOOKAHEAD, pool_kernel: int = DEFAULT_POOL_KERNEL,
-                step: int = DEFAULT_PREFILL_STEP) -> Generator[None, None, mx.array]:
+                step: int = DEFAULT_PREFILL_STEP,
+                hidden: list[mx.array] | None = None) -> Generator[None, None, mx.array]:
     """Importance of ``ids[start:]`` by the draft (the generator's return value), one draft
     prefill chunk per step; ``cache`` may already hold a prefix of ids. The lookahead steps run
-    in one go: the query capture on the draft must not span a yield."""
+    in one go: the query capture on the draft must not span a yield. ``hidden``: gets the
+    draft's last-layer output for the prompt positions it prefills (``cache``'s size on, up to
+    the last prompt token), chunk by chunk."""
     n = len(ids)
     held = cache_size(cache)
     if not 0 <= held < n:
         raise ValueError(f"draft cache holds {held} tokens of a {n}-token prompt")
-    yield from dense_prefill_steps(draft, ids[held:n - 1], cache, step)
+    yield from dense_prefill_steps(draft, ids[held:n - 1], cache, step, hidden)
     logits = next_logits(draft, ids[n - 1:], cache)
     modules = attention_modules(draft)
     sinks: list[list[mx.array]] = [[] for _ in modules]

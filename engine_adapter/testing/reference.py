@@ -31,8 +31,12 @@ def dense_logprobs(model: Any, ids: Sequence[int]) -> mx.array:
     return _logprobs(_head(model, h[:, -1:])[0, -1])
 
 
-def masked_logprobs(model: Any, ids: Sequence[int], visible: Sequence[bool]) -> mx.array:
-    """Log-probabilities after ``ids`` when each token attends only to visible tokens."""
+def masked_logprobs(model: Any, ids: Sequence[int], visible: Sequence[bool],
+                    dense_layers: int = 0, dense_rows: int = 0) -> mx.array:
+    """Log-probabilities after ``ids`` when each token attends only to visible tokens; except,
+    in the first ``dense_layers`` layers, the first ``dense_rows`` tokens, which attend to all
+    before them (a SpecPrefill that reuses a layer-truncated draft's layers: the draft computed
+    the prompt's low layers densely; what is decoded after sees only the stored tokens)."""
     n = len(ids)
     if len(visible) != n:
         raise ValueError("visible must have one flag per token")
@@ -40,9 +44,10 @@ def masked_logprobs(model: Any, ids: Sequence[int], visible: Sequence[bool]) -> 
     rows = mx.arange(n)[:, None]
     cols = mx.arange(n)[None]
     mask = (rows >= cols) & (seen[None] | (rows == cols))
+    low = mask | ((rows >= cols) & (rows < dense_rows))
     h = model.model.embed_tokens(mx.array(list(ids), dtype=mx.uint32)[None])
-    for layer in model.model.layers:
-        h = layer(h, mask, None)
+    for i, layer in enumerate(model.model.layers):
+        h = layer(h, low if i < dense_layers else mask, None)
     h = model.model.norm(h)
     return _logprobs(_head(model, h[:, -1:])[0, -1])
 
