@@ -110,15 +110,20 @@ def parse_body(raw: bytes, memo: PartMemo | None = None, scope: str = "",
                share: bool = False) -> tuple[Any, KnownParts]:
     """``json_io.loads(raw)`` (the same value, or the same JSONInputError), and what is known of
     its parts: with ``memo``, the key material of large parts. ``share``: large parts may be
-    values other requests of ``scope`` also hold (read-only), and ``prompt_ids`` that are token
-    ids come as ``TokenIds``."""
+    values other requests of ``scope`` also hold (read-only), ``prompt_ids`` that are token
+    ids come as ``TokenIds``, and the messages are known to be JSON data (``add_json``)."""
     known = KnownParts()
+    data: Any = None
     if memo is not None and len(raw) >= REMEMBERED_BYTES and raw[:1] == b"{":
         try:
-            return _Parts(memo, scope, known, share).body(raw), known
+            data = _Parts(memo, scope, known, share).body(raw)
         except _Unsplit:
             known = KnownParts()
-    return json_io.loads(raw), known
+    if data is None:
+        data = json_io.loads(raw)
+    if share and type(data) is dict and type(messages := data.get("messages")) is list:
+        known.add_json(messages)  # read-only from here on: a render need not copy them
+    return data, known
 
 
 class _Unsplit(Exception):
@@ -153,11 +158,52 @@ class _Parts:
         return self.value(span, json_io.MAX_DEPTH - 1)
 
     def messages(self, span: bytes) -> list[Any]:
+        """The messages, each one of 1 KB or more parsed (and remembered) alone, the runs of
+        smaller ones between them each in one parse: a long conversation's turns one by one
+        cost a lookup of each one's place and a parse call each."""
         items = _split(_ARRAY, span)
-        spans = _spans(span, items)
-        if _between(span, spans) != b"[" + b"," * max(len(items) - 1, 0) + b"]":
+        base = _address(span) if len(items) else 0
+        out: list[Any] = []
+        done, after = 0, 1  # items parsed so far; where the next run starts (after "[")
+        for i, item in enumerate(items):
+            if len(item) < REMEMBERED_BYTES:
+                continue
+            start = _address(item) - base
+            if not after <= start < len(span):
+                raise _Unsplit  # not a view into span after all
+            out += self.run(span[after:start], i - done, lead=done > 0, trail=True)
+            out.append(self.value(span[start:start + len(item)], json_io.MAX_DEPTH - 2))
+            done, after = i + 1, start + len(item)
+        out += self.run(span[after:len(span) - 1], len(items) - done, lead=done > 0,
+                        trail=False)
+        return out
+
+    @staticmethod
+    def run(between: bytes, count: int, lead: bool, trail: bool) -> list[Any]:
+        """The ``count`` items in ``between``: the bytes between two parsed items (``lead``,
+        ``trail``: there is one before, after) or the array's brackets. Each comma there stands
+        between two items, so there is one after the item before when anything follows it, and
+        one before the item after when this run has items."""
+        inner = between.strip(_WHITESPACE)
+        if lead and (count or trail):
+            if inner[:1] != b",":
+                raise _Unsplit
+            inner = inner[1:]
+        if trail and count:
+            if inner[-1:] != b",":
+                raise _Unsplit
+            inner = inner[:-1]
+        if count == 0:
+            if inner.strip(_WHITESPACE):
+                raise _Unsplit
+            return []
+        try:
+            value = json_io.loads(b"[" + inner + b"]", json_io.MAX_DEPTH - 1)
+        except json_io.JSONInputError:
+            raise _Unsplit from None
+        if type(value) is not list or len(value) != count:
             raise _Unsplit
-        return [self.value(span[start:end], json_io.MAX_DEPTH - 2) for start, end in spans]
+        return value
 
     def token_ids(self, span: bytes) -> Any:
         """``TokenIds`` when ``span`` is a list of token ids (checked by packing them, as the

@@ -243,9 +243,9 @@ class StaticPrefixCache:
         """The request's prompt text, with the documented tools fallback (tools and kwargs are
         plain data once they are in a key: the render may skip its defensive copy)."""
         self._events.prompt_rendered()
-        text, tools = plan.renderer.text_with_choice(plan.messages, plan.tools, plan.kwargs,
-                                                     plain=plan.static is not None,
-                                                     memo_key=plan.memo_key, options=plan.options)
+        text, tools = plan.renderer.text_with_choice(
+            plan.messages, plan.tools, plan.kwargs, plain=plan.static is not None,
+            memo_key=plan.memo_key, options=plan.options, json_messages=plan.json_messages)
         return _Text(text, plan.tools is None and tools is not None)
 
     def _prepare(self, plan: _Plan, text: _Text | None, entry: Entry | None,

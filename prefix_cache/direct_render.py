@@ -169,12 +169,18 @@ def _base_apply() -> Any:
 
 def render(template: Any, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
            tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any],
-           memo_key: tuple[str, int] | None = None) -> str:
+           memo_key: tuple[str, int] | None = None, json_messages: bool = False) -> str:
     """The text of ``tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True,
     tokenize=False, **kwargs)`` for plain ``tools`` and ``kwargs``; ``memo_key``: the cache key
-    and check value those tools are the content of (their tojson texts are reused)."""
+    and check value those tools are the content of (their tojson texts are reused).
+    ``json_messages``: every message is a dict of JSON values a parser made (nothing else in
+    them), so transformers' two rebuilding walks over them would only copy them: its one other
+    step, dropping the top-level keys whose value is None, is done here."""
     h = _helpers()
-    chat = h.alias(h.plain(h.normalize(list(messages))))
+    if json_messages:
+        chat = h.alias([{k: v for k, v in m.items() if v is not None} for m in messages])
+    else:
+        chat = h.alias(h.plain(h.normalize(list(messages))))
     variables = h.plain({**tokenizer.special_tokens_map, **kwargs})
     listed = None if tools is None else list(tools)
     scope = None

@@ -16,10 +16,11 @@ from typing import Any
 class KnownParts:
     """Packed key material, per object parsed in one request."""
 
-    __slots__ = ("_packed",)
+    __slots__ = ("_json", "_packed")
 
     def __init__(self) -> None:
         self._packed: dict[int, tuple[Any, bytes]] = {}
+        self._json: dict[int, Any] = {}
 
     def __bool__(self) -> bool:
         return bool(self._packed)
@@ -31,3 +32,14 @@ class KnownParts:
     def packed(self, value: Any) -> bytes | None:
         found = self._packed.get(id(value))
         return found[1] if found is not None and found[0] is value else None
+
+    def add_json(self, values: Any) -> None:
+        """Each of ``values`` is JSON data its parser made and no one changes (a shared
+        body's messages): dicts, lists, str, int, float, bool and None, nothing else."""
+        for value in values:
+            self._json[id(value)] = value
+
+    def all_json(self, values: Any) -> bool:
+        """Whether every one of ``values`` was added by ``add_json`` (the very objects)."""
+        found = self._json
+        return bool(found) and all(found.get(id(v)) is v for v in values)

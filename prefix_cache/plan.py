@@ -31,6 +31,7 @@ class Plan:
     model: str
     started: float
     options: RenderOptions = DEFAULT_OPTIONS  # how the prompt itself is rendered
+    json_messages: bool = False  # every message is JSON a body parser made (``KnownParts``)
 
     @property
     def probe_shape(self) -> bool:
@@ -57,6 +58,7 @@ key material its body's parse already packed."""
     started = time.perf_counter()
     keys.validate_label(namespace, "namespace")
     messages = validate_messages(messages)
+    json_messages = known is not None and known.all_json(messages)
     tools = validate_tools(tools)
     if isinstance(tools, FrozenTools):
         known = tools.known(known)
@@ -69,12 +71,12 @@ key material its body's parse already packed."""
         # Not keyed, but refused alike: what would be refused in a key is refused here too.
         keys.canonical_bytes(messages[:n_static], tools, kwargs, known)
         return Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
-                     namespace, label, started, options)
+                     namespace, label, started, options, json_messages)
     static = messages[:n_static]
     if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
         keys.canonical_bytes(static, tools, kwargs, known)
         return Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
-                     namespace, label, started, options)
+                     namespace, label, started, options, json_messages)
     date = renderer.date_tag()
     material = keys.key_material(
         namespace=namespace, identity=renderer.identity, static=static,
@@ -82,4 +84,5 @@ key material its body's parse already packed."""
     )
     key = keys.format_key(prefix, namespace, label, keys.key_hash(material))
     return Plan(renderer, messages, tools, kwargs, n_static, static, key,
-                 keys.check_value(material), date, namespace, label, started, options)
+                 keys.check_value(material), date, namespace, label, started, options,
+                 json_messages)

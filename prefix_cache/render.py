@@ -187,7 +187,7 @@ class TemplateRenderer:
 
     def render_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
                     *, plain: bool = False, memo_key: tuple[str, int] | None = None,
-                    options: RenderOptions = DEFAULT_OPTIONS) -> str:
+                    options: RenderOptions = DEFAULT_OPTIONS, json_messages: bool = False) -> str:
         """The text ``apply`` tokenizes: the same call with ``tokenize=False``.
 
         ``plain``: ``tools`` and ``kwargs`` are known to be exactly plain JSON data (the cache
@@ -196,10 +196,11 @@ class TemplateRenderer:
         the same text), reusing the tools' ``tojson`` texts of ``memo_key`` (the cache key and
         check value whose content ``tools`` is). The first such render per renderer is compared
         with the official one; a difference turns it off. Other ``options`` than the defaults
-        render the official way."""
+        render the official way. ``json_messages``: the messages are JSON a body parser made
+        and nothing changed (``KnownParts.all_json``): rendered without their copies too."""
         if plain and options == DEFAULT_OPTIONS and self._direct is not None \
                 and direct.takes(self.tokenizer, kwargs):
-            return self._direct_text(messages, tools, kwargs, memo_key)
+            return self._direct_text(messages, tools, kwargs, memo_key, json_messages)
         return self.official_text(messages, tools, kwargs, options)
 
     def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
@@ -216,9 +217,10 @@ class TemplateRenderer:
         return out
 
     def _direct_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                     memo_key: tuple[str, int] | None) -> str:
+                     memo_key: tuple[str, int] | None, json_messages: bool = False) -> str:
         try:
-            text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs, memo_key)
+            text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs, memo_key,
+                                 json_messages)
         except Exception as exc:
             raise TemplateRenderError(_template_message(exc)) from exc
         if not self._direct_checked:
@@ -278,14 +280,14 @@ class TemplateRenderer:
 
     def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
                          *, plain: bool = False, memo_key: tuple[str, int] | None = None,
-                         options: RenderOptions = DEFAULT_OPTIONS
+                         options: RenderOptions = DEFAULT_OPTIONS, json_messages: bool = False
                          ) -> tuple[str, list[Mapping[str, Any]] | None]:
         """``render_text`` with the documented tools fallback, and the ``tools`` it rendered with."""
         choices = tool_choices(tools)
         for i, choice in enumerate(choices):
             try:
                 return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key,
-                                         options=options), choice)
+                                         options=options, json_messages=json_messages), choice)
             except TemplateRenderError:
                 if i == len(choices) - 1:
                     raise

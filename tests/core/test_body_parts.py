@@ -292,3 +292,34 @@ def test_the_same_bytes_deeper_in_a_body_are_checked_again() -> None:
     deeper = f'{{"messages": [{part}]}}'.encode()
     assert parts(top, memo)[0] == "ok"
     assert parts(deeper, memo) == whole(deeper) and whole(deeper)[0] == "error"
+
+
+BIG_MESSAGE = {"role": "tool", "content": "y" * REMEMBERED_BYTES}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=st.lists(st.sampled_from(["big", "system", "small", "odd"]), max_size=8),
+       odd=json_values, indent=st.sampled_from([None, 0, 1]),
+       separators=st.sampled_from([None, (",", ":"), (" , ", " : ")]))
+def test_messages_mixing_large_and_small_ones(layout: list[str], odd: Any, indent: int | None,
+                                              separators: tuple[str, str] | None) -> None:
+    """A conversation's messages, the large ones parsed alone and the runs of small ones
+    between them together: the same answer as the whole parse, however the array is laid out."""
+    pick = {"big": BIG_MESSAGE, "system": SYSTEM, "small": {"role": "user", "content": "hi"},
+            "odd": odd}
+    messages = [pick[kind] for kind in layout]
+    raw = json.dumps({"messages": messages, "pad": PAD}, indent=indent,
+                     separators=separators).encode()
+    same(raw)
+    same(raw, share=True)
+
+
+@pytest.mark.parametrize("text", [
+    b'{"messages": [%s, 1, %s], "pad": "%s"}', b'{"messages": [%s,%s], "pad": "%s"}',
+    b'{"messages": [ %s ,\n %s ], "pad": "%s"}', b'{"messages": [%s, , %s], "pad": "%s"}',
+    b'{"messages": [%s, %s,], "pad": "%s"}', b'{"messages": [,%s, %s], "pad": "%s"}',
+    b'{"messages": [%s %s], "pad": "%s"}', b'{"messages": [%s, [1, 2] %s], "pad": "%s"}',
+])
+def test_odd_arrays_of_large_messages(text: bytes) -> None:
+    big = orjson.dumps(BIG_MESSAGE)
+    same(text % (big, big, PAD.encode()))
