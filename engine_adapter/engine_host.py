@@ -39,7 +39,7 @@ from prefix_cache.http.errors import BadRequest, Unauthorized
 from prefix_cache.keys import validate_label
 from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.render import RenderOptions, get_renderer
-from prefix_cache.token_ids import TokenIds, validate_token_ids
+from prefix_cache.token_ids import TokenIds, json_token_ids, validate_token_ids
 
 from .backend import MLXBackend
 from .mlx_engine.request import check_vocabulary
@@ -64,7 +64,8 @@ def prompt_ids_of(body: Mapping[str, Any], vocab_size: int | None) -> list[int] 
     if value is None:
         return None
     try:
-        ids = validate_token_ids(value, wire.PROMPT_TOKEN_IDS)
+        ids = validate_token_ids(json_token_ids(value, wire.PROMPT_TOKEN_IDS),
+                                 wire.PROMPT_TOKEN_IDS)
         check_vocabulary(ids, vocab_size, wire.PROMPT_TOKEN_IDS)
     except InvalidRequestError as exc:  # the same check, named for this field
         raise InvalidRequestError(str(exc), code="invalid_prompt_token_ids") from None

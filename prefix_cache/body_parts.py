@@ -207,7 +207,11 @@ class _Parts:
 
     def token_ids(self, span: bytes) -> Any:
         """``TokenIds`` when ``span`` is a list of token ids (checked by packing them, as the
-        cache would); anything else is parsed as any other value (the cache refuses it)."""
+        cache would); anything else is parsed as any other value (the cache refuses it).
+        ``true``/``false`` would pack as 1 and 0: a list holding either (the only letters a
+        list of JSON integers cannot hold) is parsed as it is, for the route to refuse."""
+        if b"t" in span or b"f" in span:
+            return self.value(span, json_io.MAX_DEPTH - 1)
         last = self.memo.get_ids(self.scope, span)
         ids = _after(last, span) if last is not None else None
         if ids is None:

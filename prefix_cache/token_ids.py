@@ -116,6 +116,18 @@ def _packed_array(ids: np.ndarray, what: str) -> bytes:
     return ids.astype("<u4", copy=False).tobytes()
 
 
+def json_token_ids(value: Any, what: str = "prompt_ids") -> Any:
+    """``value`` as a JSON body gave it, with ``true``/``false`` refused: they parse to Python
+    bools, which pack as 1 and 0 (an in-process caller's ``True`` is the int 1, but a JSON
+    ``true`` is no token id). Ids already packed (``TokenIds``: only integers made them) and
+    anything that is not a list pass unchanged (the cache checks them)."""
+    if type(value) is list and any(type(item) is bool for item in value):
+        i, item = next((i, item) for i, item in enumerate(value) if type(item) is bool)
+        raise InvalidRequestError(f"{what}[{i}] is {str(item).lower()}: token ids must be "
+                                  f"integers in [0, {TOKEN_ID_LIMIT}) (2**32)")
+    return value
+
+
 def validate_token_ids(value: Any, what: str = "prompt_ids") -> list[int]:
     """``value`` as a list of token ids: integers in [0, 2**32); InvalidRequestError otherwise."""
     return checked_token_ids(value, what).ids

@@ -18,6 +18,7 @@ from starlette.routing import Route
 from ..api import openapi_docs as docs
 from ..api.schemas import BoundaryResponse, PrefixBoundaryRequest, boundary_fields
 from ..chat.render_fields import chat_conversation
+from ..token_ids import json_token_ids
 from .sidecar_host import SidecarHost, cache_headers
 
 router = APIRouter()
@@ -37,7 +38,7 @@ async def prefix_boundary(request: Request) -> Response:
         # Prompt ids the client sends are the ids the boundary is cut against (no render).
         result = await host.resolve(host.state.models.get(model), tenant,
                                     chat_conversation(body.data), len(body.raw),
-                                    body.data.get("prompt_ids"), body.known)
+                                    json_token_ids(body.data.get("prompt_ids")), body.known)
     out: dict[str, Any] = {
         "specprefill_system_end": result.specprefill_system_end,
         "prompt_tokens": result.prompt_tokens,

@@ -434,6 +434,7 @@ def test_serve_engine_renders_without_ids(engine_server: tuple[str, MLXBackend],
     ({"prompt_token_ids": [1, -2]}, "invalid_prompt_token_ids"),
     ({"prompt_token_ids": [10**9]}, "invalid_prompt_token_ids"),
     ({"prompt_token_ids": "1 2 3"}, "invalid_prompt_token_ids"),
+    ({"prompt_token_ids": [1, True, 3]}, "invalid_prompt_token_ids"),
     ({"specprefill_namespace": "no:colons"}, "invalid_specprefill_namespace"),
 ])
 def test_serve_engine_bad_input_is_an_openai_400(engine_server: tuple[str, MLXBackend],

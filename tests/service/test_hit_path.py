@@ -224,3 +224,23 @@ def test_arrays_that_are_not_token_ids_are_refused_before_anything_is_stored(
         cache.resolve(qwen3, [SYSTEM, {"role": "user", "content": "Go"}], prompt_ids=bad,
                       chat_template=TEMPLATE)
     assert cache.store.stats().memory.entries == 0
+
+
+@pytest.mark.parametrize("ids", ["[1, true, 3]", "[false]", "[5, 6, true]"])
+def test_json_booleans_are_not_token_ids(base: Any, ids: str) -> None:
+    """JSON true/false would pack as 1 and 0: a 400 naming the first, on bodies parsed whole
+    and part by part, and after a list of ids the tenant sent before (the part of the text
+    equal to that list is taken as its ids)."""
+    url, _ = base
+    with local_client(base_url=url) as http:
+        for pad in ("", "x" * 4096):
+            for sent in ("[1, 5, 6]", ids):
+                raw = ('{"messages": [{"role": "system", "content": "S%s"}, {"role": "user", '
+                       '"content": "hi"}], "prompt_ids": %s}' % (pad, sent)).encode()
+                r = http.post("/v1/prefix/boundary", content=raw,
+                              headers={"content-type": "application/json"})
+                if sent == ids:
+                    assert r.status_code == 400, r.text
+                    assert " is true" in r.text or " is false" in r.text
+                else:
+                    assert r.status_code == 200, r.text
