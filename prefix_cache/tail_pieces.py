@@ -10,11 +10,15 @@ conversation was re-tokenized whole on every hit before).
 
 Where that holds (``piece_cuts``): the backend splits special tokens out (``encode_special_tokens``
 off), no added token that is matched before normalization strips whitespace around itself or
-must stand as a single word (those look past the cut), and no pre-tokenizer does something only
-at the start of the whole text (Metaspace's ``prepend_scheme: first``). The cuts are found by
-the same leftmost-longest search the backend makes (a regular expression of the added tokens,
-longest first). Anything else: the tail is encoded whole, as before. The sampled full check of
-``prompt_tokens`` compares every fast prompt with a full tokenization, this path included.
+must stand as a single word (those look past the cut), and the pre-tokenizers are of the kinds
+that act on each piece alone. The one that looks at a piece's place, Metaspace's
+``prepend_scheme: first`` (a "▁" before the text at the very start of the input only), sees
+the same either way: every piece but the first starts with an added token, so its text is not
+at the start of the input in its own encoding either, and the first is where the tail starts
+in both. The cuts are found by the same leftmost-longest search the backend makes (a regular
+expression of the added tokens, longest first). Anything else: the tail is encoded whole, as
+before. The sampled full check of ``prompt_tokens`` compares every fast prompt with a full
+tokenization, this path included.
 
 Pieces are remembered per tenant (scope) and tokenizer state, bounded in bytes (invariant 5: a
 tenant cannot learn from timing which pieces another sent).
@@ -34,7 +38,7 @@ _ENTRY_OVERHEAD = 120      # a key tuple, a list and the LRU's own bookkeeping, 
 # Pre-tokenizers that act on each piece alone, whatever came before it in the text.
 _LOCAL_PRE_TOKENIZERS = frozenset((
     "Sequence", "Split", "ByteLevel", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit",
-    "BertPreTokenizer", "UnicodeScripts", "CharDelimiterSplit"))
+    "BertPreTokenizer", "UnicodeScripts", "CharDelimiterSplit", "Metaspace"))
 
 
 def piece_cuts(backend: Any) -> re.Pattern[str] | None:
@@ -57,12 +61,11 @@ def piece_cuts(backend: Any) -> re.Pattern[str] | None:
 
 
 def _local(config: Any) -> bool:
-    """Whether a pre-tokenizer (its JSON config) acts on each piece alone."""
+    """Whether a pre-tokenizer (its JSON config) acts on each piece alone (Metaspace: see the
+    module docstring)."""
     if not isinstance(config, dict):
         return False
     kind = config.get("type")
-    if kind == "Metaspace":
-        return config.get("prepend_scheme", "always") in ("always", "never")
     if kind not in _LOCAL_PRE_TOKENIZERS:
         return False
     return all(_local(p) for p in config.get("pretokenizers", ()))

@@ -46,13 +46,12 @@ def test_pieces_give_the_whole_texts_ids(name: str) -> None:
         assert memo.tokenize(renderer, "t", text) == renderer.tokenize(text), text  # remembered
 
 
-def test_which_tokenizers_are_cut() -> None:
-    """The tokenizers templates are rendered with most are cut; SentencePiece's "first piece"
-    prefix (Metaspace ``prepend_scheme: first``) is not."""
+def test_every_offline_tokenizer_is_cut() -> None:
+    """SentencePiece's "first piece" prefix (Metaspace ``prepend_scheme: first``) included:
+    every piece but the first starts with an added token."""
     cut = {name for name in NAMES
            if piece_cuts(load_offline_tokenizer(name).backend_tokenizer) is not None}
-    assert {"qwen3", "llama3", "llama3.1", "deepseek", "gpt-oss"} <= cut
-    assert not {"spm-v3", "spm-v7"} & cut
+    assert cut == set(NAMES)
 
 
 @settings(max_examples=300, deadline=None)
@@ -61,6 +60,18 @@ def test_which_tokenizers_are_cut() -> None:
                           st.text(max_size=6), st.sampled_from(ODD)), max_size=12))
 def test_any_join_of_tokens_and_text_on_qwen(parts: list[str]) -> None:
     tok = load_offline_tokenizer("qwen3")
+    renderer = get_renderer(tok, "{{ messages }}")
+    text = "".join(parts)
+    assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(["<s>", "</s>", "[INST]", "[/INST]",
+                                           "[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]),
+                          st.text(max_size=6), st.sampled_from(ODD)), max_size=12))
+def test_any_join_of_tokens_and_text_on_sentencepiece(parts: list[str]) -> None:
+    """Metaspace's "first piece" prefix: pieces after the first start with an added token."""
+    tok = load_offline_tokenizer("spm-v7")
     renderer = get_renderer(tok, "{{ messages }}")
     text = "".join(parts)
     assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
@@ -105,12 +116,13 @@ def test_a_token_that_looks_past_a_cut_means_no_cuts(qwen3: Any, flag: str) -> N
     assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
 
 
-def test_split_special_tokens_or_a_first_piece_prefix_means_no_cuts(qwen3: Any) -> None:
+def test_split_special_tokens_or_an_unknown_pre_tokenizer_means_no_cuts(qwen3: Any) -> None:
     tok = fresh(qwen3)
     tok.backend_tokenizer.encode_special_tokens = True
     assert piece_cuts(tok.backend_tokenizer) is None
-    assert not tail_pieces._local({"type": "Metaspace", "prepend_scheme": "first"})
-    assert tail_pieces._local({"type": "Metaspace", "prepend_scheme": "always"})
-    assert not tail_pieces._local({"type": "Sequence", "pretokenizers": [
-        {"type": "ByteLevel"}, {"type": "Metaspace", "prepend_scheme": "first"}]})
+    assert tail_pieces._local({"type": "Metaspace", "prepend_scheme": "first"})
+    assert tail_pieces._local({"type": "Sequence", "pretokenizers": [
+        {"type": "ByteLevel"}, {"type": "Metaspace", "prepend_scheme": "always"}]})
     assert not tail_pieces._local({"type": "SomethingNew"})
+    assert not tail_pieces._local({"type": "Sequence", "pretokenizers": [
+        {"type": "ByteLevel"}, {"type": "SomethingNew"}]})
