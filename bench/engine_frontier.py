@@ -236,6 +236,16 @@ def table(report: dict[str, Any], command: str) -> str:
               + (", ".join(misses["interpolated"]) or "none") + " (interpolated between (d)'s "
               "points); where none of (d)'s measured points at most that TTFT has as many: "
               + (", ".join(misses["measured"]) or "none") + "."]
+    if {"d", "g"} <= set(report.get("variants", "bcd")):
+        lines += ["", "(g) against (d), turn by turn (the points of a turn ran back to back):", "",
+                  "| keep | TTFT (g)/(d), median over turns (min-max) | turns where (g)'s KL is "
+                  "lower |", "|---:|---:|---:|"]
+        for keep in report["keeps"]:
+            pairs = [(t[f"g{keep}"], t[f"d{keep}"]) for t in turns]
+            ratios = [g["ttft"] / d["ttft"] for g, d in pairs]
+            lower = sum(g["kl"] < d["kl"] for g, d in pairs)
+            lines.append(f"| {keep:.0%} | {statistics.median(ratios):.2f} ({min(ratios):.2f}-"
+                         f"{max(ratios):.2f}) | {lower}/{n} |")
     return "\n".join(lines) + "\n"
 
 

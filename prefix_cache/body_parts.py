@@ -162,12 +162,13 @@ class _Parts:
         smaller ones between them each in one parse: a long conversation's turns one by one
         cost a lookup of each one's place and a parse call each."""
         items = _split(_ARRAY, span)
-        base = _address(span) if len(items) else 0
+        base: int | None = None  # span's address, once a large item needs its place
         out: list[Any] = []
         done, after = 0, 1  # items parsed so far; where the next run starts (after "[")
         for i, item in enumerate(items):
             if len(item) < REMEMBERED_BYTES:
                 continue
+            base = _address(span) if base is None else base
             start = _address(item) - base
             if not after <= start < len(span):
                 raise _Unsplit  # not a view into span after all

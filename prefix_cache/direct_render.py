@@ -54,8 +54,7 @@ class _Texts:
 class _Scope:
     """One render's view of its key's memo: which objects are the request's tools."""
 
-    by_id: dict[int, str | None]   # id(tool) -> its default-arguments text, if known yet
-    positions: dict[int, int]
+    positions: dict[int, int]   # id(tool) -> its place in the request's tools
     texts: _Texts
     added: int = 0
 
@@ -111,16 +110,15 @@ def _remembering(tojson: Callable[..., str]) -> Callable[..., str]:
         scope = _scope.get()
         if scope is None:
             return tojson(x, ensure_ascii, indent, separators, sort_keys)
-        plain = not ensure_ascii and indent is None and separators is None and not sort_keys
-        if plain and (text := scope.by_id.get(id(x))) is not None:
-            return text
         index = scope.positions.get(id(x))
         if index is None:  # not one of the request's tools
             return tojson(x, ensure_ascii, indent, separators, sort_keys)
-        if plain:
-            text = scope.texts.plain[index] = tojson(x, ensure_ascii, indent, separators,
-                                                     sort_keys)
-            scope.added += 1
+        if not ensure_ascii and indent is None and separators is None and not sort_keys:
+            text = scope.texts.plain[index]
+            if text is None:
+                text = scope.texts.plain[index] = tojson(x, ensure_ascii, indent, separators,
+                                                         sort_keys)
+                scope.added += 1
             return text
         at = (index, ensure_ascii, indent, None if separators is None else tuple(separators),
               sort_keys)
@@ -185,10 +183,8 @@ def render(template: Any, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     listed = None if tools is None else list(tools)
     scope = None
     if memo_key is not None and listed:
-        texts = _memo.texts(memo_key, len(listed))
-        ids = list(map(id, listed))
-        scope = _Scope(dict(zip(ids, texts.plain, strict=True)),
-                       dict(zip(ids, range(len(ids)), strict=True)), texts)
+        scope = _Scope(dict(zip(map(id, listed), range(len(listed)), strict=True)),
+                       _memo.texts(memo_key, len(listed)))
     token = _scope.set(scope)
     try:
         text: str = template.render(messages=chat, tools=listed, documents=None,

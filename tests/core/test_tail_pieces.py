@@ -54,27 +54,30 @@ def test_every_offline_tokenizer_is_cut() -> None:
     assert cut == set(NAMES)
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(st.sampled_from(["<|im_start|>", "<|im_end|>", "<|endoftext|>",
-                                           "<tool_call>", "</tool_call>", "<think>"]),
-                          st.text(max_size=6), st.sampled_from(ODD)), max_size=12))
-def test_any_join_of_tokens_and_text_on_qwen(parts: list[str]) -> None:
-    tok = load_offline_tokenizer("qwen3")
-    renderer = get_renderer(tok, "{{ messages }}")
+def joins(marks: list[str]) -> st.SearchStrategy[list[str]]:
+    """Added tokens and text in any order."""
+    return st.lists(st.one_of(st.sampled_from(marks), st.text(max_size=6), st.sampled_from(ODD)),
+                    max_size=12)
+
+
+def assert_pieces_equal_whole(name: str, parts: list[str]) -> None:
+    renderer = get_renderer(load_offline_tokenizer(name), "{{ messages }}")
     text = "".join(parts)
     assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.one_of(st.sampled_from(["<s>", "</s>", "[INST]", "[/INST]",
-                                           "[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]),
-                          st.text(max_size=6), st.sampled_from(ODD)), max_size=12))
+@given(joins(["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>",
+              "<think>"]))
+def test_any_join_of_tokens_and_text_on_qwen(parts: list[str]) -> None:
+    assert_pieces_equal_whole("qwen3", parts)
+
+
+@settings(max_examples=300, deadline=None)
+@given(joins(["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]))
 def test_any_join_of_tokens_and_text_on_sentencepiece(parts: list[str]) -> None:
     """Metaspace's "first piece" prefix: pieces after the first start with an added token."""
-    tok = load_offline_tokenizer("spm-v7")
-    renderer = get_renderer(tok, "{{ messages }}")
-    text = "".join(parts)
-    assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
+    assert_pieces_equal_whole("spm-v7", parts)
 
 
 def test_pieces_cut_before_each_added_token() -> None:
