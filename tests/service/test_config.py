@@ -262,23 +262,24 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
                                 headers={"content-type": "application/json"}).json())
 
 
-README_BODY = {"messages": [{"role": "system", "content": "You are a coding agent."},
-                            {"role": "user", "content": "Fix the failing test."}],
-               "tools": [{"type": "function", "function": {
-                   "name": "read_file", "description": "Read a file.",
-                   "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]}
+AGENT_BODY = {"messages": [{"role": "system", "content": "You are a coding agent."},
+                           {"role": "user", "content": "Fix the failing test."}],
+              "tools": [{"type": "function", "function": {
+                  "name": "read_file", "description": "Read a file.",
+                  "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]}
 
 
 def test_serve_the_demo_model_and_curl_twice(serve_process: Any) -> None:
     server = serve_process()
     url = server.base_url()
-    first, second = _post(url, README_BODY), _post(url, README_BODY)
+    body = json.loads((REPO / "examples" / "request.json").read_text())    # the README's tour
+    first, second = _post(url, body), _post(url, body)
     assert (first["cache"], second["cache"]) == ("miss", "hit")
     assert first["specprefill_system_end"] == second["specprefill_system_end"] > 0
     assert first["key"] == second["key"] and first["key"].startswith("spc:default:demo-qwen3:")
     with local_client() as client:
         assert [m["id"] for m in client.get(f"{url}/v1/models").json()["data"]] == ["demo-qwen3"]
-        chat = client.post(f"{url}/v1/chat/completions", json=README_BODY)
+        chat = client.post(f"{url}/v1/chat/completions", json=body)
         assert chat.status_code == 400 and chat.json()["error"]["code"] == "model_not_servable"
     assert server.stop() == 0
 
@@ -287,7 +288,7 @@ def test_serve_with_several_workers_warns_and_serves(serve_process: Any, model_d
     server = serve_process("--workers", "2", "--model", str(model_dir))
     server.wait_for(r"WARNING.*--workers 2 with the in-process memory store.*--redis")
     url = server.base_url()
-    result = _post(url, README_BODY)
+    result = _post(url, AGENT_BODY)
     assert result["cache"] in ("miss", "hit") and result["key"].startswith("spc:default:my-model:")
     assert server.stop() == 0
 

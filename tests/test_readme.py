@@ -1,0 +1,147 @@
+"""The README, read as a newcomer follows it: its first two commands (install and serve, then the
+tests, the one `.ci/run` runs), the tour's order, files, links and flags, and the answer it shows."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from prefix_cache import cli
+from tests.support.paths import REPO
+
+README = REPO / "README.md"
+SERVE_COMMAND = "pip install -e . -c constraints.txt && prefix-cache serve"
+TEST_COMMAND = "pip install -e '.[test,mlx]' -c constraints.txt && python -m pytest -q"
+# The pages the README's text moved to: their links are checked as the README's are.
+MOVED_TO = ("usage.md", "contract.md", "layout.md", "dependencies.md")
+
+
+def blocks(path: Path = README) -> list[tuple[str, str]]:
+    """The page as (kind, text) in order: "code" for each indented command (continuation lines
+    joined, comment lines left out), "comment" for a code comment, "text" for a prose line."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("    ") or not line.strip():
+            pending = ""
+            if line.strip():
+                out.append(("text", line))
+            continue
+        code = line.strip()
+        if code.startswith("#"):
+            out.append(("comment", code[1:].strip()))
+            continue
+        if code.endswith("\\"):
+            pending += code[:-1].rstrip() + " "
+            continue
+        out.append(("code", pending + code))
+        pending = ""
+    return out
+
+
+def commands() -> list[str]:
+    return [text for kind, text in blocks() if kind == "code"]
+
+
+def test_the_first_two_commands_install_and_serve_then_run_the_tests() -> None:
+    assert commands()[:2] == [SERVE_COMMAND, TEST_COMMAND]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8").splitlines()
+    runs = [line.replace("pip install -q ", "pip install ", 1) for line in ci
+            if "python -m pytest" in line and not line.startswith("#")]
+    assert runs == [TEST_COMMAND]      # the same command, pip only quieter
+
+
+def test_each_from_another_shell_step_follows_a_serve_command() -> None:
+    last_command, steps = "", 0
+    for kind, text in blocks():
+        if kind == "code":
+            last_command = text
+        elif kind == "text" and "from another shell" in text:
+            steps += 1
+            assert "prefix-cache serve" in last_command, (text, last_command)
+    assert steps >= 2       # the boundary call and the engine's chat
+
+
+def _paths_named(text: str) -> set[str]:
+    """Repository files a command or its prose names: curl's @FILE and examples/ ... paths."""
+    return (set(re.findall(r"@([\w./-]+)", text))
+            | set(re.findall(r"(?<![\w/])((?:examples|docs|deploy|bench)/[\w./-]*\w)", text)))
+
+
+def test_the_tour_names_files_that_exist() -> None:
+    named = set().union(*(_paths_named(text) for _, text in blocks()))
+    assert {"examples/request.json", "examples/agent_turns.jsonl"} <= named
+    assert sorted(p for p in named if not (REPO / p).exists()) == []
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_slug(line.lstrip("#")) for line in path.read_text(encoding="utf-8").splitlines()
+            if line.startswith("#")}
+
+
+@pytest.mark.parametrize("page", [README, *(REPO / "docs" / name for name in MOVED_TO)],
+                         ids=lambda p: p.name)
+def test_every_relative_link_reaches_a_file_and_heading(page: Path) -> None:
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        where = (page.parent / file).resolve() if file else page
+        if not where.exists() or (anchor and anchor not in _anchors(where)):
+            broken.append(target)
+    assert broken == []
+
+
+def test_every_prefix_cache_command_parses_with_the_cli() -> None:
+    parser = cli.build_parser()
+    shown = [part.strip() for line in commands() for part in line.split("&&")
+             if part.strip().startswith("prefix-cache ")]
+    assert len(shown) >= 5
+    for line in shown:
+        argv = shlex.split(line)[1:]
+        try:
+            parser.parse_args(argv)
+        except SystemExit as exc:     # argparse's way to refuse
+            pytest.fail(f"{line!r} does not parse: exit {exc.code}")
+
+
+def test_every_chat_call_in_the_tour_asks_for_temperature_zero() -> None:
+    chats = [c for c in commands() if "/v1/chat/completions" in c or "completions.create(" in c]
+    assert len(chats) >= 3          # behind an upstream, on the engine, and the OpenAI SDK's
+    for line in chats:
+        if line.startswith("curl"):
+            words = shlex.split(line)
+            assert json.loads(words[words.index("-d") + 1])["temperature"] == 0, line
+        else:
+            assert "temperature=0" in line, line
+
+
+def test_the_shown_boundary_is_what_the_cli_answers(
+        demo_folder: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shown = next(text for kind, text in blocks()
+                 if kind == "comment" and text.startswith('{"specprefill_system_end"'))
+    prefix, dots, _ = shown.partition('..."')
+    assert dots
+    expected = json.loads(prefix + '"}')
+    request = (REPO / "examples" / "request.json").read_text(encoding="utf-8")
+    requests = tmp_path / "twice.jsonl"
+    requests.write_text(json.dumps(json.loads(request)) + "\n" + json.dumps(json.loads(request)) + "\n")
+    assert cli.main(["boundary", "--model", str(demo_folder), "--requests", str(requests)]) == 0
+    first, second = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert (first["cache"], second["cache"]) == ("miss", "hit")
+    key = second.pop("key")
+    assert key.startswith(expected.pop("key")) and key == first["key"]
+    assert {k: second[k] for k in expected} == expected
