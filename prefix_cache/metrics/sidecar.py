@@ -12,9 +12,10 @@ folded into ``other``.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -28,9 +29,13 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ..http.request_record import RequestRecord
 from ..observer import CacheObserver
 from ..store.base import StoreStats
 from .multiprocess import forget_dead_processes, multiprocess_dir
+from .requests import RequestMetrics
+
+log = logging.getLogger("prefix_cache.metrics")
 
 NS = "prefix_cache"
 OTHER = "other"
@@ -121,6 +126,21 @@ class Metrics(CacheObserver):
         self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
                                   "1 while the shared store's circuit breaker is open.",
                                   registry=reg, multiprocess_mode="livemax")
+        self.api = RequestMetrics(reg, self.tenant_label)
+        # Also told of each finished API request: the history, the tenants' usage.
+        self.request_listeners: list[Callable[[RequestRecord], None]] = []
+
+    # -- API requests -----------------------------------------------------------------------
+
+    def request_done(self, record: RequestRecord) -> None:
+        """A finished API request (``http.request_record``), in the request metrics and every
+        listener; a failure here is logged, never the request's."""
+        try:
+            self.api.observe(record)
+            for listener in self.request_listeners:
+                listener(record)
+        except Exception:
+            log.exception("recording a request's metrics failed")
 
     # -- observer ---------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from ..chat.responses_params import ResponsesRequest
 from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
+from ..http.request_record import RequestRecordMiddleware
 from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
@@ -166,6 +167,8 @@ def create_app(settings: ServiceSettings | None = None, *,
     # Outermost last: every response, the drain's 503 included, carries the request id.
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(RequestIdMiddleware)
+    # Outside the drain too: a 503 while draining is an answer an operator wants counted.
+    app.add_middleware(RequestRecordMiddleware, on_done=state.metrics.request_done)
     mount(app, SidecarHost(state))  # the API routes both servers serve
     for module in (boundary_route, admin, health, dashboard):
         app.include_router(module.router)
