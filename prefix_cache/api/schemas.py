@@ -232,6 +232,9 @@ class AdminStats(BaseModel):
     store: dict[str, Any]
     tenants: list[str]
     models: list[str]
+    usage: list[dict[str, Any]] = Field(
+        default_factory=list, description="per tenant, of the API requests answered (every "
+        "worker's): requests, prompt_tokens, cached_tokens, generated_tokens (for billing)")
 
 
 class DashboardStats(BaseModel):

@@ -44,6 +44,10 @@ LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
 TOKEN_BUCKETS = (0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 RESULTS = ("hit", "miss", "none", "error")
 _MAX_CHILDREN = 10_000
+# The request metrics a tenant's usage (for billing) is read from, and its fields.
+USAGE_FIELDS = {"http_requests_total": "requests", "prompt_tokens_total": "prompt_tokens",
+                "prompt_tokens_cached_total": "cached_tokens",
+                "generation_tokens_total": "generated_tokens"}
 
 
 class TenantLabels:
@@ -269,10 +273,17 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
     breaker = 0.0
     lookup: dict[str, dict[float, float]] = {}
     render_buckets: dict[float, float] = {}
+    usage: dict[str, dict[str, float]] = {}  # per tenant, of the API requests answered
     for family in families:
         for s in family.samples:
             name, labels, value = s.name.removeprefix(f"{NS}_"), s.labels, s.value
-            if name in sums:
+            if name in USAGE_FIELDS:
+                if labels["tenant"] and (name != "http_requests_total"
+                                         or int(labels["status"]) < 400):
+                    row = usage.setdefault(labels["tenant"], dict.fromkeys(
+                        USAGE_FIELDS.values(), 0.0))
+                    row[USAGE_FIELDS[name]] += value
+            elif name in sums:
                 sums[name] += value
             elif name == "requests_total":
                 by_result[labels["result"]] = by_result.get(labels["result"], 0.0) + value
@@ -328,4 +339,6 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
                          "mismatches": int(sums["tokenize_mismatches_total"])},
         "tenants": rows(tenants),
         "models": rows(models),
+        "usage": [{"tenant": t, **{k: int(v) for k, v in row.items()}}
+                  for t, row in sorted(usage.items())],
     }

@@ -33,6 +33,7 @@ from ..store.base import Store
 from ..store.factory import open_store
 from ..store.quota import TenantQuotaStore
 from . import admin, boundary_route, dashboard, health
+from .keys_reload import reload_keys_on_sighup
 from .limits import TenantLimits
 from .pool_metrics import PoolMetrics
 from .served_models import ModelRegistry, load_model_specs
@@ -138,6 +139,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         warm = asyncio.create_task(keep_warm(state.store, s.redis_warm_connections))
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
         restore_sigterm = drain_on_sigterm(state.drain)
+        restore_sighup = reload_keys_on_sighup(state)
         # What start made (tokenizers, templates, the app: ~125k objects) lives as long as the
         # app: out of every collection, which then scans only what requests made. Thawed at
         # the end, so an app stopped in a longer-lived process can be collected.
@@ -146,6 +148,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             yield
         finally:
             gc.unfreeze()
+            restore_sighup()
             restore_sigterm()
             gauges.cancel()
             warm.cancel()
@@ -153,6 +156,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             await asyncio.to_thread(state.models.close)  # in-process engines, if any
             await state.store.aclose()  # the loop's Redis connections, closed on their loop
             await state.responses.aclose()
+            await state.limits.rates.aclose()
             state.cache.close()
             mark_process_dead()
 

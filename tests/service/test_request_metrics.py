@@ -24,13 +24,15 @@ from tests.support.sidecar import TENANT_KEYS, bearer, served, sidecar_app, uniq
 
 ACME = "sk-acme"
 METRICS_KEY = "sk-req-metrics"
+ADMIN_KEY = "sk-req-admin"
 
 
 @pytest.fixture(scope="module")
 def app(recorder_server: tuple[Recorder, str], demo_tokenizer: Any) -> Any:
     url = recorder_server[1]
     return sidecar_app(served("rec", demo_tokenizer, Upstream(url)),
-                       api_keys=TENANT_KEYS, metrics_keys=[METRICS_KEY])
+                       api_keys=TENANT_KEYS, metrics_keys=[METRICS_KEY],
+                       admin_keys=[ADMIN_KEY])
 
 
 def samples(http: Any) -> dict[tuple[str, tuple], float]:
@@ -119,6 +121,25 @@ def test_refused_requests_are_counted_by_status(http: Any) -> None:
     assert refused == 1
     # A refused request generated nothing and has no time to first token.
     assert value(after, "prefix_cache_time_to_first_token_seconds_count", tenant="") == 0
+
+
+def test_admin_stats_report_each_tenants_usage_for_billing(http: Any, recorder: Recorder) -> None:
+    for key in (ACME, "sk-globex"):
+        assert http.post("/v1/chat/completions", json=chat(unique_system("bill")),
+                         headers=bearer(key)).status_code == 200
+    found = samples(http)
+    usage = {row["tenant"]: row for row in
+             http.get("/admin/stats", headers=bearer(ADMIN_KEY)).json()["usage"]}
+    assert set(usage) >= {"acme", "globex"}
+    for tenant in ("acme", "globex"):
+        answered = sum(value(found, "prefix_cache_http_requests_total", tenant=tenant, status=s)
+                       for s in ("200",))
+        assert usage[tenant]["requests"] == answered >= 1
+        assert usage[tenant]["prompt_tokens"] == value(found, "prefix_cache_prompt_tokens_total",
+                                                       tenant=tenant) >= 1
+        assert usage[tenant]["generated_tokens"] == value(
+            found, "prefix_cache_generation_tokens_total", tenant=tenant) >= 1
+        assert usage[tenant]["cached_tokens"] == 0
 
 
 # -- the relay's usage, in each API's stream, cut anywhere --------------------------------------
