@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from prometheus_client import (
@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from ..http.request_record import RequestRecord
 from ..observer import CacheObserver
 from ..store.base import StoreStats
+from .history import History
 from .multiprocess import forget_dead_processes, multiprocess_dir
 from .requests import RequestMetrics
 
@@ -131,18 +132,19 @@ class Metrics(CacheObserver):
                                   "1 while the shared store's circuit breaker is open.",
                                   registry=reg, multiprocess_mode="livemax")
         self.api = RequestMetrics(reg, self.tenant_label)
-        # Also told of each finished API request: the history, the tenants' usage.
-        self.request_listeners: list[Callable[[RequestRecord], None]] = []
+        self.history = History()  # the dashboard's, per 10 s interval
 
     # -- API requests -----------------------------------------------------------------------
 
     def request_done(self, record: RequestRecord) -> None:
-        """A finished API request (``http.request_record``), in the request metrics and every
-        listener; a failure here is logged, never the request's."""
+        """A finished API request (``http.request_record``), in the request metrics and the
+        history; a failure here is logged, never the request's."""
         try:
             self.api.observe(record)
-            for listener in self.request_listeners:
-                listener(record)
+            self.history.request(self.tenant_label(record.tenant) if record.tenant else "",
+                                 record.model, record.cache, record.status or 500,
+                                 record.ttft_s, record.prompt_tokens, record.cached_tokens,
+                                 record.generation_tokens)
         except Exception:
             log.exception("recording a request's metrics failed")
 
@@ -150,7 +152,9 @@ class Metrics(CacheObserver):
 
     def resolved(self, *, cache: str, namespace: str, model: str, seconds: float,
                  static_tokens: int, boundary: int) -> None:
-        self._child(self.requests, cache, model, self.tenant_label(namespace)).inc()
+        tenant = self.tenant_label(namespace)
+        self._child(self.requests, cache, model, tenant).inc()
+        self.history.lookup(tenant, model, cache)
         self._child(self.lookup_seconds, cache).observe(seconds)
         self._child(self.static_tokens, model).observe(boundary)
 
