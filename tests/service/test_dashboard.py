@@ -120,10 +120,11 @@ def test_metrics_stats_and_counts_agree(base: str) -> None:
 
 def test_grafana_queries_exist_in_live_metrics(base: str) -> None:
     burst(base)
+    chats(base)  # the request-level metrics (and the variables' label values) need requests
     exposed = {name for name, _ in scrape(base)}
     dash = json.loads(GRAFANA_DASHBOARD.read_text())
     queried = {m for p in dash["panels"] for t in p["targets"]
-               for m in re.findall(r"\b(prefix_cache_[a-z_]+)", t["expr"])}
+               for m in re.findall(r"\b(prefix_cache_[a-z0-9_]+)", t["expr"])}
     # The engine row's metrics exist only with an in-process engine: test_engine_serving checks
     # them against a live sidecar that has one.
     # Likewise the upstream pool's, which exist only with an upstream: test_upstream_pool.
