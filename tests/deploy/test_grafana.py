@@ -6,6 +6,7 @@ import json
 import re
 import time
 from dataclasses import replace
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -18,7 +19,7 @@ from prefix_cache.service.pool_metrics import PoolMetrics
 from prefix_cache.service.upstream import Upstream
 from tests.support.engine_stats import ENGINE_STATS, StatsEngine
 from tests.support.grafana import queried_metrics
-from tests.support.paths import GRAFANA_DASHBOARD
+from tests.support.paths import GRAFANA_DASHBOARD, REPO
 from tests.support.templates import BEHAVIOURS
 
 
@@ -26,7 +27,8 @@ def exposed_metrics(text: str) -> set[str]:
     return {s.name for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
-def test_every_dashboard_metric_is_exposed(qwen3) -> None:
+def every_metric(qwen3: Any) -> str:
+    """The exposition of a sidecar's metrics with every family holding samples."""
     metrics = Metrics()
     cache = StaticPrefixCache(observer=metrics)
     for i in range(3):
@@ -46,10 +48,24 @@ def test_every_dashboard_metric_is_exposed(qwen3) -> None:
     metrics.add_collector(EngineCollector(lambda: [("m", StatsEngine(with_conversation))]))
     # A pool's per-replica routing metrics (tests/service/test_upstream_pool.py checks a live pool).
     PoolMetrics(metrics).watch("m", UpstreamPool([Upstream("http://a:1"), Upstream("http://b:2")]))
-    exposed = exposed_metrics(metrics.exposition()[0].decode())
+    return metrics.exposition()[0].decode()
+
+
+def test_every_dashboard_metric_is_exposed(qwen3: Any) -> None:
+    exposed = exposed_metrics(every_metric(qwen3))
     missing = queried_metrics() - exposed
     assert not missing, f"dashboard queries metrics /metrics does not have: {sorted(missing)}"
     assert len(queried_metrics()) >= 10
+
+
+def test_docs_say_what_every_metric_means(qwen3: Any) -> None:
+    """docs/metrics.md has a row for every family /metrics exposes (and no stale one)."""
+    families = {f.name + ("_total" if f.type == "counter" else "")
+                for f in text_string_to_metric_families(every_metric(qwen3))
+                if not f.name.endswith("_created")}  # prometheus-client's own per counter
+    documented = set(re.findall(r"^\| `(prefix_cache_[a-z0-9_]+)` \|",
+                                (REPO / "docs" / "metrics.md").read_text(), re.MULTILINE))
+    assert families == documented
 
 
 def dashboard() -> dict:
