@@ -11,6 +11,7 @@ from ..chat.agent_call import AgentCall
 from ..chat.events import backend_events
 from ..engine_protocol import ChatBackend
 from .host import Api, Turn
+from .pipeline import recorded
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,4 +28,5 @@ class EngineTarget:
         ids = turn.result.prompt_ids
         request = self.backend.check(turn.call.backend_request(
             ids, turn.result.specprefill_system_end, turn.namespace))
-        return await turn.answer(backend_events(self.backend, request), len(ids), turn.headers)
+        events = recorded(backend_events(self.backend, request))
+        return await turn.answer(events, len(ids), turn.headers)

@@ -10,7 +10,8 @@ Responses), on both servers:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,9 @@ from fastapi import Request
 
 from ..cache import PrefixResult
 from ..chat.agent_call import AgentCall
+from ..chat.events import Finish, OutputEvent, Prefilled
 from ..http.body import JSONBody
+from ..http.request_record import current_record
 from .host import Api, Host, ServedModel
 
 
@@ -41,6 +44,9 @@ class Admitted:
 
 async def admit(request: Request, host: Host, tenant: str, api: Api) -> Admitted:
     """The body read (size limit) and checked at the host's edge, and the caller's namespace."""
+    record = current_record()
+    if record is not None:
+        record.tenant = tenant
     body = await host.read_body(request, tenant)
     host.check_body(api, body.data)
     return Admitted(tenant, host.namespace(tenant, body.data), body)
@@ -50,8 +56,31 @@ async def prepare(host: Host, api: Api, model: ServedModel, call: AgentCall,
                   admitted: Admitted) -> PrefixResult:
     """The call's prompt ids and boundary, once its model's target can run it (a refused
     request caches nothing)."""
+    record = current_record()
+    if record is not None:
+        record.model = model.name
     model.target.check(call, api)
-    return await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
+    result = await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
+    if record is not None:
+        record.cache, record.prompt_tokens = result.cache, len(result.prompt_ids)
+    return result
+
+
+async def recorded(events: AsyncGenerator[OutputEvent, None]
+                   ) -> AsyncGenerator[OutputEvent, None]:
+    """A turn's events as they are, noting in the request's record when its content starts
+    and the usage it finished with (the in-process engine's, or an upstream's converted)."""
+    record = current_record()
+    async with aclosing(events):
+        async for event in events:
+            if record is not None:
+                if isinstance(event, Finish | Prefilled):
+                    u = event.usage
+                    record.usage(u.prompt_tokens or None, u.cached_tokens,
+                                 u.completion_tokens if isinstance(event, Finish) else None)
+                else:
+                    record.content_started()
+            yield event
 
 
 def model_name(body: Mapping[str, Any]) -> str | None:

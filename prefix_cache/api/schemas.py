@@ -232,6 +232,24 @@ class AdminStats(BaseModel):
     store: dict[str, Any]
     tenants: list[str]
     models: list[str]
+    usage: list[dict[str, Any]] = Field(
+        default_factory=list, description="per tenant, of the API requests answered (every "
+        "worker's): requests, prompt_tokens, cached_tokens, generated_tokens (for billing)")
+
+
+class DashboardHistory(BaseModel):
+    """The dashboard's history: every worker's, one point per interval."""
+
+    model_config = ConfigDict(extra="allow")
+
+    interval_s: int
+    series: dict[str, list[list[float | None]]] = Field(description="name -> [[unix_time, "
+                                                        "value], ...]: hit_rate, requests_per_s"
+                                                        ", ttft_p50_hit_s, ttft_p50_miss_s, "
+                                                        "prompt_tokens_reused_per_s, "
+                                                        "prompt_tokens_computed_per_s, ...; "
+                                                        "per tenant (tenant:NAME:...) and per "
+                                                        "model (model:NAME:...) too")
 
 
 class DashboardStats(BaseModel):

@@ -18,7 +18,8 @@ from pathlib import Path
 
 ENV = "PROMETHEUS_MULTIPROC_DIR"
 # The files prometheus-client writes: <kind>[_<mode>]_<pid>.db
-_FILE = re.compile(r"^(counter|gauge|histogram|summary)(_[a-z]+)?_(\d+)\.db$")
+# and the dashboard's history (``history.py``): history_<pid>.json
+_FILE = re.compile(r"^((counter|gauge|histogram|summary)(_[a-z]+)?_(\d+)\.db|history_\d+\.json)$")
 _LIVE_GAUGE = re.compile(r"^gauge_live[a-z]+_(\d+)\.db$")
 
 

@@ -12,6 +12,7 @@ folded into ``other``.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Iterable
@@ -28,9 +29,14 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ..http.request_record import RequestRecord
 from ..observer import CacheObserver
 from ..store.base import StoreStats
+from .history import History
 from .multiprocess import forget_dead_processes, multiprocess_dir
+from .requests import RequestMetrics
+
+log = logging.getLogger("prefix_cache.metrics")
 
 NS = "prefix_cache"
 OTHER = "other"
@@ -39,6 +45,10 @@ LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
 TOKEN_BUCKETS = (0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 RESULTS = ("hit", "miss", "none", "error")
 _MAX_CHILDREN = 10_000
+# The request metrics a tenant's usage (for billing) is read from, and its fields.
+USAGE_FIELDS = {"http_requests_total": "requests", "prompt_tokens_total": "prompt_tokens",
+                "prompt_tokens_cached_total": "cached_tokens",
+                "generation_tokens_total": "generated_tokens"}
 
 
 class TenantLabels:
@@ -121,12 +131,30 @@ class Metrics(CacheObserver):
         self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
                                   "1 while the shared store's circuit breaker is open.",
                                   registry=reg, multiprocess_mode="livemax")
+        self.api = RequestMetrics(reg, self.tenant_label)
+        self.history = History()  # the dashboard's, per 10 s interval
+
+    # -- API requests -----------------------------------------------------------------------
+
+    def request_done(self, record: RequestRecord) -> None:
+        """A finished API request (``http.request_record``), in the request metrics and the
+        history; a failure here is logged, never the request's."""
+        try:
+            self.api.observe(record)
+            self.history.request(self.tenant_label(record.tenant) if record.tenant else "",
+                                 record.model, record.cache, record.status or 500,
+                                 record.ttft_s, record.prompt_tokens, record.cached_tokens,
+                                 record.generation_tokens)
+        except Exception:
+            log.exception("recording a request's metrics failed")
 
     # -- observer ---------------------------------------------------------------------------
 
     def resolved(self, *, cache: str, namespace: str, model: str, seconds: float,
                  static_tokens: int, boundary: int) -> None:
-        self._child(self.requests, cache, model, self.tenant_label(namespace)).inc()
+        tenant = self.tenant_label(namespace)
+        self._child(self.requests, cache, model, tenant).inc()
+        self.history.lookup(tenant, model, cache)
         self._child(self.lookup_seconds, cache).observe(seconds)
         self._child(self.static_tokens, model).observe(boundary)
 
@@ -249,10 +277,17 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
     breaker = 0.0
     lookup: dict[str, dict[float, float]] = {}
     render_buckets: dict[float, float] = {}
+    usage: dict[str, dict[str, float]] = {}  # per tenant, of the API requests answered
     for family in families:
         for s in family.samples:
             name, labels, value = s.name.removeprefix(f"{NS}_"), s.labels, s.value
-            if name in sums:
+            if name in USAGE_FIELDS:
+                if labels["tenant"] and (name != "http_requests_total"
+                                         or int(labels["status"]) < 400):
+                    row = usage.setdefault(labels["tenant"], dict.fromkeys(
+                        USAGE_FIELDS.values(), 0.0))
+                    row[USAGE_FIELDS[name]] += value
+            elif name in sums:
                 sums[name] += value
             elif name == "requests_total":
                 by_result[labels["result"]] = by_result.get(labels["result"], 0.0) + value
@@ -308,4 +343,6 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
                          "mismatches": int(sums["tokenize_mismatches_total"])},
         "tenants": rows(tenants),
         "models": rows(models),
+        "usage": [{"tenant": t, **{k: int(v) for k, v in row.items()}}
+                  for t, row in sorted(usage.items())],
     }

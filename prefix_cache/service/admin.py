@@ -22,13 +22,15 @@ PURGE_RETRY_AFTER_S = 5
 @router.get("/stats", response_model=None,
             responses=docs.responses(AdminStats, 401, 403))
 async def stats(state: State) -> dict[str, Any]:
-    """The cache's counters (the metrics' tally: every worker's, in multiprocess mode) and the
-    store's figures, per tenant included."""
+    """The cache's counters (the metrics' tally: every worker's, in multiprocess mode), the
+    store's figures, and each tenant's usage, per tenant included."""
+    cache = state.metrics.snapshot()
     return {
-        "cache": state.metrics.snapshot(),
+        "cache": cache,
         "store": state.store.stats().as_dict(),
         "tenants": state.keyring.tenants,
         "models": [m.name for m in state.models],
+        "usage": cache["usage"],
     }
 
 

@@ -23,6 +23,7 @@ from ..chat.responses_params import ResponsesRequest
 from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
+from ..http.request_record import RequestRecordMiddleware
 from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
@@ -32,6 +33,7 @@ from ..store.base import Store
 from ..store.factory import open_store
 from ..store.quota import TenantQuotaStore
 from . import admin, boundary_route, dashboard, health
+from .keys_reload import reload_keys_on_sighup
 from .limits import TenantLimits
 from .pool_metrics import PoolMetrics
 from .served_models import ModelRegistry, load_model_specs
@@ -137,6 +139,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         warm = asyncio.create_task(keep_warm(state.store, s.redis_warm_connections))
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
         restore_sigterm = drain_on_sigterm(state.drain)
+        restore_sighup = reload_keys_on_sighup(state)
         # What start made (tokenizers, templates, the app: ~125k objects) lives as long as the
         # app: out of every collection, which then scans only what requests made. Thawed at
         # the end, so an app stopped in a longer-lived process can be collected.
@@ -145,6 +148,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             yield
         finally:
             gc.unfreeze()
+            restore_sighup()
             restore_sigterm()
             gauges.cancel()
             warm.cancel()
@@ -152,6 +156,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             await asyncio.to_thread(state.models.close)  # in-process engines, if any
             await state.store.aclose()  # the loop's Redis connections, closed on their loop
             await state.responses.aclose()
+            await state.limits.rates.aclose()
             state.cache.close()
             mark_process_dead()
 
@@ -166,6 +171,8 @@ def create_app(settings: ServiceSettings | None = None, *,
     # Outermost last: every response, the drain's 503 included, carries the request id.
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(RequestIdMiddleware)
+    # Outside the drain too: a 503 while draining is an answer an operator wants counted.
+    app.add_middleware(RequestRecordMiddleware, on_done=state.metrics.request_done)
     mount(app, SidecarHost(state))  # the API routes both servers serve
     for module in (boundary_route, admin, health, dashboard):
         app.include_router(module.router)

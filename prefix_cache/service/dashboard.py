@@ -10,6 +10,7 @@ config, ``authorization``/``bearerTokenSecret`` in a ServiceMonitor).
 from __future__ import annotations
 
 import asyncio
+import math
 from importlib import resources
 from typing import Any
 
@@ -17,7 +18,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, Response
 
 from ..api import openapi_docs as docs
-from ..api.schemas import DashboardStats
+from ..api.schemas import DashboardHistory, DashboardStats
+from ..http.errors import BadRequest
+from ..metrics.history_series import history_document
 from .deps import State
 from .state import ServiceState
 
@@ -25,7 +28,11 @@ router = APIRouter()
 
 COOKIE = "prefix_cache_dashboard"
 GAUGE_REFRESH_SECONDS = 2.0
-_PAGE = resources.files("prefix_cache").joinpath("static/dashboard.html")
+HISTORY_DEFAULT_S = 3600.0
+_STATIC = resources.files("prefix_cache").joinpath("static")
+_PAGE = _STATIC.joinpath("dashboard.html")
+# The vendored chart library (uPlot, MIT: static/uplot/LICENSE), served with the page.
+_ASSETS = {"uPlot.iife.min.js": "application/javascript", "uPlot.min.css": "text/css"}
 
 
 def _challenge() -> Response:
@@ -44,6 +51,16 @@ def _allowed(request: Request, state: ServiceState) -> bool:
 
 def refresh_gauges(state: ServiceState) -> None:
     state.metrics.refresh_store(state.store.stats())
+    samples = {}
+    for row in engine_rows(state):  # the engines' KV tiers, for the history's charts
+        kv, conv, disk = (row.get(k) or {} for k in ("kv_store", "conversation_store", "kv_disk"))
+        samples[row["model"]] = [
+            kv.get("bytes", 0) + conv.get("bytes", 0), disk.get("bytes", 0),
+            kv.get("hits", 0) + conv.get("hits", 0) + disk.get("hits", 0),
+            kv.get("evictions", 0) + conv.get("evictions", 0)]
+    if samples:
+        state.metrics.history.sample_engines(samples)
+    state.metrics.history.write()
 
 
 async def refresh_gauges_forever(state: ServiceState) -> None:
@@ -75,6 +92,17 @@ async def dashboard(request: Request, state: State) -> Response:
         page.set_cookie(COOKIE, state.keyring.dashboard_cookie(), httponly=True,
                         samesite="strict", path="/dashboard")
     return page
+
+
+@router.get("/dashboard/assets/{name}", include_in_schema=False)
+async def dashboard_asset(name: str, request: Request, state: State) -> Response:
+    if not _allowed(request, state):
+        return _challenge()
+    media = _ASSETS.get(name)
+    if media is None:
+        return Response(status_code=404)
+    return Response(_STATIC.joinpath("uplot", name).read_bytes(), media_type=media,
+                    headers={"Cache-Control": "max-age=3600"})
 
 
 async def stats_document(state: ServiceState) -> dict[str, Any]:
@@ -116,6 +144,22 @@ def engine_rows(state: ServiceState) -> list[dict[str, Any]]:
         except Exception:
             continue
     return rows
+
+
+@router.get("/dashboard/history.json", responses=docs.responses(DashboardHistory, 400, 401))
+async def dashboard_history(request: Request, state: State,
+                            seconds: float = HISTORY_DEFAULT_S) -> Response:
+    """The service's history (every worker's), ``seconds`` back: series of [unix_time, value]."""
+    if not _allowed(request, state):
+        return _challenge()
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise BadRequest(f"seconds must be a positive number, got {seconds!r}",
+                         code="invalid_seconds")
+    import orjson
+
+    document = await asyncio.to_thread(history_document, state.metrics.history, seconds)
+    return Response(orjson.dumps(document), media_type="application/json",
+                    headers={"Cache-Control": "no-store"})
 
 
 @router.get("/dashboard/stats.json", responses=docs.responses(DashboardStats, 401))

@@ -13,6 +13,8 @@ them. So, per tenant and per worker:
 - ``max_prompt_bytes`` bounds the text one request gives the template (its messages without
   image or audio data, its tools and template kwargs, as JSON): larger is a 413 before any
   render.
+- ``requests_per_minute`` and ``tokens_per_minute`` (prompt tokens), none by default: shared
+  through Redis with ``--redis``, else per worker (``rate_limits.py``).
 
 Defaults come from the settings; the keys file may override them per tenant
 (``tenant_limits: {acme: {max_concurrency: 8}}``).
@@ -31,8 +33,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .. import json_io
 from ..http.errors import PayloadTooLarge, TooManyRequests
+from .rate_limits import LocalCounts, RateLimits, RedisCounts
 from .settings import ServiceSettings
 
+RATE_TIMEOUT_S = 0.25  # a rate count waits longer than a lookup: a count cannot be computed
 RETRY_AFTER_S = 1  # slots free up in milliseconds to seconds: a second is a fair first retry
 # Content parts whose data a template never renders as text (it renders a placeholder).
 MEDIA_PARTS = frozenset(("image_url", "image", "input_image", "input_audio", "audio", "file",
@@ -46,6 +50,8 @@ class TenantLimit:
     max_concurrency: int
     max_queue: int
     max_prompt_bytes: int
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
 
 
 class TenantLimitOverride(BaseModel):
@@ -56,6 +62,8 @@ class TenantLimitOverride(BaseModel):
     max_concurrency: int | None = Field(default=None, gt=0)
     max_queue: int | None = Field(default=None, ge=0)
     max_prompt_bytes: int | None = Field(default=None, gt=0)
+    requests_per_minute: int | None = Field(default=None, gt=0)
+    tokens_per_minute: int | None = Field(default=None, gt=0)
 
     def applied_to(self, base: TenantLimit) -> TenantLimit:
         return replace(base, **self.model_dump(exclude_none=True))
@@ -109,10 +117,13 @@ class TenantLimits:
     """Every tenant's limits and slots in one worker."""
 
     def __init__(self, default: TenantLimit, overrides: Mapping[str, TenantLimitOverride]
-                 | None = None, *, queue_timeout_s: float) -> None:
+                 | None = None, *, queue_timeout_s: float,
+                 rates: RateLimits | None = None) -> None:
         self.default = default
         self.queue_timeout_s = queue_timeout_s
-        self._limits = {t: o.applied_to(default) for t, o in (overrides or {}).items()}
+        self.rates = rates or RateLimits(LocalCounts())
+        self._limits: dict[str, TenantLimit] = {}
+        self.update(overrides or {})
         self._gates: dict[str, _Gate] = {}   # one per tenant: tenants are configured, bounded
 
     @classmethod
@@ -120,7 +131,16 @@ class TenantLimits:
                       overrides: Mapping[str, TenantLimitOverride] | None = None) -> TenantLimits:
         default = TenantLimit(settings.tenant_max_concurrency, settings.tenant_max_queue,
                               settings.max_prompt_bytes)
-        return cls(default, overrides, queue_timeout_s=settings.tenant_queue_timeout_s)
+        counts = (LocalCounts() if settings.uses_memory_store or settings.redis_url is None
+                  else RedisCounts(settings.redis_url, max(settings.redis_timeout_s,
+                                                           RATE_TIMEOUT_S)))
+        return cls(default, overrides, queue_timeout_s=settings.tenant_queue_timeout_s,
+                   rates=RateLimits(counts))
+
+    def update(self, overrides: Mapping[str, TenantLimitOverride]) -> None:
+        """Every tenant's limits from ``overrides`` (a keys file re-read): requests already
+        admitted keep their slots."""
+        self._limits = {t: o.applied_to(self.default) for t, o in overrides.items()}
 
     def of(self, tenant: str) -> TenantLimit:
         return self._limits.get(tenant, self.default)
@@ -128,12 +148,19 @@ class TenantLimits:
     @asynccontextmanager
     async def slot(self, tenant: str) -> AsyncIterator[None]:
         """Hold one of the tenant's slots; TooManyRequests when none frees up in time."""
+        limit = self.of(tenant)
+        if limit.requests_per_minute is not None or limit.tokens_per_minute is not None:
+            await self.rates.admit(tenant, limit.requests_per_minute, limit.tokens_per_minute)
         gate = self._gates.setdefault(tenant, _Gate())
-        await gate.acquire(self.of(tenant), self.queue_timeout_s, tenant)
+        await gate.acquire(limit, self.queue_timeout_s, tenant)
         try:
             yield
         finally:
             gate.release()
+
+    async def spend_tokens(self, tenant: str, prompt_tokens: int) -> None:
+        """A prepared request's prompt tokens, in its tenant's minute."""
+        await self.rates.spend_tokens(tenant, self.of(tenant).tokens_per_minute, prompt_tokens)
 
     def check_prompt(self, tenant: str, body_size: int, messages: Sequence[Any],
                      tools: Any, kwargs: Any) -> None:

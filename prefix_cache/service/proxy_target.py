@@ -19,10 +19,13 @@ from fastapi.responses import Response
 
 from .. import json_io
 from ..api.host import Api, Turn
+from ..api.pipeline import recorded
 from ..chat.agent_call import AgentCall
 from ..chat.openai_decode import completion_events
 from ..http.errors import ClientDisconnected
-from ..http.relay import RelayResponse, until_disconnect
+from ..http.relay import RelayResponse, RelayTap, until_disconnect
+from ..http.request_record import current_record
+from ..http.usage_tap import UsageTap
 from .served_models import ServedModel
 
 
@@ -45,13 +48,14 @@ class ProxyTarget:
                                                namespace=turn.namespace,
                                                with_prompt_ids=turn.with_prompt_ids)
             response = await self._open(turn, turn.api, content)
-            return RelayResponse(response, turn.headers, turn.tap, turn.error_event)
+            return RelayResponse(response, turn.headers, _tap(turn, response), turn.error_event)
         chat = turn.call.chat_body(turn.call.model or self.model.name)
         content = upstream.forward_content(json_io.dumps(chat), chat, result,
                                            namespace=turn.namespace)
         response = await self._open(turn, "chat", content)
         prompt_tokens = len(result.prompt_ids)
-        events = completion_events(response, stream=turn.call.stream, prompt_tokens=prompt_tokens)
+        events = recorded(completion_events(response, stream=turn.call.stream,
+                                            prompt_tokens=prompt_tokens))
         return await turn.answer(events, prompt_tokens, turn.headers)
 
     async def _open(self, turn: Turn, api: str, content: bytes) -> httpx.Response:
@@ -61,3 +65,12 @@ class ProxyTarget:
         if disconnected or response is None:
             raise ClientDisconnected("the client disconnected before the upstream answered")
         return response
+
+
+def _tap(turn: Turn, response: httpx.Response) -> RelayTap | None:
+    """The turn's own tap, behind one that notes the relayed answer's TTFT and usage."""
+    record = current_record()
+    if record is None:
+        return turn.tap
+    streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+    return UsageTap(record, streamed, turn.tap)

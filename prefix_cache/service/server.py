@@ -11,6 +11,7 @@ import json
 import logging
 import logging.config
 import os
+import signal
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +22,7 @@ from ..errors import validation_problems
 from ..http.logs import uvicorn_log_config
 from ..metrics.multiprocess import clear_multiprocess_dir
 from .app import create_app, open_backing_store
+from .keys_reload import note_early_sighup
 from .served_models import ModelRegistry, load_model_specs
 from .settings import ServiceSettings, check_renamed_env
 from .tenants import KeyRing
@@ -58,6 +60,7 @@ def serve(overrides: Mapping[str, Any]) -> int:
     # Each request tokenizes one text: tokenizers' thread pool would only hand it to another
     # thread and wait (a wakeup, 0.1-0.5 ms on a busy machine, per hit). Workers inherit this.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    note_early_sighup()  # a SIGHUP while starting re-reads the keys once serving, not a death
     try:
         settings = make_settings(overrides)
         # Before any metric exists: what an earlier run left would count as this one's.
@@ -97,11 +100,30 @@ def serve(overrides: Mapping[str, Any]) -> int:
             return EXIT_OK if server.started else EXIT_CONFIG
         # Workers build their own app: hand them exactly the flags this process was given.
         os.environ[FLAGS_ENV] = json.dumps({k: _jsonable(v) for k, v in overrides.items()})
-        uvicorn.run("prefix_cache.service.server:worker_app", factory=True,
-                    workers=settings.workers, **common)
+        run_workers(uvicorn.Config("prefix_cache.service.server:worker_app", factory=True,
+                                   workers=settings.workers, **common))
     except KeyboardInterrupt:
         pass
     return EXIT_OK
+
+
+def run_workers(config: Any) -> None:
+    """uvicorn's multiprocess supervisor (as ``uvicorn.run`` with workers), except that a
+    SIGHUP is passed on to each worker, which re-reads the keys file (``keys_reload.py``),
+    instead of restarting every worker."""
+    from uvicorn.supervisors import Multiprocess
+
+    class KeysReloadingSupervisor(Multiprocess):
+        def handle_hup(self) -> None:
+            log.info("SIGHUP: the workers re-read the keys file")
+            for process in self.processes:
+                if process.pid is not None:
+                    try:
+                        os.kill(process.pid, signal.SIGHUP)
+                    except ProcessLookupError:
+                        pass  # gone: its replacement reads the file as it starts
+
+    KeysReloadingSupervisor(config, sockets=[config.bind_socket()]).run()
 
 
 def _jsonable(value: Any) -> Any:
@@ -112,4 +134,5 @@ def _jsonable(value: Any) -> Any:
 
 def worker_app() -> Any:
     """The app of one worker process (uvicorn factory)."""
+    note_early_sighup()
     return create_app(make_settings(json.loads(os.environ.get(FLAGS_ENV, "{}"))))

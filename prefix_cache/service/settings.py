@@ -157,7 +157,8 @@ class ServiceSettings(BaseSettings):
     keys_file: Path | None = Field(default=None, description="YAML/JSON {tenants: {KEY: "
                                    "tenant}, admin_keys: [...], metrics_keys: [...], "
                                    "tenant_limits: {tenant: {max_concurrency, max_queue, "
-                                   "max_prompt_bytes}}}")
+                                   "max_prompt_bytes, requests_per_minute, "
+                                   "tokens_per_minute}}}; re-read on SIGHUP")
     api_keys: dict[str, str] = Field(default_factory=dict, description="JSON {KEY: tenant}; "
                                      "no keys anywhere: open service, namespace 'default'")
     admin_keys: Annotated[list[str], NoDecode] = Field(

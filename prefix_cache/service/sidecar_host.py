@@ -95,8 +95,10 @@ class SidecarHost:
                       body: JSONBody) -> PrefixResult:
         """The conversation's boundary (of any API) in the tenant's namespace, within the
         tenant's prompt size limit."""
-        return await self.resolve(model.model, tenant, conversation, len(body.raw),
-                                  known=body.known)
+        result = await self.resolve(model.model, tenant, conversation, len(body.raw),
+                                    known=body.known)
+        await self.state.limits.spend_tokens(tenant, len(result.prompt_ids))
+        return result
 
     async def resolve(self, model: ServedModel, tenant: str, conversation: Conversation,
                       body_size: int, prompt_ids: Any = None,

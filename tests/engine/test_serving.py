@@ -230,6 +230,11 @@ def test_the_dashboard_page_shows_the_in_process_engine(
         driver.get(f"http://admin:{ENGINE_ADMIN}@{host}/dashboard?poll_ms=300")
         wait_for_js(driver, "return window.dashboard && window.dashboard.renders >= 1")
         assert driver.find_element("id", "engines").is_displayed()
+        # The engine's KV tiers over time (the history samples them every few seconds).
+        wait_for_js(driver, "const h = window.dashboard.history; return h && "
+                    f"h.engines.length === 1 && h.engines[0] === '{TINY_MODEL}' && "
+                    "window.dashboard.charts['chart-kv-bytes'].data[1].some(v => v > 0)")
+        assert driver.find_element("id", "chart-kv-bytes").is_displayed()
         cells = driver.execute_script(
             "return [...document.querySelectorAll('#engines tbody tr')].map("
             "r => [...r.children].map(c => c.textContent))")

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-
+from prefix_cache.service.upstream import Upstream
 from tests.support.browser import (
     CHROMEDRIVER,
     CHROMIUM,
@@ -20,21 +20,22 @@ from tests.support.browser import (
     wait_for_js,
 )
 from tests.support.loopback import local_client
-from tests.support.paths import ARTIFACTS
-from tests.support.paths import GRAFANA_DASHBOARD
+from tests.support.paths import ARTIFACTS, GRAFANA_DASHBOARD
+from tests.support.recording_upstream import Recorder
 from tests.support.sidecar import bearer, served, sidecar_app, unique_system, write_keys_file
-
 
 ACME, GLOBEX, ADMIN = "sk-dash-acme", "sk-dash-globex", "sk-dash-admin"
 METRICS = "sk-dash-metrics"  # what Prometheus scrapes with
 
 
 @pytest.fixture(scope="module")
-def app(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any) -> Any:
+def app(tmp_path_factory: pytest.TempPathFactory, demo_tokenizer: Any,
+        recorder_server: tuple[Recorder, str]) -> Any:
     keys = write_keys_file(tmp_path_factory.mktemp("dash") / "keys.yaml",
                            {ACME: "acme", GLOBEX: "globex"}, admin_keys=[ADMIN],
                            metrics_keys=[METRICS])
-    return sidecar_app(served("demo", demo_tokenizer), keys_file=keys)
+    return sidecar_app(served("demo", demo_tokenizer, Upstream(recorder_server[1])),
+                       keys_file=keys)
 
 
 def burst(base: str) -> tuple[int, int]:
@@ -51,6 +52,33 @@ def burst(base: str) -> tuple[int, int]:
                     hits += r.json()["cache"] == "hit"
                     misses += r.json()["cache"] == "miss"
     return hits, misses
+
+
+def chats(base: str) -> None:
+    """Chat completions relayed to the recording upstream: per tenant a miss, then hits."""
+    with local_client(base_url=base) as http:
+        for key in (ACME, GLOBEX):
+            system = unique_system(key)
+            for i in range(3):
+                r = http.post("/v1/chat/completions", headers=bearer(key), json={
+                    "model": "demo", "stream": i == 2,
+                    "messages": [system, {"role": "user", "content": f"q{i}"}]})
+                assert r.status_code == 200, r.text
+
+
+def history(base: str) -> dict[str, Any]:
+    with local_client(base_url=base) as http:
+        r = http.get("/dashboard/history.json?seconds=3600", headers=bearer(ADMIN))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chart_points(driver: Any) -> dict[str, list[int]]:
+    """Per chart, per series: how many points hold a value."""
+    return driver.execute_script(
+        "const out = {}; for (const [id, c] of Object.entries(window.dashboard.charts)) {"
+        "  out[id] = c.data.slice(1).map(ys => ys.filter(v => v !== null && v !== undefined).length);"
+        "} return out;")
 
 
 def scrape(base: str) -> dict[tuple[str, tuple], float]:
@@ -92,10 +120,11 @@ def test_metrics_stats_and_counts_agree(base: str) -> None:
 
 def test_grafana_queries_exist_in_live_metrics(base: str) -> None:
     burst(base)
+    chats(base)  # the request-level metrics (and the variables' label values) need requests
     exposed = {name for name, _ in scrape(base)}
     dash = json.loads(GRAFANA_DASHBOARD.read_text())
     queried = {m for p in dash["panels"] for t in p["targets"]
-               for m in re.findall(r"\b(prefix_cache_[a-z_]+)", t["expr"])}
+               for m in re.findall(r"\b(prefix_cache_[a-z0-9_]+)", t["expr"])}
     # The engine row's metrics exist only with an in-process engine: test_engine_serving checks
     # them against a live sidecar that has one.
     # Likewise the upstream pool's, which exist only with an upstream: test_upstream_pool.
@@ -113,7 +142,7 @@ def test_dashboard_needs_the_admin_key(base: str) -> None:
             assert http.get(path, headers=bearer(ACME)).status_code == 401
         basic = base64.b64encode(f"admin:{ADMIN}".encode()).decode()
         page = http.get("/dashboard", headers={"authorization": f"Basic {basic}"})
-        assert page.status_code == 200 and "<svg" in page.text and "http" not in re.sub(
+        assert page.status_code == 200 and 'id="chart-ttft"' in page.text and "http" not in re.sub(
             r"<!--.*?-->", "", page.text).split("<script>")[0].split("<style>")[1].split("</style>")[0]
         cookie = page.cookies.get("prefix_cache_dashboard")
         assert cookie
@@ -131,6 +160,8 @@ def test_metrics_endpoint_is_prometheus_text(base: str) -> None:
 @pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
 def test_page_in_headless_chromium(base: str) -> None:
     pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.support.ui import Select
     with headless_chromium() as driver:
         host = base.split("://", 1)[1]
         driver.get(f"http://admin:{ADMIN}@{host}/dashboard?poll_ms=300")  # the login prompt's answer
@@ -140,8 +171,9 @@ def test_page_in_headless_chromium(base: str) -> None:
 
         wait_for("return window.dashboard && window.dashboard.renders >= 2")
         burst(base)
-        wait_for("return window.dashboard.history.length >= 4 && "
-                 "document.querySelector('#chart-hit-rate path') !== null")
+        chats(base)
+        seen = driver.execute_script("return window.dashboard.historyRenders")
+        wait_for(f"return window.dashboard.historyRenders > {seen} + 1")
         time.sleep(0.7)  # one more poll after the burst, so page and endpoint see the same counts
         last = driver.execute_script("return window.dashboard.last.metrics")
         now = stats(base)["metrics"]
@@ -149,13 +181,40 @@ def test_page_in_headless_chromium(base: str) -> None:
         shown = driver.find_element("id", "kpi-hit-rate").text
         assert shown == f"{now['hit_rate'] * 100:.1f}%"
         assert driver.find_element("id", "kpi-requests").text.startswith(f"{now['requests_total']:,}")
-        points = int(driver.execute_script(
-            "return document.querySelector('#chart-rps path').dataset.points"))
-        assert points >= 3
+        # After traffic the charts hold points: TTFT of hits and of misses on one chart.
+        before = chart_points(driver)
+        assert before["chart-hit-rate"][0] >= 1 and before["chart-rps"][0] >= 1
+        assert before["chart-ttft"][0] >= 1 and before["chart-ttft"][1] >= 1
+        assert before["chart-tokens"][1] >= 1  # prompt tokens computed
+        # The page draws what the endpoint serves (the closed intervals: the current one moves).
+        served_rates = history(base)["series"]["hit_rate"]
+        drawn = driver.execute_script("const c = window.dashboard.charts['chart-hit-rate'];"
+                                      "return [c.data[0], c.data[1]];")
+        closed = dict((t, v) for t, v in served_rates[:-1])
+        assert {t: v for t, v in zip(*drawn, strict=True) if t in closed} == closed
+        # The selectors: one tenant's series.
+        Select(driver.find_element("id", "tenant")).select_by_value("acme")
+        wait_for("return window.dashboard.charts['chart-hit-rate'].data[1].length > 0 && "
+                 "document.getElementById('tenant').value === 'acme'")
+        options = driver.execute_script(
+            "return [...document.querySelectorAll('#model option')].map(o => o.value)")
+        assert "demo" in options
+        # A tooltip with the time and the values, in the chart's unit.
+        over = driver.find_element("css selector", "#chart-ttft .u-over")
+        ActionChains(driver).move_to_element(over).perform()
+        wait_for("const t = document.querySelector('#chart-ttft .tip');"
+                 "return t && t.style.display === 'block' && t.textContent.includes('hit')")
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
         tenant_cells = driver.execute_script(
             "return [...document.querySelectorAll('#tenants tbody td:first-child')].map(e => e.textContent)")
         assert {"acme", "globex"} <= set(tenant_cells)
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        driver.save_screenshot(str(ARTIFACTS / "dashboard.png"))
+        # A reload keeps the history: it is the server's.
+        driver.refresh()
+        wait_for("return window.dashboard && window.dashboard.historyRenders >= 1")
+        after = chart_points(driver)
+        for chart in ("chart-hit-rate", "chart-ttft", "chart-tokens"):
+            assert all(a >= b for a, b in zip(after[chart], before[chart], strict=True)), chart
+        driver.save_screenshot(str(ARTIFACTS / "dashboard-reloaded.png"))
         assert not browser_errors(driver)
         assert not driver.find_element("id", "engines").is_displayed()  # no in-process engine

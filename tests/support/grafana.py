@@ -7,7 +7,7 @@ import re
 
 from .paths import GRAFANA_DASHBOARD
 
-METRIC = re.compile(r"\b(prefix_cache_[a-z_]+)")
+METRIC = re.compile(r"\b(prefix_cache_[a-z0-9_]+)")
 
 
 def queried_metrics() -> set[str]:
