@@ -32,7 +32,7 @@ from ..defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAU
 from . import kv_cache
 from .delivery import async_events, blocking_events
 from .draft_layers import reused_layers
-from .kv_disk import DiskKVStore, open_kv_disk
+from .kv_disk_setup import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
 from .model_info import context_length, vocab_size
@@ -165,10 +165,10 @@ class MLXEngine:
         return async_events(self.submit, self.cancel, request)
 
     def health(self) -> EngineHealth:
-        """Whether the engine thread takes requests, and how busy it is (readiness probes)."""
-        return EngineHealth(ok=self._thread.is_alive() and not self._closed,
-                            active=len(self._by_id), queued=len(self._inbox),
-                            sparse_prefills=len(self._sparse_jobs))
+        """Whether the engine thread takes requests, how busy it is, if its KV disk is full."""
+        return EngineHealth(ok=self._thread.is_alive() and not self._closed, active=len(
+            self._by_id), queued=len(self._inbox), sparse_prefills=len(self._sparse_jobs),
+            disk_full=self.kv_disk is not None and self.kv_disk.disk_full)
 
     def snapshot_stats(self) -> EngineStats:
         """Engine and KV-store figures now."""

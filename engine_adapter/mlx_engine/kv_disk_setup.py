@@ -1,0 +1,39 @@
+"""Where a model's KV disk tier lives, and opening it for an engine (with the fingerprints of
+the model and its draft, ``kv_fingerprint``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import xxhash
+
+from .kv_disk import DiskKVStore
+from .kv_fingerprint import MEMO_NAME, folder_fingerprint
+from .kv_folder import check_root
+
+
+def kv_disk_folder(model_dir: str | Path, base: str | Path | None = None) -> Path:
+    """The disk tier's folder of a model: ``<base>/<model folder name>-<hash of its path>``,
+    ``base`` defaulting to ``engine-kv`` under the cache folder. One folder per model: the
+    files of another model in it would be deleted as foreign."""
+    from prefix_cache.demo import cache_home
+
+    folder = Path(model_dir).resolve()
+    root = Path(base) if base is not None else cache_home() / "engine-kv"
+    return root / f"{folder.name}-{xxhash.xxh3_64_hexdigest(str(folder).encode())[:8]}"
+
+
+def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str | Path | None,
+                 max_bytes: int) -> DiskKVStore | None:
+    """The disk tier of a model folder (and its draft), or None when ``max_bytes`` is 0;
+    ``KVFolderError`` (a ValueError) naming the reason when its folder is refused."""
+    if not max_bytes:
+        return None
+    root = check_root(kv_disk_folder(model_dir, base))   # refused before any weight is read
+    memo = root / MEMO_NAME
+    fingerprints = {"target": folder_fingerprint(model_dir, memo)}
+    if draft_dir is not None:
+        fingerprints["draft"] = folder_fingerprint(draft_dir, memo)
+    disk = DiskKVStore(root, max_bytes, fingerprints)
+    disk.owned = True
+    return disk
