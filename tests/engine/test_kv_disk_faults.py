@@ -490,3 +490,50 @@ def test_a_writer_killed_mid_write_leaves_no_file_and_its_temporary_file_is_clea
     assert disk.submit("static", "ns", "target", list(range(8)),
                        kv_cache.KVSnapshot(((k, k),), 8, 2 * k.nbytes))
     assert disk.flush() and disk.get("static", "ns", "target", list(range(8))) is not None
+
+
+def test_a_full_disk_without_a_tmpfs_evicts_at_the_write_seam(disks, target, tmp_path,
+                                                             monkeypatch):
+    """The same behaviour where ``mount`` is not allowed: the one write seam (``kv_file.write``)
+    fails with ENOSPC while the folder holds three files, as a disk with room for three."""
+    import errno
+
+    model, tok = target
+    write = kv_file.write
+
+    def room_for_three(*args: Any) -> None:
+        if len(files(tmp_path / "kv")) >= 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(*args)
+
+    monkeypatch.setattr(kv_file, "write", room_for_three)
+    disk = disks()
+    prompts = [turn(tok, 8 + i, "Hi.")[0] for i in range(6)]
+    for ids in prompts:
+        assert disk.submit("static", "ns", "target", ids, snapshot_of(model, ids))
+        assert disk.flush()
+    stats = disk.snapshot_stats()
+    assert stats.writes == 6 and stats.write_errors == 0 and stats.evictions >= 3
+    assert disk.get("static", "ns", "target", prompts[-1]) is not None
+
+
+def test_the_file_being_written_counts_in_the_tiers_bytes(disks, target, monkeypatch):
+    model, tok = target
+    ids, _ = turn(tok, 5, "Hi.")
+    snap = snapshot_of(model, ids)
+    writing, release = threading.Event(), threading.Event()
+    write = kv_file.write
+
+    def slow_write(*args: Any) -> None:
+        writing.set()
+        release.wait(30)
+        write(*args)
+
+    monkeypatch.setattr(kv_file, "write", slow_write)
+    disk = disks()
+    assert disk.submit("static", "ns", "target", ids, snap)
+    assert writing.wait(30)
+    during = disk.snapshot_stats().bytes
+    release.set()
+    assert disk.flush()
+    assert during == snap.nbytes and 0 < disk.snapshot_stats().bytes == disk.nbytes
