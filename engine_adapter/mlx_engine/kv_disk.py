@@ -52,10 +52,12 @@ from .kv_disk_keys import DiskEntry, DiskKey, disk_key, disk_rel, namespace_dir
 from .kv_disk_scan import remove_dead_temps, scan_folder
 from .kv_file import KVFileError
 from .kv_folder import TierFolder
+from .layered import LayeredSnapshot
 from .streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
+DiskSnapshot = KVSnapshot | LayeredSnapshot   # plain KV (dense or sparse), or layered
 FLUSH_TIMEOUT_S = 60.0                  # close waits this long for queued writes
 LOW_WATERMARK = 0.8                     # a full disk evicts down to this share of the tier
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -65,7 +67,7 @@ _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 class _Write:
     key: DiskKey
     packed_ids: bytes
-    snapshot: KVSnapshot
+    snapshot: DiskSnapshot
     supersede: bool
     generation: int
 
@@ -115,7 +117,7 @@ class DiskKVStore:
     # -- reads (the caller's thread) -----------------------------------------------------------
 
     def get(self, tier: str, namespace: str, model_id: str,
-            prefix_ids: Sequence[int]) -> KVSnapshot | None:
+            prefix_ids: Sequence[int]) -> DiskSnapshot | None:
         """The snapshot for exactly these prefix ids, or None. A file the index does not know
         (another process wrote it since the scan) is found by its path."""
         packed = pack_ids(prefix_ids)
@@ -133,7 +135,7 @@ class DiskKVStore:
 
     def longest_common_prefix(self, tier: str, namespace: str, model_id: str,
                               ids: Sequence[int], max_tokens: int, min_tokens: int = 0,
-                              ) -> tuple[int, KVSnapshot, list[int]] | None:
+                              ) -> tuple[int, DiskSnapshot, list[int]] | None:
         """``(n, snapshot, its prefix ids)``: the file of this tier, namespace and model sharing
         the longest prefix with ``ids`` (capped at ``max_tokens``) when longer than
         ``min_tokens``, as ``KVSnapshotStore.longest_common_prefix``; a candidate that fails to
@@ -161,7 +163,7 @@ class DiskKVStore:
                     self.stats.hits += 1
                 return best_n, snap, unpack_ids(entry.packed_ids)
 
-    def _load(self, key: DiskKey, rel: str, packed: bytes) -> KVSnapshot | None:
+    def _load(self, key: DiskKey, rel: str, packed: bytes) -> DiskSnapshot | None:
         """The file's snapshot if it checks out and holds exactly ``packed``; a bad file (or a
         link, a FIFO in its place) is deleted."""
         start = self._clock()
@@ -200,14 +202,10 @@ class DiskKVStore:
     # -- writes (the writer thread) ------------------------------------------------------------
 
     def submit(self, tier: str, namespace: str, model_id: str, prefix_ids: Sequence[int],
-               snapshot: KVSnapshot, *, supersede: bool = False) -> bool:
+               snapshot: DiskSnapshot, *, supersede: bool = False) -> bool:
         """Queue a snapshot for writing; False (counted) if the queue is full or the snapshot
         is larger than the whole tier. Never blocks."""
         if model_id not in self.fingerprints:   # a model this store was not told about
-            return False
-        if not isinstance(snapshot, KVSnapshot):
-            # A layered snapshot (sliding-window or recurrent layers, layered.py) has no file
-            # format yet: it stays in RAM, and a restart recomputes it.
             return False
         packed = pack_ids(prefix_ids)
         if snapshot.nbytes > self.max_bytes:

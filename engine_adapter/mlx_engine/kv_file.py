@@ -1,9 +1,11 @@
 """One KV snapshot as one safetensors file: what is written, how it is read back and checked.
 
     tensors   k.<layer>, v.<layer>                    (the snapshot's keys and values)
+              s.<layer>.<i>                           (a recurrent layer's state arrays)
     metadata  format, version, tier, namespace, model_id, fingerprint (the weights and config
               the KV came from), ids (the packed prefix ids, base64), n_tokens, positions,
-              span and keep_pct (sparse snapshots), checksum (xxh3_128 of the metadata and
+              span and keep_pct (sparse snapshots), layers (a layered snapshot's layer kinds:
+              full KV, sliding window with its offset, recurrent state), checksum (xxh3_128 of the metadata and
               the tensors together, checked before anything is restored)
 
 Everything a lookup needs before it reads any KV is in the header (``read_header`` reads only
@@ -27,6 +29,7 @@ from prefix_cache.token_ids import pack_ids, unpack_ids
 
 from .kv_cache import KVSnapshot
 from .kv_folder import TierFolder
+from .layered import LayeredSnapshot, layers_from_arrays, layers_to_arrays
 
 FORMAT = "prefix-cache-kv"
 VERSION = 2   # 2: the checksum covers the metadata too
@@ -67,18 +70,24 @@ def checksum(arrays: Mapping[str, mx.array], meta: Mapping[str, str]) -> str:
     return h.hexdigest()
 
 
-def encode(snap: KVSnapshot, *, tier: str, namespace: str, model_id: str, fingerprint: str,
-           packed_ids: bytes) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """The tensors and metadata of a snapshot's file."""
+def encode(snap: KVSnapshot | LayeredSnapshot, *, tier: str, namespace: str, model_id: str,
+           fingerprint: str, packed_ids: bytes) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The tensors and metadata of a snapshot's file (a layered one's layers described in
+    ``layers``: sliding windows with their offsets, recurrent state arrays)."""
     arrays: dict[str, mx.array] = {}
-    for i, (k, v) in enumerate(snap.layers):
-        arrays[f"k.{i}"], arrays[f"v.{i}"] = k, v
+    layers = ""
+    if isinstance(snap, LayeredSnapshot):
+        arrays, kinds = layers_to_arrays(snap)
+        layers = json.dumps(kinds)
+    else:
+        for i, (k, v) in enumerate(snap.layers):
+            arrays[f"k.{i}"], arrays[f"v.{i}"] = k, v
     meta = {"format": FORMAT, "version": str(VERSION), "tier": tier, "namespace": namespace,
             "model_id": model_id, "fingerprint": fingerprint, "ids": _b64(packed_ids),
             "n_tokens": str(snap.n_tokens), "dense_tokens": str(snap.dense_tokens),
             "positions": "" if snap.positions is None else _b64(pack_ids(snap.positions)),
             "span": "" if snap.span is None else str(snap.span),
-            "keep_pct": "" if snap.keep_pct is None else repr(snap.keep_pct)}
+            "keep_pct": "" if snap.keep_pct is None else repr(snap.keep_pct), "layers": layers}
     meta["checksum"] = checksum(arrays, meta)
     return arrays, meta
 
@@ -127,8 +136,8 @@ def check_header(meta: Mapping[str, Any], fingerprints: Mapping[str, str]) -> KV
         raise KVFileError(f"bad metadata: {exc}") from None
 
 
-def load(folder: TierFolder, rel: str,
-         fingerprints: Mapping[str, str]) -> tuple[KVFileHeader, KVSnapshot]:
+def load(folder: TierFolder, rel: str, fingerprints: Mapping[str, str],
+         ) -> tuple[KVFileHeader, KVSnapshot | LayeredSnapshot]:
     """The header and the snapshot of the KV file ``rel``, evaluated and checked: its checksum
     over metadata and tensors, then every field against the tensors, before anything is
     restored from it.
@@ -145,6 +154,8 @@ def load(folder: TierFolder, rel: str,
     header = check_header(meta, fingerprints)
     if meta.get("checksum") != checksum(arrays, meta):
         raise KVFileError("checksum mismatch")
+    if meta.get("layers"):
+        return header, _layered(header, arrays, meta)
     try:
         layers = tuple((arrays[f"k.{i}"], arrays[f"v.{i}"]) for i in range(len(arrays) // 2))
         n_tokens = int(meta["n_tokens"])
@@ -164,7 +175,20 @@ def load(folder: TierFolder, rel: str,
     return header, snap
 
 
-def _check_fields(snap: KVSnapshot, header: KVFileHeader) -> None:
+def _layered(header: KVFileHeader, arrays: dict[str, mx.array],
+             meta: Mapping[str, str]) -> LayeredSnapshot:
+    """A layered snapshot's file: every layer whole, as its description says."""
+    try:
+        snap = layers_from_arrays(arrays, json.loads(meta["layers"]), int(meta["n_tokens"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise KVFileError(f"bad layers: {exc}") from None
+    if meta.get("positions") or meta.get("span") or meta.get("keep_pct"):
+        raise KVFileError("a layered snapshot is never sparse")
+    _check_fields(snap, header)
+    return snap
+
+
+def _check_fields(snap: KVSnapshot | LayeredSnapshot, header: KVFileHeader) -> None:
     """The fields agree with each other and with the tensors (a second line behind the
     checksum: whatever a file says, it restores only what it holds)."""
     p = snap.positions

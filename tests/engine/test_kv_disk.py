@@ -305,21 +305,41 @@ def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, 
     assert disk.snapshot_stats().write_errors == 0
 
 
-def test_a_layered_snapshot_stays_in_ram_and_is_not_written(disks, tmp_path, engine_models_dir):
-    """Sliding-window and recurrent families (layered.py) have no file format yet: their
-    snapshots are not submitted, and nothing is counted as a write error."""
-    from engine_adapter.mlx_engine import kv_cache
+LAYERED = ["gemma3_text", "gpt_oss", "qwen3_next", "qwen3_5"]   # windows, recurrent state
 
-    model = load_tiny(engine_models_dir, "gemma3_text")
-    ids = list(range(1, 40))
-    cache = kv_cache.make_cache(model)
-    model(mx.array([ids]), cache=cache)
-    snap = kv_cache.snapshot(cache, len(ids))
-    assert not isinstance(snap, kv_cache.KVSnapshot)
-    disk = disks(fingerprints={"target": "x"})
-    assert not disk.submit("static", "ns", "target", ids, snap)
-    assert disk.flush() and files(tmp_path / "kv") == []
-    assert disk.snapshot_stats().write_errors == 0
+
+@pytest.mark.parametrize("arch", LAYERED)
+def test_layered_snapshots_come_back_from_disk_after_a_restart(arch, engines, disks, tmp_path,
+                                                               engine_models_dir, qwen3):
+    """Sliding-window and recurrent families: their static prefix and conversation are
+    written as layered files (0600) and restored whole after a restart; every decode step
+    equals a dense forward."""
+    model, tok = load_tiny(engine_models_dir, arch), qwen3
+    fingerprints = {"target": kv_file.model_fingerprint(model)}
+
+    def start(old: MLXEngine | None = None) -> MLXEngine:
+        if old is not None:
+            old.close()
+            old.kv_disk.close()
+        return engines(model, kv_disk=disks(fingerprints=fingerprints))
+
+    first, end = turn(tok, 12, "What is in the workspace?")
+    engine = start()
+    assert run(engine, first, end)[0].prefill.reused_tokens == 0
+    engine = start(engine)
+    second = next_turn(tok, first, "A README.", "Open it.")
+    events = run(engine, second, end, max_tokens=4)
+    assert events[0].prefill.conversation_tokens == len(first) - 1, arch
+    assert_matches_dense(model, second, events)
+    engine = start(engine)
+    other, _ = turn(tok, 12, "Something else entirely.")
+    events = run(engine, other, end, max_tokens=4)
+    assert events[0].prefill.reused_tokens == end, arch     # the static prefix, from disk
+    assert_matches_dense(model, other, events)
+    stats = engine.snapshot_stats().kv_disk
+    assert stats.discarded == 0 and stats.write_errors == 0 and stats.hits >= 1
+    for path in files(tmp_path / "kv"):
+        assert path.stat().st_mode & 0o777 == 0o600
 
 
 def test_files_another_process_wrote_are_indexed_within_the_bound(disks, target, tmp_path):

@@ -152,6 +152,32 @@ def test_edited_metadata_of_a_sparse_file_is_never_restored(disks, target, tmp_p
     assert disk.snapshot_stats().discarded == 1 and files(tmp_path / "kv") == []
 
 
+@pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_next"])
+def test_an_edited_layer_description_of_a_layered_file_is_never_restored(
+        arch, disks, tmp_path, engine_models_dir, qwen3):
+    import json
+
+    from tests.support.engine_fixtures import load_tiny
+
+    model = load_tiny(engine_models_dir, arch)
+    ids, _ = turn(qwen3, 12, "Hi.")
+    snap = snapshot_of(model, ids)
+    fingerprints = {"target": "fp"}
+    disk = disks(fingerprints=fingerprints)
+    assert disk.submit("static", "ns", "target", ids, snap) and disk.flush()
+    (path,) = files(tmp_path / "kv")
+    kinds = json.loads(mx.load(str(path), return_metadata=True)[1]["layers"])
+    for kind in kinds:   # a window moved, or a recurrent state said to be missing
+        if kind["kind"] == "window":
+            kind["offset"] -= 1
+        elif kind["kind"] == "state":
+            kind["present"] = [False] * len(kind["present"])
+    rewrite(tmp_path / "kv", path, rechecksum=True, layers=json.dumps(kinds))
+    again = disks(fingerprints=fingerprints)
+    assert again.get("static", "ns", "target", ids) is None
+    assert again.snapshot_stats().discarded == 1 and files(tmp_path / "kv") == []
+
+
 def test_an_edited_span_in_a_specprefill_history_is_a_recompute_not_an_error(
         engines, disks, target, draft, tmp_path):
     """The issue's case: ``span`` edited made the next turn fail ("cannot restore 1599 tokens
