@@ -131,7 +131,8 @@ class TierFolder:
 
     def _walk(self, folders: tuple[str, ...], create: bool) -> int:
         """A descriptor of the folder ``folders`` below the root (the caller closes it)."""
-        fd = os.dup(self._fd)
+        with self._lock:   # not while ``reopen`` swaps the root's descriptor
+            fd = os.dup(self._fd)
         try:
             for name in folders:
                 child = self._open_dir(fd, name, create)

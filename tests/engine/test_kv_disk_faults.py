@@ -290,6 +290,19 @@ def test_a_tier_folder_others_could_write_is_refused_with_the_reason(disks, tmp_
     assert disks(root=link).root == good.resolve()
 
 
+def test_serve_engine_refuses_a_tier_folder_others_could_write(tiny_model_dir, tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)                       # anyone may swap what is in it
+    code = "import sys; from prefix_cache import cli; sys.exit(cli.main(sys.argv[1:]))"
+    out = subprocess.run([sys.executable, "-c", code, "serve-engine", "--model",
+                          str(tiny_model_dir), "--engine-option", f"kv_disk_dir={shared}"],
+                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert f"KV disk folder {shared}: group or others can write it (mode 777)" in out.stderr
+
+
 def test_a_fifo_named_like_a_kv_file_hangs_neither_the_start_nor_a_lookup(disks, target,
                                                                          tmp_path):
     model, tok = target
