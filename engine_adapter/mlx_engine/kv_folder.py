@@ -270,7 +270,13 @@ def pid_alive(pid: int) -> bool:
 
 
 def _unlink_quietly(dir_fd: int, name: str) -> None:
+    """Delete ``name`` (a folder in a file's place with what it holds, following no link);
+    a name that cannot be deleted is logged, never raised: it costs a recompute at most."""
     try:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         pass
+    except IsADirectoryError:
+        shutil.rmtree(name, dir_fd=dir_fd, ignore_errors=True)
+    except OSError as exc:
+        log.warning("KV disk: could not delete %r (%s)", name, exc)

@@ -327,6 +327,8 @@ def test_a_fifo_named_like_a_kv_file_hangs_neither_the_start_nor_a_lookup(disks,
     thread.join(60)
     assert found == [None], "a lookup hung on a FIFO"
     assert disk.snapshot_stats().discarded == 2 and not path.exists()
+    path.mkdir()                              # a folder in the file's place: a miss too
+    assert disk.get("static", "acme", "target", ids) is None and not path.exists()
     assert disk.submit("static", "acme", "target", ids, snapshot_of(model, ids))
     assert disk.flush() and stat.S_ISREG(path.stat().st_mode)
 
