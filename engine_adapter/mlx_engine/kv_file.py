@@ -20,7 +20,7 @@ import json
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 import xxhash
@@ -146,8 +146,8 @@ def load(folder: TierFolder, rel: str, fingerprints: Mapping[str, str],
     evicted it); another OSError if a link or a FIFO stands in its place (``TierFolder.open``)."""
     with folder.open(rel) as fh:
         try:
-            arrays, meta = mx.load(fh, format="safetensors",  # type: ignore[misc]
-                                   return_metadata=True)
+            loaded = mx.load(fh, format="safetensors", return_metadata=True)
+            arrays, meta = cast(tuple[dict[str, mx.array], dict[str, str]], loaded)
             mx.eval(arrays)
         except (RuntimeError, ValueError) as exc:   # mlx's words for truncated, corrupt files
             raise KVFileError(f"unreadable: {exc}") from None
