@@ -447,7 +447,10 @@ def fill(fs: Path, leave: int) -> Path:
 
 def test_a_full_disk_evicts_to_make_room_and_writing_resumes(engines, disks, target, small_fs):
     from engine_adapter.backend import MLXBackend
+    from engine_adapter.server import create_engine_app
     from prefix_cache.metrics.engine import engine_exposition
+    from tests.support.loopback import local_client
+    from tests.support.server_thread import ServerThread
 
     model, tok = target
     prompts = [turn(tok, 8 + i, "Hi.")[0] for i in range(10)]
@@ -473,6 +476,11 @@ def test_a_full_disk_evicts_to_make_room_and_writing_resumes(engines, disks, tar
     assert MLXBackend(engine, tok).health()["disk_full"] is True
     assert b'prefix_cache_engine_kv_disk_full{model="tiny"} 1.0' in engine_exposition(
         "tiny", engine)[0]
+    app = create_engine_app(MLXBackend(engine, tok), close_engine=False)
+    with ServerThread(app) as url, local_client(base_url=url) as http:
+        health = http.get("/health")           # serve-engine's probe: still ready, and says it
+    assert health.status_code == 200
+    assert health.json() == {"status": "ok", "disk_full": True}
     # Room again: the next write succeeds by itself and clears the report.
     filler.unlink()
     engine.kv_store.purge()
