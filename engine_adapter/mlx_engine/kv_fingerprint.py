@@ -10,8 +10,9 @@ remembered in a memo file beside the KV (``fingerprints.json`` in the tier's fol
 keyed by the file's device, inode, size, mtime_ns and ctime_ns; a start re-reads only files
 whose key changed. ctime is set by the kernel at every write, rename or chmod and cannot be set
 back by a user, so a change the memo misses takes root changing the clock or a filesystem
-without ctime. What it does not catch: a change made while the engine is already running
-(the loaded weights are in memory; the next start sees it).
+without ctime. What it does not catch: a change made while the engine starts (between mlx-lm
+reading the weights and this reading them) or runs (the loaded weights are in memory; the next
+start sees it).
 """
 
 from __future__ import annotations
