@@ -135,12 +135,12 @@ class MLXEngine:
         """An engine for an mlx-lm model folder (and a draft folder with the same vocabulary)."""
         from mlx_lm import load
 
+        options["kv_disk"] = open_kv_disk(model_dir, draft_dir, options.pop("kv_disk_dir", None),
+                                          options.pop("kv_disk_bytes", 0))  # before the load
         loaded = load(str(model_dir))
         model, tokenizer = loaded[0], loaded[1]
         draft = load(str(draft_dir))[0] if draft_dir is not None else None
         options.setdefault("stop_token_ids", sorted(tokenizer.eos_token_ids))
-        options["kv_disk"] = open_kv_disk(model_dir, draft_dir, options.pop("kv_disk_dir", None),
-                                          options.pop("kv_disk_bytes", 0))
         return cls(model, draft_model=draft, tokenizer=tokenizer, **options)
 
     # -- the caller's side ------------------------------------------------------------------

@@ -78,7 +78,8 @@ class DiskKVStore:
 
     def __init__(self, root: str | Path, max_bytes: int, fingerprints: Mapping[str, str], *,
                  queue_entries: int = DEFAULT_KV_DISK_QUEUE,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 weights_unchanged: Callable[[], bool] | None = None) -> None:
         if not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         if queue_entries < 1:
@@ -91,6 +92,10 @@ class DiskKVStore:
         self.owned = False   # made for one engine (``open_kv_disk``): closed with it
         self.disk_full = False   # the last write failed for space, even after evicting
         self._clock = clock
+        # Checked at the first use (after the model's load): weights written since they were
+        # fingerprinted turn the tier off for this process (kv_fingerprint).
+        self._weights_unchanged = weights_unchanged
+        self._off = False
         self._index: ByteLRU[DiskKey, DiskEntry] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
         self._writing_bytes = 0   # the temporary file being written now (counted in bytes)
@@ -120,6 +125,8 @@ class DiskKVStore:
             prefix_ids: Sequence[int]) -> DiskSnapshot | None:
         """The snapshot for exactly these prefix ids, or None. A file the index does not know
         (another process wrote it since the scan) is found by its path."""
+        if not self._usable():
+            return None
         packed = pack_ids(prefix_ids)
         key = self.key(tier, namespace, model_id, packed)
         with self._lock:
@@ -140,7 +147,7 @@ class DiskKVStore:
         the longest prefix with ``ids`` (capped at ``max_tokens``) when longer than
         ``min_tokens``, as ``KVSnapshotStore.longest_common_prefix``; a candidate that fails to
         load is dropped and the next best tried."""
-        if max_tokens <= min_tokens:
+        if max_tokens <= min_tokens or not self._usable():
             return None
         packed = pack_ids(ids[:max_tokens])
         while True:
@@ -193,6 +200,15 @@ class DiskKVStore:
         self._delete(doomed)
         return snap
 
+    def _usable(self) -> bool:
+        """Whether the tier serves: not once the weights changed while the engine started."""
+        check, self._weights_unchanged = self._weights_unchanged, None
+        if check is not None and not check():
+            log.warning("KV disk %s: the model's weight files changed while the engine "
+                        "started; the disk tier is off until a restart", self.root)
+            self._off = True
+        return not self._off
+
     def contains(self, tier: str, namespace: str, model_id: str, packed_ids: bytes) -> bool:
         """Whether the index holds exactly these ids (the caller need not write them again)."""
         with self._lock:
@@ -205,7 +221,7 @@ class DiskKVStore:
                snapshot: DiskSnapshot, *, supersede: bool = False) -> bool:
         """Queue a snapshot for writing; False (counted) if the queue is full or the snapshot
         is larger than the whole tier. Never blocks."""
-        if model_id not in self.fingerprints:   # a model this store was not told about
+        if model_id not in self.fingerprints or not self._usable():   # an unknown model, or off
             return False
         packed = pack_ids(prefix_ids)
         if snapshot.nbytes > self.max_bytes:

@@ -8,7 +8,7 @@ from pathlib import Path
 import xxhash
 
 from .kv_disk import DiskKVStore
-from .kv_fingerprint import MEMO_NAME, folder_fingerprint
+from .kv_fingerprint import MEMO_NAME, folder_fingerprint, weight_stats
 from .kv_folder import check_root
 
 
@@ -26,14 +26,17 @@ def kv_disk_folder(model_dir: str | Path, base: str | Path | None = None) -> Pat
 def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str | Path | None,
                  max_bytes: int) -> DiskKVStore | None:
     """The disk tier of a model folder (and its draft), or None when ``max_bytes`` is 0;
-    ``KVFolderError`` (a ValueError) naming the reason when its folder is refused."""
+    ``KVFolderError`` (a ValueError) naming the reason when its folder is refused. Open it
+    before loading the model: its first use checks that no weight file changed since it was
+    fingerprinted (``kv_fingerprint``), so the KV it serves is the loaded weights'."""
     if not max_bytes:
         return None
     root = check_root(kv_disk_folder(model_dir, base))   # refused before any weight is read
     memo = root / MEMO_NAME
-    fingerprints = {"target": folder_fingerprint(model_dir, memo)}
-    if draft_dir is not None:
-        fingerprints["draft"] = folder_fingerprint(draft_dir, memo)
-    disk = DiskKVStore(root, max_bytes, fingerprints)
+    folders = {"target": model_dir, **({"draft": draft_dir} if draft_dir is not None else {})}
+    before = {name: weight_stats(folder) for name, folder in folders.items()}
+    fingerprints = {name: folder_fingerprint(folder, memo) for name, folder in folders.items()}
+    disk = DiskKVStore(root, max_bytes, fingerprints, weights_unchanged=lambda: before == {
+        name: weight_stats(folder) for name, folder in folders.items()})
     disk.owned = True
     return disk

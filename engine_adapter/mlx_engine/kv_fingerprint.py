@@ -10,9 +10,11 @@ remembered in a memo file beside the KV (``fingerprints.json`` in the tier's fol
 keyed by the file's device, inode, size, mtime_ns and ctime_ns; a start re-reads only files
 whose key changed. ctime is set by the kernel at every write, rename or chmod and cannot be set
 back by a user, so a change the memo misses takes root changing the clock or a filesystem
-without ctime. What it does not catch: a change made while the engine starts (between mlx-lm
-reading the weights and this reading them) or runs (the loaded weights are in memory; the next
-start sees it).
+without ctime. A change while the engine starts is caught too: the tier is opened (and the
+weights fingerprinted) before mlx-lm loads them, and its first use after the load checks with
+``weight_stats`` that no file was written since; if one was, the tier stays off for that
+process. What it does not catch: a change while the engine runs (the loaded weights are in
+memory; the next start sees it).
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ def _write_memo(memo: Path, data: dict[str, dict[str, object]]) -> None:
 
 def weight_files(folder: Path) -> Iterable[Path]:
     return sorted(folder.glob("*.safetensors"))
+
+
+def weight_stats(folder: str | Path) -> list[list[int]]:
+    """The memo's key of config.json and of every weight file: equal at two times only if
+    none of them was written in between (ctime)."""
+    root = Path(folder)
+    files = [root / "config.json", *weight_files(root)]
+    return [_stat_key(f.stat()) for f in files if f.is_file()]
 
 
 def folder_fingerprint(folder: str | Path, memo: Path | None = None) -> str:

@@ -380,6 +380,30 @@ def test_weights_changed_in_place_are_never_served_stale_kv(tiny_model_dir, tmp_
     assert_matches_dense(engine.model, ids, events)
 
 
+@pytest.mark.parametrize("changed", [False, True])
+def test_weights_changed_while_the_engine_starts_turn_the_tier_off(tiny_model_dir, tmp_path,
+                                                                   target, changed):
+    """The tier is opened (the weights fingerprinted) before mlx-lm loads them; a weight file
+    written in between could be loaded yet carry the old fingerprint, so the first use checks
+    that none was, and the tier stays off for that process if one was."""
+    from engine_adapter.mlx_engine.kv_disk_setup import open_kv_disk
+
+    model, tok = target
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    ids, _ = turn(tok, 10, "Hi.")
+    disk = open_kv_disk(model_dir, None, tmp_path / "kv", GIB)
+    try:
+        if changed:                          # written while the engine was loading it
+            _triple_rows(model_dir / "model.safetensors", [5])
+        assert disk.submit("static", "ns", "target", ids, snapshot_of(model, ids)) != changed
+        assert disk.flush()
+        assert (disk.get("static", "ns", "target", ids) is None) == changed
+    finally:
+        disk.close()
+    assert len(files(disk.root)) == (0 if changed else 1)
+
+
 def test_the_fingerprint_reads_every_byte_and_remembers_unchanged_files(tiny_model_dir,
                                                                        tmp_path):
     from engine_adapter.mlx_engine import kv_fingerprint
