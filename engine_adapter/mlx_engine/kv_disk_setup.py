@@ -3,6 +3,7 @@ the model and its draft, ``kv_fingerprint``)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import xxhash
@@ -10,6 +11,8 @@ import xxhash
 from .kv_disk import DiskKVStore
 from .kv_fingerprint import MEMO_NAME, folder_fingerprint, weight_stats
 from .kv_folder import check_root
+
+log = logging.getLogger("engine_adapter.mlx_engine")
 
 
 def kv_disk_folder(model_dir: str | Path, base: str | Path | None = None) -> Path:
@@ -30,6 +33,11 @@ def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str 
     before loading the model: its first use checks that no weight file changed since it was
     fingerprinted (``kv_fingerprint``), so the KV it serves is the loaded weights'."""
     if not max_bytes:
+        return None
+    if not Path(model_dir).is_dir() or (draft_dir is not None and not Path(draft_dir).is_dir()):
+        # Not a local folder (missing, or a hub name mlx-lm resolves): no weights to
+        # fingerprint here, so no KV to trust on disk; the load reports a missing folder.
+        log.warning("KV disk tier off: %s is not a local model folder", model_dir)
         return None
     root = check_root(kv_disk_folder(model_dir, base))   # refused before any weight is read
     memo = root / MEMO_NAME

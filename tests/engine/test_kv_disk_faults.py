@@ -610,3 +610,13 @@ def test_the_file_being_written_counts_in_the_tiers_bytes(disks, target, monkeyp
     release.set()
     assert disk.flush()
     assert during == snap.nbytes and 0 < disk.snapshot_stats().bytes == disk.nbytes
+
+
+def test_no_tier_for_a_model_that_is_not_a_local_folder(tmp_path):
+    """No weights here to fingerprint (a missing folder, a hub name): no KV trusted on disk,
+    and no folder made for it."""
+    from engine_adapter.mlx_engine.kv_disk_setup import open_kv_disk
+
+    assert open_kv_disk(tmp_path / "missing", None, tmp_path / "kv", GIB) is None
+    assert open_kv_disk("mlx-community/some-model", None, tmp_path / "kv", GIB) is None
+    assert not (tmp_path / "kv").exists()
