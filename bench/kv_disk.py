@@ -49,6 +49,7 @@ DISK_BYTES = 8 << 30
 DOCS = ROOT / "docs" / "engine.md"
 MARK_START, MARK_END = "<!-- bench:kv-disk:start -->", "<!-- bench:kv-disk:end -->"
 CASES = ("next turn", "new session")
+LAYERED = ("gemma3_text", "gpt_oss", "qwen3_next", "qwen3_5")   # --models may name these too
 
 
 def agent_tools() -> list[dict[str, Any]]:
@@ -202,6 +203,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     folders = {"tiny": lambda: tiny_model_folder(Path(args.models_dir) / "bench-target",
                                                  "qwen3", **TARGET),
                "demo": demo_chat_model_dir}
+    # The layered families (sliding windows, recurrent state): their snapshots on disk too.
+    for arch in LAYERED:
+        folders[arch] = (lambda a=arch: tiny_model_folder(Path(args.models_dir)
+                                                           / f"bench-{a}", a, **TARGET))
     results = []
     with tempfile.TemporaryDirectory(prefix="kv-disk-bench-") as tmp:
         work = Path(args.work) if args.work else Path(tmp)
@@ -255,7 +260,8 @@ def table(report: dict[str, Any], command: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="tiny,demo")
+    parser.add_argument("--models", default="tiny,demo", help="comma-separated: tiny, demo, "
+                        + ", ".join(LAYERED) + " (tiny random-weights models of those families)")
     parser.add_argument("--restarts", type=int, default=2)
     parser.add_argument("--models-dir", default=str(Path(tempfile.gettempdir())
                                                     / "prefix-cache-bench-engine"))

@@ -19,7 +19,8 @@
                                 conversion). Errors under /v1/messages have Anthropic's shape.
     GET  /v1/models             the one model served (the ``model`` of a request is not checked)
     GET  /metrics               the engine's counters, Prometheus text (prefix_cache_engine_*)
-    GET  /health                {"status": "ok"}, or a 503 once the engine thread is down
+    GET  /health                {"status": "ok"} (with "disk_full": true while the KV disk
+                                is full), or a 503 once the engine thread is down
                                 (what the sidecar's /readyz probes)
 
 A sidecar in front (``prefix-cache serve`` with an upstream of kind ``specprefill``) sends the
@@ -83,8 +84,9 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
     @app.get("/health")
     async def health() -> JSONResponse:
         report = chat.health()
-        if report["ok"]:
-            return JSONResponse({"status": "ok"})
+        if report["ok"]:   # a full KV disk costs recomputes, not readiness: said, still 200
+            full = {"disk_full": True} if report.get("disk_full") else {}
+            return JSONResponse({"status": "ok", **full})
         return JSONResponse({"status": "unavailable", "engine": report}, status_code=503)
 
     @app.get("/metrics")

@@ -123,6 +123,7 @@ class EngineHealth(TypedDict, total=False):
     active: int
     queued: int
     sparse_prefills: int
+    disk_full: bool     # the KV disk tier's last write failed for space (it still serves)
 
 
 def counted(counts: Any) -> dict[str, Any]:
@@ -161,6 +162,7 @@ class DiskKVCounts:
     writes: int = 0
     write_drops: int = 0    # the write queue was full (or the entry larger than the tier)
     write_errors: int = 0
+    full_errors: int = 0    # writes that failed for a full disk even after evicting (in errors)
     evictions: int = 0
     discarded: int = 0      # bad files deleted: truncated, corrupt, another model's, old format
     loads: int = 0
@@ -175,6 +177,7 @@ class DiskKVStats(DiskKVCounts):
     bytes: int = 0
     max_bytes: int = 0
     queued: int = 0
+    disk_full: bool = False  # the last write failed for space even after evicting
 
 
 @dataclass(slots=True)

@@ -32,7 +32,7 @@ from ..defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAU
 from . import kv_cache
 from .delivery import async_events, blocking_events
 from .draft_layers import reused_layers
-from .kv_disk import DiskKVStore, open_kv_disk
+from .kv_disk_setup import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
 from .model_info import context_length, vocab_size
@@ -135,12 +135,12 @@ class MLXEngine:
         """An engine for an mlx-lm model folder (and a draft folder with the same vocabulary)."""
         from mlx_lm import load
 
+        options["kv_disk"] = open_kv_disk(model_dir, draft_dir, options.pop("kv_disk_dir", None),
+                                          options.pop("kv_disk_bytes", 0))  # before the load
         loaded = load(str(model_dir))
         model, tokenizer = loaded[0], loaded[1]
         draft = load(str(draft_dir))[0] if draft_dir is not None else None
         options.setdefault("stop_token_ids", sorted(tokenizer.eos_token_ids))
-        options["kv_disk"] = open_kv_disk(model_dir, draft_dir, options.pop("kv_disk_dir", None),
-                                          options.pop("kv_disk_bytes", 0))
         return cls(model, draft_model=draft, tokenizer=tokenizer, **options)
 
     # -- the caller's side ------------------------------------------------------------------
@@ -165,10 +165,10 @@ class MLXEngine:
         return async_events(self.submit, self.cancel, request)
 
     def health(self) -> EngineHealth:
-        """Whether the engine thread takes requests, and how busy it is (readiness probes)."""
-        return EngineHealth(ok=self._thread.is_alive() and not self._closed,
-                            active=len(self._by_id), queued=len(self._inbox),
-                            sparse_prefills=len(self._sparse_jobs))
+        """Whether the engine thread takes requests, how busy it is, if its KV disk is full."""
+        return EngineHealth(ok=self._thread.is_alive() and not self._closed, active=len(
+            self._by_id), queued=len(self._inbox), sparse_prefills=len(self._sparse_jobs),
+            disk_full=self.kv_disk is not None and self.kv_disk.disk_full)
 
     def snapshot_stats(self) -> EngineStats:
         """Engine and KV-store figures now."""

@@ -1,13 +1,15 @@
 """The engine's KV on disk: the tier under the RAM stores, so KV outlives a restart and is
 shared by the engine processes of one host.
 
-    <root>/<tier>/ns-<xxh3_64(namespace)>/<h[:2]>/<h>.safetensors
-        h = xxh3_128(tier, namespace, model id, xxh3_128(packed prefix ids))
+    <root>/<tier>/ns-<xxh3_64(namespace)>/<h[:2]>/<h>.safetensors      (kv_disk_keys)
 
 One file per entry (``kv_file``: the metadata holds the format version, namespace, model
-fingerprint, packed prefix ids, and positions/span of sparse snapshots). An in-memory index
-(a ``ByteLRU`` of the files' sizes, least recently used first) is rebuilt at start by a scan
-of the headers; the conversation store's longest-common-prefix lookup runs over it.
+fingerprint, packed prefix ids, and positions/span of sparse snapshots, all covered by the
+file's checksum). An in-memory index (a ``ByteLRU`` of the files' sizes, least recently used
+first) is rebuilt at start by a scan of the headers (``kv_disk_scan``); the conversation
+store's longest-common-prefix lookup runs over it. Every path is reached from the root's held
+descriptor without following links (``kv_folder``): nothing outside the folder is read,
+written or deleted, and a root that others could write is refused at start.
 
 Writes are write-behind: ``submit`` hands the snapshot to one writer thread through a bounded
 queue and returns at once (a full queue drops the write, counted), so the engine thread never
@@ -17,22 +19,26 @@ Sharing: a file appears whole (temporary name, fsync, rename) or not at all. A p
 another's files by the scan at its start and, for exact lookups, by probing the file's path; a
 file another process evicted is a miss. Each process keeps the folder within ``max_bytes`` as
 far as it knows it (its scan and its own writes). A bad file (truncated, corrupt, another
-model's, another format version) is deleted when met and costs a recompute.
+model's, another format version, edited metadata) is deleted when met and costs a recompute.
+
+Faults the writer recovers from by itself: a folder deleted while running is made again at the
+next write; a full disk (ENOSPC, EDQUOT) evicts least recently used files down to
+``LOW_WATERMARK`` of what the tier holds and tries once more; while writes still fail for
+space, ``disk_full`` is reported (stats, ``/metrics``, the engine's readiness report), and the
+next write that succeeds clears it. docs/reliability.md has the fault table.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
-import os
 import queue
-import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import xxhash
+from typing import Any
 
 from prefix_cache.boundary import packed_prefix_len
 from prefix_cache.engine_protocol import DiskKVCounts, DiskKVStats, counted
@@ -42,36 +48,28 @@ from prefix_cache.token_ids import pack_ids, unpack_ids
 from ..defaults import DEFAULT_KV_DISK_QUEUE
 from . import kv_file
 from .kv_cache import KVSnapshot
+from .kv_disk_keys import DiskEntry, DiskKey, disk_key, disk_rel, namespace_dir
+from .kv_disk_scan import remove_dead_temps, scan_folder
 from .kv_file import KVFileError
+from .kv_folder import TierFolder
+from .layered import LayeredSnapshot
 from .streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
-DiskKey = tuple[str, str, str, bytes]   # tier, namespace, model id, xxh3_128(packed ids)
-STALE_TMP_S = 3600.0                    # a temporary file this old is a crashed writer's
+DiskSnapshot = KVSnapshot | LayeredSnapshot   # plain KV (dense or sparse), or layered
 FLUSH_TIMEOUT_S = 60.0                  # close waits this long for queued writes
-
-
-@dataclass(frozen=True, slots=True)
-class DiskEntry:
-    """A file the index knows: where it is and the prefix ids it holds."""
-
-    path: Path
-    packed_ids: bytes
-    dense_tokens: int
+LOW_WATERMARK = 0.8                     # a full disk evicts down to this share of the tier
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass(slots=True)
 class _Write:
     key: DiskKey
     packed_ids: bytes
-    snapshot: KVSnapshot
+    snapshot: DiskSnapshot
     supersede: bool
     generation: int
-
-
-def _namespace_dir(namespace: str) -> str:
-    return f"ns-{xxhash.xxh3_64_hexdigest(namespace.encode())}"
 
 
 class DiskKVStore:
@@ -80,20 +78,27 @@ class DiskKVStore:
 
     def __init__(self, root: str | Path, max_bytes: int, fingerprints: Mapping[str, str], *,
                  queue_entries: int = DEFAULT_KV_DISK_QUEUE,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 weights_unchanged: Callable[[], bool] | None = None) -> None:
         if not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int, got {max_bytes!r}")
         if queue_entries < 1:
             raise ValueError(f"queue_entries must be >= 1, got {queue_entries!r}")
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.folder = TierFolder(root)   # KVFolderError (a ValueError) names a folder refused
+        self.root = self.folder.path
         self.max_bytes = max_bytes
         self.fingerprints = dict(fingerprints)
         self.stats = DiskKVCounts()
         self.owned = False   # made for one engine (``open_kv_disk``): closed with it
+        self.disk_full = False   # the last write failed for space, even after evicting
         self._clock = clock
+        # Checked at the first use (after the model's load): weights written since they were
+        # fingerprinted turn the tier off for this process (kv_fingerprint).
+        self._weights_unchanged = weights_unchanged
+        self._off = False
         self._index: ByteLRU[DiskKey, DiskEntry] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
+        self._writing_bytes = 0   # the temporary file being written now (counted in bytes)
         # A purge bumps the generation of its namespace (or all): queued writes made before it
         # are dropped instead of bringing purged KV back.
         self._generation = 0
@@ -107,28 +112,27 @@ class DiskKVStore:
 
     # -- paths and keys ------------------------------------------------------------------------
 
-    @staticmethod
-    def key(tier: str, namespace: str, model_id: str, packed_ids: bytes) -> DiskKey:
-        return (tier, namespace, model_id, xxhash.xxh3_128_digest(packed_ids))
+    key = staticmethod(disk_key)
+    rel = staticmethod(disk_rel)
 
     def path(self, key: DiskKey) -> Path:
-        tier, namespace, model_id, digest = key
-        h = xxhash.xxh3_128_hexdigest(b"\0".join(
-            (tier.encode(), namespace.encode(), model_id.encode(), digest)))
-        return self.root / tier / _namespace_dir(namespace) / h[:2] / f"{h}{kv_file.SUFFIX}"
+        """A key's file as a path (for people and logs: the store itself never follows it)."""
+        return self.root / self.rel(key)
 
     # -- reads (the caller's thread) -----------------------------------------------------------
 
     def get(self, tier: str, namespace: str, model_id: str,
-            prefix_ids: Sequence[int]) -> KVSnapshot | None:
+            prefix_ids: Sequence[int]) -> DiskSnapshot | None:
         """The snapshot for exactly these prefix ids, or None. A file the index does not know
         (another process wrote it since the scan) is found by its path."""
+        if not self._usable():
+            return None
         packed = pack_ids(prefix_ids)
         key = self.key(tier, namespace, model_id, packed)
         with self._lock:
             entry = self._index.peek(key)
-        path = entry.path if entry is not None else self.path(key)
-        snap = self._load(key, path, packed, known=entry is not None)
+        rel = entry.rel if entry is not None else self.rel(key)
+        snap = self._load(key, rel, packed)
         with self._lock:
             if snap is None:
                 self.stats.misses += 1
@@ -138,12 +142,12 @@ class DiskKVStore:
 
     def longest_common_prefix(self, tier: str, namespace: str, model_id: str,
                               ids: Sequence[int], max_tokens: int, min_tokens: int = 0,
-                              ) -> tuple[int, KVSnapshot, list[int]] | None:
+                              ) -> tuple[int, DiskSnapshot, list[int]] | None:
         """``(n, snapshot, its prefix ids)``: the file of this tier, namespace and model sharing
         the longest prefix with ``ids`` (capped at ``max_tokens``) when longer than
         ``min_tokens``, as ``KVSnapshotStore.longest_common_prefix``; a candidate that fails to
         load is dropped and the next best tried."""
-        if max_tokens <= min_tokens:
+        if max_tokens <= min_tokens or not self._usable():
             return None
         packed = pack_ids(ids[:max_tokens])
         while True:
@@ -160,19 +164,18 @@ class DiskKVStore:
                     self.stats.misses += 1
                     return None
             key, entry = best
-            snap = self._load(key, entry.path, entry.packed_ids, known=True)
+            snap = self._load(key, entry.rel, entry.packed_ids)
             if snap is not None:
                 with self._lock:
                     self.stats.hits += 1
                 return best_n, snap, unpack_ids(entry.packed_ids)
 
-    def _load(self, key: DiskKey, path: Path, packed: bytes, *, known: bool) -> KVSnapshot | None:
-        """The file's snapshot if it holds exactly ``packed``; a bad file is deleted."""
-        if not known and not path.exists():
-            return None
+    def _load(self, key: DiskKey, rel: str, packed: bytes) -> DiskSnapshot | None:
+        """The file's snapshot if it checks out and holds exactly ``packed``; a bad file (or a
+        link, a FIFO in its place) is deleted."""
         start = self._clock()
         try:
-            header, snap = kv_file.load(path, self.fingerprints)
+            header, snap = kv_file.load(self.folder, rel, self.fingerprints)
             if header.packed_ids != packed or key[:3] != (header.tier, header.namespace,
                                                            header.model_id):
                 raise KVFileError("another prefix under this name")
@@ -180,22 +183,31 @@ class DiskKVStore:
             self._forget(key)
             return None
         except (KVFileError, OSError) as exc:
-            log.warning("KV file %s is bad (%s); deleted, its KV is computed again", path, exc)
-            self._discard(path, key)
+            log.warning("KV file %s is bad (%s); deleted, its KV is computed again",
+                        self.root / rel, exc)
+            self._discard(rel, key)
             return None
         try:
-            os.utime(path)  # its last access, for the LRU of processes that scan it later
+            self.folder.touch(rel)   # its last use, for the LRU of processes that scan later
         except OSError:
             pass
-        doomed: list[Path] = []
+        doomed: list[str] = []
         with self._lock:
             self.stats.loads += 1
             self.stats.load_seconds += self._clock() - start
             if self._index.get(key) is None:   # another process's file: indexed now
-                doomed = self._add(key, DiskEntry(path, packed, header.dense_tokens), path)
-        for old in doomed:
-            old.unlink(missing_ok=True)
+                doomed = self._add(key, DiskEntry(rel, packed, header.dense_tokens))
+        self._delete(doomed)
         return snap
+
+    def _usable(self) -> bool:
+        """Whether the tier serves: not once the weights changed while the engine started."""
+        check, self._weights_unchanged = self._weights_unchanged, None
+        if check is not None and not check():
+            log.warning("KV disk %s: the model's weight files changed while the engine "
+                        "started; the disk tier is off until a restart", self.root)
+            self._off = True
+        return not self._off
 
     def contains(self, tier: str, namespace: str, model_id: str, packed_ids: bytes) -> bool:
         """Whether the index holds exactly these ids (the caller need not write them again)."""
@@ -206,14 +218,10 @@ class DiskKVStore:
     # -- writes (the writer thread) ------------------------------------------------------------
 
     def submit(self, tier: str, namespace: str, model_id: str, prefix_ids: Sequence[int],
-               snapshot: KVSnapshot, *, supersede: bool = False) -> bool:
+               snapshot: DiskSnapshot, *, supersede: bool = False) -> bool:
         """Queue a snapshot for writing; False (counted) if the queue is full or the snapshot
         is larger than the whole tier. Never blocks."""
-        if model_id not in self.fingerprints:   # a model this store was not told about
-            return False
-        if not isinstance(snapshot, KVSnapshot):
-            # A layered snapshot (sliding-window or recurrent layers, layered.py) has no file
-            # format yet: it stays in RAM, and a restart recomputes it.
+        if model_id not in self.fingerprints or not self._usable():   # an unknown model, or off
             return False
         packed = pack_ids(prefix_ids)
         if snapshot.nbytes > self.max_bytes:
@@ -278,88 +286,116 @@ class DiskKVStore:
         tier, namespace, model_id, _ = item.key
         if self._purged_since(namespace, item.generation):
             return
-        path = self.path(item.key)
-        for folder in (path.parents[2], path.parents[1], path.parent):  # tier, namespace, h[:2]
-            folder.mkdir(mode=0o700, exist_ok=True)
+        if self.folder.reopen():   # the root was deleted: its files are gone, and the index
+            self.scan()
+        rel = self.rel(item.key)
         arrays, meta = kv_file.encode(item.snapshot, tier=tier, namespace=namespace,
                                       model_id=model_id,
                                       fingerprint=self.fingerprints[model_id],
                                       packed_ids=item.packed_ids)
-        kv_file.write(path, arrays, meta)
-        entry = DiskEntry(path, item.packed_ids, item.snapshot.dense_tokens)
+        self._write_file(rel, arrays, meta, item.snapshot.nbytes)
+        entry = DiskEntry(rel, item.packed_ids, item.snapshot.dense_tokens)
         with self._lock:
             if self._purged_since(namespace, item.generation):  # purged while it was written
-                doomed = [path]
+                doomed = [rel]
             else:
                 self.stats.writes += 1
-                doomed = self._add(item.key, entry, path)
+                doomed = self._add(item.key, entry)
                 if item.supersede:
                     covered = self._index.pop_where(
                         lambda k, e: k[:3] == item.key[:3] and k != item.key
                         and item.packed_ids.startswith(e.packed_ids))
-                    doomed += [e.path for _, e in covered]
-        for old in doomed:
-            old.unlink(missing_ok=True)
+                    doomed += [e.rel for _, e in covered]
+        self._delete(doomed)
 
-    def _add(self, key: DiskKey, entry: DiskEntry, path: Path) -> list[Path]:
-        """Index a file as the most recently used; the paths evicted to stay within bounds
+    def _write_file(self, rel: str, arrays: dict[str, Any], meta: dict[str, str],
+                    nbytes: int) -> None:
+        """Write one file; on a full disk, make room and try once more (module docstring)."""
+        for attempt in (1, 2):
+            with self._lock:
+                self._writing_bytes = nbytes
+            try:
+                kv_file.write(self.folder, rel, arrays, meta)
+                break
+            except OSError as exc:
+                if exc.errno not in _NO_SPACE:
+                    raise
+                if attempt == 2 or not self._make_room(nbytes):
+                    with self._lock:
+                        self.stats.full_errors += 1
+                        self.disk_full = True
+                    raise
+            finally:
+                with self._lock:
+                    self._writing_bytes = 0
+        with self._lock:
+            self.disk_full = False
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Delete dead writers' temporary files and the least recently used files down to
+        ``LOW_WATERMARK`` of what the tier holds (and ``nbytes`` more); whether any went."""
+        removed = remove_dead_temps(self.folder)
+        with self._lock:
+            target = min(int(self._index.nbytes * LOW_WATERMARK), self._index.nbytes - nbytes)
+            doomed: list[str] = []
+            while self._index.nbytes > max(target, 0) and (oldest := self._index.oldest()):
+                self._index.pop(oldest[0])
+                doomed.append(oldest[1].rel)
+            self.stats.evictions += len(doomed)
+        log.warning("KV disk %s is full: %d files evicted, %d dead temporary files deleted",
+                    self.root, len(doomed), removed)
+        self._delete(doomed)
+        return bool(doomed or removed)
+
+    def _add(self, key: DiskKey, entry: DiskEntry) -> list[str]:
+        """Index a file as the most recently used; the files evicted to stay within bounds
         (the caller deletes them, outside the lock). Call with the lock held."""
         try:
-            size = path.stat().st_size
+            with self.folder.open(entry.rel) as fh:
+                size = fh.seek(0, 2)
         except OSError:   # already evicted by another process
             return []
         evicted = self._index.put(key, entry, size)
         if evicted is None:   # larger than the whole tier
-            return [path]
+            return [entry.rel]
         self.stats.evictions += len(evicted)
-        return [e.path for _, e in evicted]
+        return [e.rel for _, e in evicted]
+
+    def _delete(self, doomed: list[str]) -> None:
+        for rel in doomed:
+            self.folder.unlink(rel)
 
     # -- the index -----------------------------------------------------------------------------
 
     def scan(self) -> int:
         """Rebuild the index from the folder's files, least recently used (oldest mtime) first;
-        bad files and stale temporary ones are deleted. The number of files indexed."""
-        found: list[tuple[float, DiskKey, DiskEntry, int]] = []
-        now = time.time()
-        for path in self.root.rglob(f"*{kv_file.SUFFIX}"):
-            try:
-                st = path.stat()
-                if path.name.startswith("."):   # a temporary file: a writer's, or a crash's
-                    if now - st.st_mtime > STALE_TMP_S:
-                        path.unlink(missing_ok=True)
-                    continue
-                header = kv_file.check_header(kv_file.read_header(path), self.fingerprints)
-            except FileNotFoundError:
-                continue
-            except (KVFileError, OSError) as exc:
-                log.warning("KV file %s is bad (%s); deleted", path, exc)
-                self._discard(path, None)
-                continue
-            key = self.key(header.tier, header.namespace, header.model_id, header.packed_ids)
-            if self.path(key) != path:   # not where its metadata says: not ours to trust
-                self._discard(path, None)
-                continue
-            found.append((st.st_mtime, key, DiskEntry(path, header.packed_ids,
-                                                      header.dense_tokens), st.st_size))
-        found.sort(key=lambda f: f[0])
-        doomed: list[Path] = []
+        bad files and dead writers' temporary ones are deleted. The number of files indexed."""
+        scan = scan_folder(self.folder, self.fingerprints)
+        doomed: list[str] = []
         with self._lock:
+            self.stats.discarded += scan.bad
             self._index = ByteLRU(self.max_bytes)
-            for _, key, entry, size in found:
-                evicted = self._index.put(key, entry, size) or []
+            for found in scan.found:
+                h = found.header
+                key = self.key(h.tier, h.namespace, h.model_id, h.packed_ids)
+                if self.rel(key) != found.rel:   # not where its metadata says: not ours to trust
+                    self.stats.discarded += 1
+                    doomed.append(found.rel)
+                    continue
+                evicted = self._index.put(key, DiskEntry(found.rel, h.packed_ids,
+                                                         h.dense_tokens), found.size) or []
                 self.stats.evictions += len(evicted)
-                doomed += [e.path for _, e in evicted]
+                doomed += [e.rel for _, e in evicted]
             count = len(self._index)
-        for path in doomed:
-            path.unlink(missing_ok=True)
+        self._delete(doomed)
         return count
 
     def _forget(self, key: DiskKey) -> None:
         with self._lock:
             self._index.pop(key)
 
-    def _discard(self, path: Path, key: DiskKey | None) -> None:
-        path.unlink(missing_ok=True)
+    def _discard(self, rel: str, key: DiskKey | None) -> None:
+        self.folder.unlink(rel)
         with self._lock:
             self.stats.discarded += 1
             if key is not None:
@@ -379,19 +415,18 @@ class DiskKVStore:
             doomed = self._index.pop_where(
                 lambda k, _: (tier is None or k[0] == tier)
                 and (namespace is None or k[1] == namespace))
-        tiers = [tier] if tier is not None else [p.name for p in self.root.iterdir() if p.is_dir()]
+        # Whole folders first (other processes' files too), each reached without a link;
+        # then what the index says this process wrote, wherever it is below the root.
+        tiers = [tier] if tier is not None else self.folder.folders()
         for t in tiers:
-            folders = ([self.root / t / _namespace_dir(namespace)] if namespace is not None
-                       else [self.root / t])
-            for folder in folders:
-                shutil.rmtree(folder, ignore_errors=True)
-        for _, entry in doomed:
-            entry.path.unlink(missing_ok=True)
+            self.folder.remove_tree(t if namespace is None else f"{t}/{namespace_dir(namespace)}")
+        self._delete([entry.rel for _, entry in doomed])
         return len(doomed)
 
     @property
     def nbytes(self) -> int:
-        return self._index.nbytes
+        """Bytes of the indexed files and of the temporary file being written."""
+        return self._index.nbytes + self._writing_bytes
 
     def __len__(self) -> int:
         return len(self._index)
@@ -400,29 +435,6 @@ class DiskKVStore:
         """The tier's figures now."""
         with self._lock:
             return DiskKVStats(**counted(self.stats), entries=len(self._index),
-                               bytes=self._index.nbytes, max_bytes=self.max_bytes,
-                               queued=self._queue.qsize())
-
-
-def kv_disk_folder(model_dir: str | Path, base: str | Path | None = None) -> Path:
-    """The disk tier's folder of a model: ``<base>/<model folder name>-<hash of its path>``,
-    ``base`` defaulting to ``engine-kv`` under the cache folder. One folder per model: the
-    files of another model in it would be deleted as foreign."""
-    from prefix_cache.demo import cache_home
-
-    folder = Path(model_dir).resolve()
-    root = Path(base) if base is not None else cache_home() / "engine-kv"
-    return root / f"{folder.name}-{xxhash.xxh3_64_hexdigest(str(folder).encode())[:8]}"
-
-
-def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str | Path | None,
-                 max_bytes: int) -> DiskKVStore | None:
-    """The disk tier of a model folder (and its draft), or None when ``max_bytes`` is 0."""
-    if not max_bytes:
-        return None
-    fingerprints = {"target": kv_file.folder_fingerprint(model_dir)}
-    if draft_dir is not None:
-        fingerprints["draft"] = kv_file.folder_fingerprint(draft_dir)
-    disk = DiskKVStore(kv_disk_folder(model_dir, base), max_bytes, fingerprints)
-    disk.owned = True
-    return disk
+                               bytes=self._index.nbytes + self._writing_bytes,
+                               max_bytes=self.max_bytes, queued=self._queue.qsize(),
+                               disk_full=self.disk_full)

@@ -1,9 +1,12 @@
 """One KV snapshot as one safetensors file: what is written, how it is read back and checked.
 
     tensors   k.<layer>, v.<layer>                    (the snapshot's keys and values)
+              s.<layer>.<i>                           (a recurrent layer's state arrays)
     metadata  format, version, tier, namespace, model_id, fingerprint (the weights and config
               the KV came from), ids (the packed prefix ids, base64), n_tokens, positions,
-              span and keep_pct (sparse snapshots), checksum (xxh3_64 of the tensors' bytes)
+              span and keep_pct (sparse snapshots), layers (a layered snapshot's layer kinds:
+              full KV, sliding window with its offset, recurrent state), checksum (xxh3_128 of the metadata and
+              the tensors together, checked before anything is restored)
 
 Everything a lookup needs before it reads any KV is in the header (``read_header`` reads only
 that), so the startup scan costs one small read per file. A file that does not check out on
@@ -14,12 +17,10 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
 import xxhash
@@ -27,9 +28,11 @@ import xxhash
 from prefix_cache.token_ids import pack_ids, unpack_ids
 
 from .kv_cache import KVSnapshot
+from .kv_folder import TierFolder
+from .layered import LayeredSnapshot, layers_from_arrays, layers_to_arrays
 
 FORMAT = "prefix-cache-kv"
-VERSION = 1
+VERSION = 2   # 2: the checksum covers the metadata too
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 64 << 20  # a header beyond this is not one this module wrote
 
@@ -54,63 +57,57 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
-def _checksum(arrays: Mapping[str, mx.array]) -> str:
-    h = xxhash.xxh3_64()
+def checksum(arrays: Mapping[str, mx.array], meta: Mapping[str, str]) -> str:
+    """xxh3_128 of the metadata (all but the checksum) and of every tensor's name, dtype, shape
+    and bytes: an edited field fails it as a flipped bit of the KV does."""
+    h = xxhash.xxh3_128()
+    fields = {k: v for k, v in meta.items() if k != "checksum"}
+    h.update(json.dumps(fields, sort_keys=True).encode())
     for name in sorted(arrays):
-        h.update(name.encode())
-        h.update(memoryview(arrays[name]))
+        array = arrays[name]
+        h.update(f"\0{name}\0{array.dtype}\0{array.shape}\0".encode())
+        h.update(memoryview(array))
     return h.hexdigest()
 
 
-def encode(snap: KVSnapshot, *, tier: str, namespace: str, model_id: str, fingerprint: str,
-           packed_ids: bytes) -> tuple[dict[str, mx.array], dict[str, str]]:
-    """The tensors and metadata of a snapshot's file."""
+def encode(snap: KVSnapshot | LayeredSnapshot, *, tier: str, namespace: str, model_id: str,
+           fingerprint: str, packed_ids: bytes) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """The tensors and metadata of a snapshot's file (a layered one's layers described in
+    ``layers``: sliding windows with their offsets, recurrent state arrays)."""
     arrays: dict[str, mx.array] = {}
-    for i, (k, v) in enumerate(snap.layers):
-        arrays[f"k.{i}"], arrays[f"v.{i}"] = k, v
+    layers = ""
+    if isinstance(snap, LayeredSnapshot):
+        arrays, kinds = layers_to_arrays(snap)
+        layers = json.dumps(kinds)
+    else:
+        for i, (k, v) in enumerate(snap.layers):
+            arrays[f"k.{i}"], arrays[f"v.{i}"] = k, v
     meta = {"format": FORMAT, "version": str(VERSION), "tier": tier, "namespace": namespace,
             "model_id": model_id, "fingerprint": fingerprint, "ids": _b64(packed_ids),
             "n_tokens": str(snap.n_tokens), "dense_tokens": str(snap.dense_tokens),
             "positions": "" if snap.positions is None else _b64(pack_ids(snap.positions)),
             "span": "" if snap.span is None else str(snap.span),
-            "keep_pct": "" if snap.keep_pct is None else repr(snap.keep_pct),
-            "checksum": _checksum(arrays)}
+            "keep_pct": "" if snap.keep_pct is None else repr(snap.keep_pct), "layers": layers}
+    meta["checksum"] = checksum(arrays, meta)
     return arrays, meta
 
 
-def write(path: Path, arrays: Mapping[str, mx.array], meta: Mapping[str, str]) -> None:
-    """Write a KV file crash-safely: a private temporary name (mode 0600: it holds what a tenant
-    sent), fsync, rename over ``path``, fsync of the folder. Readers see the old file or the
-    whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{os.urandom(4).hex()}.tmp{SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            mx.save_safetensors(fh, dict(arrays), metadata=dict(meta))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+def write(folder: TierFolder, rel: str, arrays: Mapping[str, mx.array],
+          meta: Mapping[str, str]) -> None:
+    """Write a KV file at ``rel`` in the tier ``folder``, crash-safely and privately (0600: it
+    holds what a tenant sent; ``TierFolder.write``)."""
+    folder.write(rel, lambda fh: mx.save_safetensors(fh, dict(arrays), metadata=dict(meta)))
 
 
-def read_header(path: Path) -> dict[str, str]:
-    """The metadata of a safetensors file, read without its tensors."""
-    with open(path, "rb") as fh:
-        raw = fh.read(8)
-        if len(raw) != 8:
-            raise KVFileError("no safetensors header")
-        (size,) = struct.unpack("<Q", raw)
-        if size > MAX_HEADER_BYTES:
-            raise KVFileError(f"a header of {size} bytes")
-        data = fh.read(size)
+def read_header(fh: BinaryIO) -> dict[str, str]:
+    """The metadata of a safetensors file open for reading, read without its tensors."""
+    raw = fh.read(8)
+    if len(raw) != 8:
+        raise KVFileError("no safetensors header")
+    (size,) = struct.unpack("<Q", raw)
+    if size > MAX_HEADER_BYTES:
+        raise KVFileError(f"a header of {size} bytes")
+    data = fh.read(size)
     if len(data) != size:
         raise KVFileError("truncated header")
     try:
@@ -139,22 +136,26 @@ def check_header(meta: Mapping[str, Any], fingerprints: Mapping[str, str]) -> KV
         raise KVFileError(f"bad metadata: {exc}") from None
 
 
-def load(path: Path, fingerprints: Mapping[str, str]) -> tuple[KVFileHeader, KVSnapshot]:
-    """The header and the snapshot of a KV file, evaluated and checked against its checksum.
+def load(folder: TierFolder, rel: str, fingerprints: Mapping[str, str],
+         ) -> tuple[KVFileHeader, KVSnapshot | LayeredSnapshot]:
+    """The header and the snapshot of the KV file ``rel``, evaluated and checked: its checksum
+    over metadata and tensors, then every field against the tensors, before anything is
+    restored from it.
 
-    KVFileError if it does not check out; OSError if it is gone (another process evicted it)."""
-    if not path.exists():
-        raise FileNotFoundError(path)
-    try:
-        arrays, meta = mx.load(str(path), return_metadata=True)  # type: ignore[misc]
-        mx.eval(arrays)
-    except (RuntimeError, ValueError) as exc:   # mlx's words for truncated and corrupt files
-        if not path.exists():
-            raise FileNotFoundError(path) from exc
-        raise KVFileError(f"unreadable: {exc}") from None
+    KVFileError if it does not check out; FileNotFoundError if it is gone (another process
+    evicted it); another OSError if a link or a FIFO stands in its place (``TierFolder.open``)."""
+    with folder.open(rel) as fh:
+        try:
+            loaded = mx.load(fh, format="safetensors", return_metadata=True)
+            arrays, meta = cast(tuple[dict[str, mx.array], dict[str, str]], loaded)
+            mx.eval(arrays)
+        except (RuntimeError, ValueError) as exc:   # mlx's words for truncated, corrupt files
+            raise KVFileError(f"unreadable: {exc}") from None
     header = check_header(meta, fingerprints)
-    if meta.get("checksum") != _checksum(arrays):
+    if meta.get("checksum") != checksum(arrays, meta):
         raise KVFileError("checksum mismatch")
+    if meta.get("layers"):
+        return header, _layered(header, arrays, meta)
     try:
         layers = tuple((arrays[f"k.{i}"], arrays[f"v.{i}"]) for i in range(len(arrays) // 2))
         n_tokens = int(meta["n_tokens"])
@@ -166,30 +167,39 @@ def load(path: Path, fingerprints: Mapping[str, str]) -> tuple[KVFileHeader, KVS
     except (KeyError, ValueError) as exc:
         raise KVFileError(f"bad metadata: {exc}") from None
     if (not layers or len(arrays) != 2 * len(layers)
-            or any(k.shape[-2] != n_tokens or v.shape[-2] != n_tokens for k, v in layers)
-            or (positions is not None and len(positions) != n_tokens)):
+            or any(k.shape[-2] != n_tokens or v.shape[-2] != n_tokens for k, v in layers)):
         raise KVFileError("tensors do not match the metadata")
     nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-    return header, KVSnapshot(layers, n_tokens, nbytes, positions, span, keep_pct)
+    snap = KVSnapshot(layers, n_tokens, nbytes, positions, span, keep_pct)
+    _check_fields(snap, header)
+    return header, snap
 
 
-def folder_fingerprint(folder: str | Path, sample_bytes: int = 1 << 20) -> str:
-    """A fingerprint of a model folder's weights and config: config.json whole, and of each
-    weight file its name, size, header (tensor names, dtypes, shapes, offsets) and three
-    samples of its data (start, middle, end). Reading every byte of a 16 GB model at each start
-    would cost seconds; a retrained or requantized model changes its header or its samples."""
-    root = Path(folder)
-    h = xxhash.xxh3_128()
-    config = root / "config.json"
-    h.update(config.read_bytes() if config.is_file() else b"")
-    for weights in sorted(root.glob("*.safetensors")):
-        size = weights.stat().st_size
-        h.update(f"{weights.name}\0{size}\0".encode())
-        with open(weights, "rb") as fh:
-            for at in (0, max(0, size // 2 - sample_bytes // 2), max(0, size - sample_bytes)):
-                fh.seek(at)
-                h.update(fh.read(sample_bytes))
-    return h.hexdigest()
+def _layered(header: KVFileHeader, arrays: dict[str, mx.array],
+             meta: Mapping[str, str]) -> LayeredSnapshot:
+    """A layered snapshot's file: every layer whole, as its description says."""
+    try:
+        snap = layers_from_arrays(arrays, json.loads(meta["layers"]), int(meta["n_tokens"]))
+    except (KeyError, ValueError, TypeError) as exc:
+        raise KVFileError(f"bad layers: {exc}") from None
+    if meta.get("positions") or meta.get("span") or meta.get("keep_pct"):
+        raise KVFileError("a layered snapshot is never sparse")
+    _check_fields(snap, header)
+    return snap
+
+
+def _check_fields(snap: KVSnapshot | LayeredSnapshot, header: KVFileHeader) -> None:
+    """The fields agree with each other and with the tensors (a second line behind the
+    checksum: whatever a file says, it restores only what it holds)."""
+    p = snap.positions
+    sparse_ok = (p is None and snap.span is None) or (
+        p is not None and snap.span is not None and len(p) == snap.n_tokens
+        and all(a < b for a, b in zip(p, p[1:], strict=False))
+        and (not p or (p[0] >= 0 and p[-1] < snap.span)))
+    if (not sparse_ok or len(header.packed_ids) // 4 != snap.prompt_tokens
+            or header.dense_tokens != snap.dense_tokens
+            or (snap.keep_pct is not None and not 0.0 < snap.keep_pct <= 1.0)):
+        raise KVFileError("metadata does not match the tensors")
 
 
 def model_fingerprint(model: Any) -> str:

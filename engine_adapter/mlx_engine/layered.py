@@ -152,3 +152,58 @@ def restore_layers(snap: LayeredSnapshot, n_tokens: int | None = None, *,
         raise ValueError(f"cannot restore {n_tokens} tokens from a snapshot of exactly "
                          f"{snap.n_tokens}")
     return [_restored(layer, snap.n_tokens, copy) for layer in snap.layers]
+
+
+# -- as named arrays and a description per layer (a KV file on the disk tier, kv_file.py) --------
+
+def layers_to_arrays(snap: LayeredSnapshot) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:
+    """The snapshot's arrays by name (``k.<i>``/``v.<i>``: full and window layers,
+    ``s.<i>.<j>``: a recurrent layer's state) and each layer's kind and fields."""
+    arrays: dict[str, mx.array] = {}
+    kinds: list[dict[str, Any]] = []
+    for i, layer in enumerate(snap.layers):
+        if isinstance(layer, StateLayer):
+            present = [a is not None for a in layer.arrays]
+            for j, a in enumerate(layer.arrays):
+                if a is not None:
+                    arrays[f"s.{i}.{j}"] = mx.contiguous(a)
+            kinds.append({"kind": "state", "present": present})
+            continue
+        arrays[f"k.{i}"], arrays[f"v.{i}"] = layer.keys, layer.values
+        kinds.append({"kind": "kv"} if isinstance(layer, KVLayer) else
+                     {"kind": "window", "offset": layer.offset, "max_size": layer.max_size,
+                      "keep": layer.keep})
+    return arrays, kinds
+
+
+def _decoded(i: int, kind: dict[str, Any], arrays: dict[str, mx.array], n_tokens: int) -> Layer:
+    if kind.get("kind") == "state":
+        present = kind.get("present")
+        if not isinstance(present, list):
+            raise ValueError(f"layer {i}: no state arrays listed")
+        return StateLayer(tuple(arrays[f"s.{i}.{j}"] if p is True else None
+                                for j, p in enumerate(present)))
+    keys, values = arrays[f"k.{i}"], arrays[f"v.{i}"]
+    if kind.get("kind") == "kv":
+        if keys.shape[-2] != n_tokens or values.shape[-2] != n_tokens:
+            raise ValueError(f"layer {i}: not {n_tokens} tokens of keys and values")
+        return KVLayer(keys, values)
+    offset, max_size, keep = kind.get("offset"), kind.get("max_size"), kind.get("keep")
+    if (kind.get("kind") != "window" or offset != n_tokens or not isinstance(max_size, int)
+            or max_size < 1 or not isinstance(keep, int) or not 0 <= keep < max_size
+            or keys.shape[-2] != min(n_tokens, max_size) or values.shape[-2] != keys.shape[-2]):
+        raise ValueError(f"layer {i}: not a window of the snapshot's tokens")
+    return WindowLayer(keys, values, offset, max_size, keep)
+
+
+def layers_from_arrays(arrays: dict[str, mx.array], kinds: list[dict[str, Any]],
+                       n_tokens: int) -> LayeredSnapshot:
+    """The inverse of ``layers_to_arrays``; ValueError (or KeyError) if the arrays and the
+    descriptions do not make a whole snapshot of ``n_tokens`` tokens, every array used."""
+    if not kinds or not all(isinstance(k, dict) for k in kinds):
+        raise ValueError("no layers described")
+    layers = tuple(_decoded(i, kind, arrays, n_tokens) for i, kind in enumerate(kinds))
+    used = [a for layer in layers for a in _arrays(layer)]
+    if len(used) != len(arrays) or not any(not isinstance(x, StateLayer) for x in layers):
+        raise ValueError("arrays the layers do not account for, or no attention layer")
+    return LayeredSnapshot(layers, n_tokens, sum(a.nbytes for a in used))

@@ -121,8 +121,11 @@ def kv_disk_families(stats: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
                                  "result: written, dropped (the write queue was full) or "
                                  "failed.", labels=["model", "result"])
     discarded = CounterMetricFamily(f"{NS}_kv_disk_discarded", "Bad KV files deleted "
-                                    "(truncated, corrupt, another model's, an old format).",
+                                    "(truncated, corrupt, edited, another model's, an old "
+                                    "format, not a regular file).",
                                     labels=["model"])
+    full = GaugeMetricFamily(f"{NS}_kv_disk_full", "1 while the KV disk is full: the last "
+                             "write failed for space even after evicting.", labels=["model"])
     loads = SummaryMetricFamily(f"{NS}_kv_disk_load_seconds", "Time to read a KV file "
                                 "(a disk hit).", labels=["model"])
     for name, d in on:
@@ -135,8 +138,9 @@ def kv_disk_families(stats: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
         writes.add_metric([name, "dropped"], float(d.write_drops))
         writes.add_metric([name, "failed"], float(d.write_errors))
         discarded.add_metric([name], float(d.discarded))
+        full.add_metric([name], float(d.disk_full))
         loads.add_metric([name], count_value=float(d.loads), sum_value=d.load_seconds)
-    yield from (lookups, size, entries, evictions, writes, discarded, loads)
+    yield from (lookups, size, entries, evictions, writes, discarded, full, loads)
 
 
 def engine_exposition(name: str, engine: Any) -> tuple[bytes, str]:

@@ -22,55 +22,23 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from engine_adapter.backend import MLXBackend  # noqa: E402
-from engine_adapter.mlx_engine import MLXEngine  # noqa: E402
-from engine_adapter.mlx_engine import kv_file  # noqa: E402
-from engine_adapter.mlx_engine.kv_disk import DiskKVStore, kv_disk_folder  # noqa: E402
+from engine_adapter.mlx_engine import MLXEngine, kv_file  # noqa: E402
+from engine_adapter.mlx_engine.kv_disk_setup import kv_disk_folder  # noqa: E402
+from engine_adapter.mlx_engine.kv_fingerprint import folder_fingerprint  # noqa: E402
 from engine_adapter.options import EngineOptions  # noqa: E402
 from prefix_cache.engine_protocol import BackendRequest, SamplingParams  # noqa: E402
-from tests.support.engine_fixtures import (  # noqa: E402
+from tests.support.engine_fixtures import (  # noqa: E402  # noqa: E402
     assert_matches_dense,
+    files,
     load_tiny,
     next_turn,
+    restart,
     run,
     turn,
 )
 from tests.support.paths import REPO  # noqa: E402
 
-
 GIB = 1 << 30
-
-
-@pytest.fixture
-def fingerprints(target: tuple[Any, Any]) -> dict[str, str]:
-    return {"target": kv_file.model_fingerprint(target[0])}
-
-
-@pytest.fixture
-def disks(tmp_path: Path, fingerprints: dict[str, str]) -> Any:
-    """``open(max_bytes=1 GiB, **kw)``: a DiskKVStore on this test's folder (a new one each call
-    stands for a restarted process); every store made is closed at teardown."""
-    made: list[DiskKVStore] = []
-
-    def open_disk(max_bytes: int = GIB, **kw: Any) -> DiskKVStore:
-        kw.setdefault("fingerprints", fingerprints)
-        disk = DiskKVStore(tmp_path / "kv", max_bytes, **kw)
-        made.append(disk)
-        return disk
-
-    yield open_disk
-    for disk in made:
-        disk.close()
-
-
-def files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob(f"*{kv_file.SUFFIX}") if not p.name.startswith("."))
-
-
-def restart(engines: Any, disks: Any, old: MLXEngine, **options: Any) -> MLXEngine:
-    """Close ``old`` (its writes finish) and start a new engine on a new store of the folder."""
-    old.close()
-    old.kv_disk.close()
-    return engines(kv_disk=disks(), **options)
 
 
 def test_after_a_restart_the_kv_comes_from_disk_and_matches_dense(engines, disks, target,
@@ -120,43 +88,6 @@ def test_a_sparse_snapshot_keeps_its_positions_on_disk(disks, target):
     assert loaded.dense_tokens == snap.dense_tokens == 1
     for (k, v), (k2, v2) in zip(snap.layers, loaded.layers, strict=True):
         assert mx.array_equal(k, k2) and mx.array_equal(v, v2)
-
-
-def _damage(path: Path, how: str, fingerprints: dict[str, str]) -> None:
-    data = path.read_bytes()
-    if how == "corrupt":           # a flipped byte in the KV itself: only the checksum sees it
-        path.write_bytes(data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:])
-    elif how == "truncated":
-        path.write_bytes(data[: len(data) * 2 // 3])
-    elif how == "garbage":
-        path.write_bytes(os.urandom(len(data)))
-    else:                          # rewritten as another model's, or as an older format's
-        arrays, meta = mx.load(str(path), return_metadata=True)
-        meta = {**meta, **({"fingerprint": "another model"} if how == "foreign"
-                           else {"version": str(kv_file.VERSION - 1)})}
-        path.unlink()
-        kv_file.write(path, arrays, meta)
-
-
-@pytest.mark.parametrize("how", ["corrupt", "truncated", "garbage", "foreign", "old-version"])
-def test_a_bad_file_is_deleted_and_its_kv_computed_again(engines, disks, target, tmp_path,
-                                                         fingerprints, how):
-    model, tok = target
-    ids, end = turn(tok, 30, "Hello.")
-    engine = engines(kv_disk=disks(), reuse_conversation_kv=False)
-    run(engine, ids, end)
-    engine.close()
-    engine.kv_disk.close()
-    (path,) = files(tmp_path / "kv")
-    _damage(path, how, fingerprints)
-    engine = engines(kv_disk=disks(), reuse_conversation_kv=False)
-    events = run(engine, ids, end, max_tokens=4)
-    assert events[0].prefill.reused_tokens == 0           # recomputed, not a wrong answer
-    assert_matches_dense(model, ids, events)
-    assert engine.snapshot_stats().kv_disk.discarded == 1
-    engine.kv_disk.flush()
-    (rewritten,) = files(tmp_path / "kv")                  # the recomputed KV, written anew
-    assert kv_file.load(rewritten, fingerprints)[1].n_tokens == end
 
 
 def test_a_full_write_queue_drops_and_never_blocks(disks, target, monkeypatch):
@@ -343,17 +274,17 @@ def test_the_default_folder_is_per_model_under_the_cache_folder(tmp_path, monkey
 def test_load_fingerprints_the_weights_not_the_folder_name(tmp_path, engine_models_dir):
     load_tiny(engine_models_dir, "qwen3")
     folder = engine_models_dir / "qwen3-64x2"
-    before = kv_file.folder_fingerprint(folder)
+    before = folder_fingerprint(folder)
     weights = folder / "model.safetensors"
     copy = tmp_path / "copy"
     copy.mkdir()
     for f in folder.iterdir():
         (copy / f.name).write_bytes(f.read_bytes())
-    assert kv_file.folder_fingerprint(copy) == before      # the same weights elsewhere
+    assert folder_fingerprint(copy) == before      # the same weights elsewhere
     data = bytearray((copy / weights.name).read_bytes())
     data[-1] ^= 0xFF
     (copy / weights.name).write_bytes(bytes(data))
-    assert kv_file.folder_fingerprint(copy) != before      # other weights, same name
+    assert folder_fingerprint(copy) != before      # other weights, same name
 
 
 def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, tmp_path):
@@ -374,21 +305,41 @@ def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, 
     assert disk.snapshot_stats().write_errors == 0
 
 
-def test_a_layered_snapshot_stays_in_ram_and_is_not_written(disks, tmp_path, engine_models_dir):
-    """Sliding-window and recurrent families (layered.py) have no file format yet: their
-    snapshots are not submitted, and nothing is counted as a write error."""
-    from engine_adapter.mlx_engine import kv_cache
+LAYERED = ["gemma3_text", "gpt_oss", "qwen3_next", "qwen3_5"]   # windows, recurrent state
 
-    model = load_tiny(engine_models_dir, "gemma3_text")
-    ids = list(range(1, 40))
-    cache = kv_cache.make_cache(model)
-    model(mx.array([ids]), cache=cache)
-    snap = kv_cache.snapshot(cache, len(ids))
-    assert not isinstance(snap, kv_cache.KVSnapshot)
-    disk = disks(fingerprints={"target": "x"})
-    assert not disk.submit("static", "ns", "target", ids, snap)
-    assert disk.flush() and files(tmp_path / "kv") == []
-    assert disk.snapshot_stats().write_errors == 0
+
+@pytest.mark.parametrize("arch", LAYERED)
+def test_layered_snapshots_come_back_from_disk_after_a_restart(arch, engines, disks, tmp_path,
+                                                               engine_models_dir, qwen3):
+    """Sliding-window and recurrent families: their static prefix and conversation are
+    written as layered files (0600) and restored whole after a restart; every decode step
+    equals a dense forward."""
+    model, tok = load_tiny(engine_models_dir, arch), qwen3
+    fingerprints = {"target": kv_file.model_fingerprint(model)}
+
+    def start(old: MLXEngine | None = None) -> MLXEngine:
+        if old is not None:
+            old.close()
+            old.kv_disk.close()
+        return engines(model, kv_disk=disks(fingerprints=fingerprints))
+
+    first, end = turn(tok, 12, "What is in the workspace?")
+    engine = start()
+    assert run(engine, first, end)[0].prefill.reused_tokens == 0
+    engine = start(engine)
+    second = next_turn(tok, first, "A README.", "Open it.")
+    events = run(engine, second, end, max_tokens=4)
+    assert events[0].prefill.conversation_tokens == len(first) - 1, arch
+    assert_matches_dense(model, second, events)
+    engine = start(engine)
+    other, _ = turn(tok, 12, "Something else entirely.")
+    events = run(engine, other, end, max_tokens=4)
+    assert events[0].prefill.reused_tokens == end, arch     # the static prefix, from disk
+    assert_matches_dense(model, other, events)
+    stats = engine.snapshot_stats().kv_disk
+    assert stats.discarded == 0 and stats.write_errors == 0 and stats.hits >= 1
+    for path in files(tmp_path / "kv"):
+        assert path.stat().st_mode & 0o777 == 0o600
 
 
 def test_files_another_process_wrote_are_indexed_within_the_bound(disks, target, tmp_path):

@@ -187,6 +187,7 @@ def test_readyz_reports_the_in_process_engine(engine_sidecar: tuple[str, MLXBack
     assert r.status_code == 200 and r.json()["status"] == "ready"
     report = r.json()["engines"][TINY_MODEL]
     assert report["ok"] is True and report["active"] == 0 and report["queued"] == 0
+    assert report["disk_full"] is False          # its KV disk tier writes (a full one: True)
     assert engine.health()["ok"] is True
 
 

@@ -1,5 +1,6 @@
 """Fixtures and helpers of the engine tests: tiny random-weights models (float32, real Qwen3
-vocabulary) built once per session, a request runner, and logit comparisons.
+vocabulary) built once per session, a request runner, logit comparisons, and the KV disk
+tier's stores on a test's folder.
 
 The root ``conftest.py`` loads this as a plugin and import
 the helpers by name. Nothing here imports mlx at module level: the modules that use it skip
@@ -8,6 +9,7 @@ themselves when mlx is missing, and the plugin must still load then.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,3 +109,58 @@ def assert_matches_dense(model: Any, ids: list[int], events: list[Any]) -> None:
     tokens = [e.token for e in events]
     for k, event in enumerate(events):
         assert_close(event.logprobs, dense_logprobs(model, ids + tokens[:k]))
+
+
+# -- the KV disk tier: stores on a test's folder (a new one stands for a restarted process) --
+
+GIB = 1 << 30
+KV_SUFFIX = ".safetensors"
+
+
+@pytest.fixture
+def fingerprints(target: tuple[Any, Any]) -> dict[str, str]:
+    from engine_adapter.mlx_engine import kv_file
+
+    return {"target": kv_file.model_fingerprint(target[0])}
+
+
+@pytest.fixture
+def disks(tmp_path: Path, fingerprints: dict[str, str]) -> Iterator[Any]:
+    """``open(max_bytes=1 GiB, root=tmp_path / "kv", **kw)``: a DiskKVStore (a new one each
+    call stands for a restarted process); every store made is closed at teardown."""
+    from engine_adapter.mlx_engine.kv_disk import DiskKVStore
+
+    made: list[Any] = []
+
+    def open_disk(max_bytes: int = GIB, root: Path | None = None, **kw: Any) -> Any:
+        kw.setdefault("fingerprints", fingerprints)
+        disk = DiskKVStore(root or tmp_path / "kv", max_bytes, **kw)
+        made.append(disk)
+        return disk
+
+    yield open_disk
+    for disk in made:
+        disk.close()
+
+
+def files(root: Path) -> list[Path]:
+    """The KV files below ``root`` (temporary ones left out)."""
+    return sorted(p for p in root.rglob(f"*{KV_SUFFIX}") if not p.name.startswith("."))
+
+
+def restart(engines: Any, disks: Any, old: Any, **options: Any) -> Any:
+    """Close ``old`` (its writes finish) and start a new engine on a new store of the folder."""
+    old.close()
+    old.kv_disk.close()
+    return engines(kv_disk=disks(), **options)
+
+
+def snapshot_of(model: Any, ids: list[int]) -> Any:
+    """A dense KV snapshot of ``ids`` on ``model``."""
+    import mlx.core as mx
+
+    from engine_adapter.mlx_engine import kv_cache
+
+    cache = kv_cache.make_cache(model)
+    model(mx.array([ids]), cache=cache)
+    return kv_cache.snapshot(cache, len(ids))
