@@ -7,6 +7,11 @@
                        the tokenizer knows its family's format: ``tool_calls``) ──>
                        BackendOutput deltas, usage on the last one
 
+A request whose output is bound (``response_format``, ``tool_choice``; and ``auto`` with tools,
+so a call once started is finished under its schema) runs under a grammar (``grammar``):
+compiled once per grammar and tokenizer, a fresh matcher per request, checked (a 400 naming the
+part that cannot compile) before anything runs.
+
 The model's end-of-turn tokens end a generation with ``"stop"`` and are not returned as text;
 closing the output iterator closes the engine's, which cancels the request.
 """
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from prefix_cache.engine_protocol import (
+    BackendError,
     BackendOutput,
     BackendRequest,
     EngineHealth,
@@ -30,13 +36,16 @@ from prefix_cache.engine_protocol import (
 
 from .decoding import IncrementalDecoder, StopStrings
 from .defaults import DEFAULT_MAX_TOKENS
+from .grammar import GrammarCache, OutputGrammar, output_grammar
 from .mlx_engine.request import GenerationRequest
-from .tool_calls import ToolCallSplitter
+from .tool_calls import ToolCallSplitter, json_envelope
 
 
 class MLXBackend:
     """Generation on one engine (an ``MLXEngine``, or anything with its ``agenerate``,
     ``vocab_size``, ``context_length``, ``stop_token_ids``, ``snapshot_stats`` and ``close``)."""
+
+    constrained_decoding = True
 
     def __init__(self, engine: Any, tokenizer: Any | None = None, *, name: str = "model",
                  default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
@@ -47,6 +56,11 @@ class MLXBackend:
         self.name = name
         self.default_max_tokens = default_max_tokens
         self._closed = False
+        self.envelope = json_envelope(self.tokenizer)
+        # A complete grammar allows only the tokens that end the turn: the engine's stops.
+        eos = tuple(getattr(engine, "stop_token_ids", ())) or tuple(
+            getattr(self.tokenizer, "eos_token_ids", None) or [self.tokenizer.eos_token_id])
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
 
     @classmethod
     def load(cls, model_dir: str | Path, draft_dir: str | Path | None = None, *,
@@ -83,13 +97,32 @@ class MLXBackend:
                 max_tokens = min(max_tokens, window - len(request.prompt_ids))
         checked = replace(request, sampling=replace(request.sampling, max_tokens=max_tokens))
         self._engine_request(checked).validate(self.vocab_size, self.context_length)
+        grammar = self._grammar(checked)
+        if grammar is not None:
+            self.grammars.matcher(grammar)  # compiles it (cached), or refuses the request
         return checked
 
+    def _grammar(self, request: BackendRequest) -> OutputGrammar | None:
+        return output_grammar(request.constraints, request.tools, self.envelope)
+
+    def _splitter(self, request: BackendRequest,
+                  grammar: OutputGrammar | None) -> ToolCallSplitter | None:
+        """What cuts tool calls out of the text: the grammar's envelope when it writes them,
+        else the model family's parser (none when the client said tool_choice "none")."""
+        if grammar is not None and grammar.calls and self.envelope is not None:
+            return ToolCallSplitter.for_envelope(self.envelope, request.tools)
+        if request.constraints.tool_choice == "none":
+            return None
+        return ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
+
     async def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
-        engine_request = self._engine_request(self.check(request))
+        checked = self.check(request)
+        grammar = self._grammar(checked)
+        run = self.grammars.run(grammar) if grammar is not None else None
+        engine_request = replace(self._engine_request(checked), grammar=run)
         decoder = IncrementalDecoder(self.tokenizer)
         stops = StopStrings(request.sampling.stop)
-        calls = ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
+        calls = self._splitter(request, grammar)
         stop_ids = set(getattr(self.engine, "stop_token_ids", ()))
         generated = cached = 0
         async with aclosing(self.engine.agenerate(engine_request)) as events:
@@ -117,6 +150,8 @@ class MLXBackend:
                         yield BackendOutput(tool_calls=(piece,))
                     elif piece:
                         yield BackendOutput(piece)
+                if done and run is not None and run.error is not None:
+                    raise BackendError(f"the output left its grammar: {run.error}")
                 if done:  # leaving the loop closes the engine's iterator
                     finish = "stop" if stopped else event.finish_reason
                     if finish == "stop" and not stopped and calls is not None and calls.calls:

@@ -7,6 +7,10 @@ at those markers: text outside them passes on (a partial marker at the end of a 
 until the next one tells), each complete call becomes a ``ToolCall``. A call the parser cannot
 read, or one cut off by ``max_tokens``, passes on as the text it was, markers included, so
 nothing the model wrote is lost. Calls are parsed only for requests that give tools.
+
+A model whose template names no tool-call format gets the engine's envelope (``<tool_call>``
+JSON ``</tool_call>``, what the demo model's template asks for), written under a grammar
+(``engine_adapter.grammar``), so its calls are parsed the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prefix_cache.engine_protocol import ToolCall
+from prefix_cache.render import unwrap_tokenizer
+
+from .grammar.build import ENGINE_ENVELOPE, Envelope
 
 log = logging.getLogger("engine_adapter.tool_calls")
 
@@ -49,6 +56,12 @@ class ToolCallSplitter:
         if not tools or not start or parse is None or end is None:
             return None
         return cls(start, end, parse, tools)
+
+    @classmethod
+    def for_envelope(cls, envelope: Envelope,
+                     tools: Sequence[Mapping[str, Any]] | None) -> ToolCallSplitter:
+        """The splitter of calls written as JSON ``{"name", "arguments"}`` in ``envelope``."""
+        return cls(envelope.start, envelope.end, _json_call, tools)
 
     def feed(self, text: str, final: bool = False) -> list[str | ToolCall]:
         """What can be passed on now; at ``final`` everything held is released."""
@@ -111,3 +124,28 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+def _json_call(text: str, tools: Any) -> Any:
+    return json.loads(text.strip())
+
+
+def json_envelope(tokenizer: Any) -> Envelope | None:
+    """The envelope a grammar writes this model's tool calls in: its family's markers when its
+    parser reads JSON ``{"name", "arguments"}`` between them (mlx-lm's ``json_tools``), the
+    engine's own when it has no format, None when its format is another (not constrained)."""
+    start = getattr(tokenizer, "tool_call_start", None)
+    parser = getattr(tokenizer, "tool_parser", None)
+    end = getattr(tokenizer, "tool_call_end", None)
+    if not start:
+        start, end = ENGINE_ENVELOPE.start, ENGINE_ENVELOPE.end
+    elif not end or not getattr(parser, "__module__", "").endswith(".json_tools"):
+        return None
+    return Envelope(start, end, (_added_token(tokenizer, start), _added_token(tokenizer, end)))
+
+
+def _added_token(tokenizer: Any, marker: str) -> int | None:
+    """The id of ``marker`` when it is one added token of the vocabulary, else None."""
+    inner = unwrap_tokenizer(tokenizer)
+    added = getattr(inner, "get_added_vocab", None)
+    return added().get(marker) if callable(added) else None

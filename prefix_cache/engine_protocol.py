@@ -63,6 +63,31 @@ class SpecPrefillParams:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputConstraints:
+    """What the output must be, in chat completions' terms (every API layer translates its own
+    fields into these): ``response_format`` (``json_object`` or ``json_schema``), ``tool_choice``
+    ("auto", "none", "required" or ``{"type": "function", "function": {"name": ...}}``) and
+    whether one turn may hold several calls. An engine that cannot honour what ``binding`` says
+    refuses the request (a 400); it never serves free text as if it held."""
+
+    response_format: Mapping[str, Any] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def binding(self) -> bool:
+        """Whether the output is bound: a JSON format, or a tool call that must come."""
+        kind = (self.response_format or {}).get("type", "text")
+        return kind != "text" or self.tool_choice not in (None, "auto", "none")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> OutputConstraints:
+        """The constraints among a chat completion's options (fields not sent: defaults)."""
+        return cls(options.get("response_format"), options.get("tool_choice"),
+                   options.get("parallel_tool_calls") is not False)
+
+
+@dataclass(frozen=True, slots=True)
 class BackendRequest:
     """One generation: the prompt's token ids, its static-prefix boundary, the tenant whose KV
     it may reuse, and how to sample."""
@@ -75,6 +100,7 @@ class BackendRequest:
     request_id: str = field(default_factory=new_request_id)
     # The tools the prompt offers: an engine that can parse tool calls does so only then.
     tools: Sequence[Mapping[str, Any]] | None = None
+    constraints: OutputConstraints = OutputConstraints()
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +237,9 @@ class EngineStats(EngineCounts):
 
 
 class ChatBackend(Protocol):
-    """An engine the API layers generate with (see the module docstring)."""
+    """An engine the API layers generate with (see the module docstring). One that honours
+    binding ``OutputConstraints`` says so with ``constrained_decoding = True``; requests that
+    need it are refused before reaching any other."""
 
     name: str
     tokenizer: Any  # the model's tokenizer: renders prompts that come without ids
