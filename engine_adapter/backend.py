@@ -58,8 +58,7 @@ class MLXBackend:
         self._closed = False
         self.envelope = json_envelope(self.tokenizer)
         # A complete grammar allows only the tokens that end the turn: the engine's stops.
-        eos = tuple(getattr(engine, "stop_token_ids", ())) or tuple(
-            getattr(self.tokenizer, "eos_token_ids", None) or [self.tokenizer.eos_token_id])
+        eos = tuple(getattr(engine, "stop_token_ids", ())) or _eos_ids(self.tokenizer)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
 
     @classmethod
@@ -195,3 +194,12 @@ class MLXBackend:
         if not self._closed:
             self._closed = True
             self.engine.close()
+
+
+def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple, set)) else (int(ids),)

@@ -46,8 +46,6 @@ class GrammarCache:
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int],
                  max_entries: int = DEFAULT_MAX_GRAMMARS) -> None:
-        if not eos_ids:
-            raise ValueError("constrained decoding needs the model's end-of-turn token ids")
         self.tokenizer = unwrap_tokenizer(tokenizer)
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
@@ -63,6 +61,10 @@ class GrammarCache:
     def matcher(self, grammar: OutputGrammar) -> Any:
         """A fresh ``LLMatcher`` for the grammar; InvalidRequestError naming the part that
         cannot compile."""
+        if not self.eos_ids:
+            raise InvalidRequestError("constrained decoding (a JSON format, tool_choice) needs the "
+                                      "model's end-of-turn token, and this one has none",
+                                      code=UNSUPPORTED)
         fingerprint = current_fingerprint(self.tokenizer)
         key = xxhash.xxh3_128_hexdigest(grammar.lark.encode()) + fingerprint.hex()
         with self._lock:

@@ -23,7 +23,6 @@ from prefix_cache.errors import InvalidRequestError
 from prefix_cache.http.errors import BadRequest
 from prefix_cache.http.sse import EventStreamError, SSEDecoder
 from prefix_cache.testing.offline_tokenizers import make_model_dir
-
 from tests.support.templates import BEHAVIOURS
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -149,14 +148,14 @@ def test_generation_fields_and_chat_options() -> None:
     assert body["specprefill_keep_pct"] == 0.5 and body["stop"] == ["END"]
 
 
-def test_structured_output_goes_to_upstreams_and_is_refused_by_the_engine() -> None:
+def test_structured_output_goes_to_upstreams_and_to_the_engine() -> None:
     call = parse_messages_body(anthropic_body(
         messages=[{"role": "user", "content": "x"}],
         output_config={"effort": "low", "format": {"type": "json_schema", "schema": SCHEMA}}))
     assert call.chat_options == {"response_format": {"type": "json_schema", "json_schema": {
         "name": "output", "schema": SCHEMA}}}
-    with pytest.raises(InvalidRequestError, match="output_config.format"):
-        call.check_engine_support()
+    call.check_engine_support()  # the engine honours it under a grammar
+    assert call.constraints().binding
     effort_only = parse_messages_body(anthropic_body(
         messages=[{"role": "user", "content": "x"}], output_config={"effort": "low"}))
     assert effort_only.engine_refusal is None and effort_only.chat_options == {}
@@ -283,7 +282,8 @@ def test_responses_generation_fields() -> None:
     assert structured.chat_options == {"reasoning_effort": "high", "response_format": {
         "type": "json_schema", "json_schema": {"name": "out", "schema": schema,
                                                "strict": True}}}
-    assert "text.format" in (structured.engine_refusal or "")
+    assert "text.format" not in (structured.engine_refusal or "")
+    assert structured.constraints().binding
     effort = responses({"input": "x", "reasoning": {"effort": "low"}})
     assert "reasoning.effort" in (effort.engine_refusal or "")
     with pytest.raises(InvalidRequestError, match="text.format must be"):
