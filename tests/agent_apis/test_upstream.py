@@ -16,13 +16,8 @@ import pytest
 
 from prefix_cache.service import ServiceSettings
 from prefix_cache.service.upstream import Upstream
-from tests.support.agent_upstream import (
-    READ,
-    READ_CHAT,
-    READ_RESPONSES,
-    AgentRecorder,
-    agent_upstream,
-)
+
+from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
 from tests.support.loopback import anthropic_client, local_client, openai_client
 from tests.support.redis_server import needs_redis
 from tests.support.server_thread import ServerThread
