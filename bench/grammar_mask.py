@@ -79,8 +79,8 @@ def mask_parts_us(cache: Any, grammar: Any, vocab: int, tokens: list[int]) -> tu
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=48)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
 
