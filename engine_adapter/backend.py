@@ -31,9 +31,11 @@ from prefix_cache.engine_protocol import (
     EngineHealth,
     EngineStats,
     ToolCall,
+    ToolCallChunk,
     Usage,
 )
 
+from .call_stream import StreamedCalls
 from .decoding import IncrementalDecoder, StopStrings
 from .defaults import DEFAULT_MAX_TOKENS
 from .grammar import GrammarCache, OutputGrammar, output_grammar
@@ -105,11 +107,11 @@ class MLXBackend:
         return output_grammar(request.constraints, request.tools, self.envelope)
 
     def _splitter(self, request: BackendRequest,
-                  grammar: OutputGrammar | None) -> ToolCallSplitter | None:
+                  grammar: OutputGrammar | None) -> ToolCallSplitter | StreamedCalls | None:
         """What cuts tool calls out of the text: the grammar's envelope when it writes them,
         else the model family's parser (none when the client said tool_choice "none")."""
         if grammar is not None and grammar.calls and self.envelope is not None:
-            return ToolCallSplitter.for_envelope(self.envelope, request.tools)
+            return StreamedCalls(self.envelope)  # the grammar's shape: streamed as written
         if request.constraints.tool_choice == "none":
             return None
         return ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
@@ -140,13 +142,15 @@ class MLXBackend:
                     text += decoder.flush()
                 text, stopped = stops.feed(text, final)
                 done = stopped or final
-                pieces: list[str | ToolCall] = [text] if calls is None else calls.feed(text, done)
+                pieces: list[Any] = [text] if calls is None else calls.feed(text, done)
                 last = ""
                 if done and pieces and isinstance(pieces[-1], str):
                     last = str(pieces.pop())  # the last text goes with the finish, as before
                 for piece in pieces:
                     if isinstance(piece, ToolCall):
                         yield BackendOutput(tool_calls=(piece,))
+                    elif isinstance(piece, ToolCallChunk):
+                        yield BackendOutput(tool_call_chunks=(piece,))
                     elif piece:
                         yield BackendOutput(piece)
                 if done and run is not None and run.error is not None:

@@ -10,7 +10,8 @@ nothing the model wrote is lost. Calls are parsed only for requests that give to
 
 A model whose template names no tool-call format gets the engine's envelope (``<tool_call>``
 JSON ``</tool_call>``, what the demo model's template asks for), written under a grammar
-(``engine_adapter.grammar``), so its calls are parsed the same way.
+(``engine_adapter.grammar``); calls written under a grammar are streamed as they are written
+(``call_stream``).
 """
 
 from __future__ import annotations
@@ -56,12 +57,6 @@ class ToolCallSplitter:
         if not tools or not start or parse is None or end is None:
             return None
         return cls(start, end, parse, tools)
-
-    @classmethod
-    def for_envelope(cls, envelope: Envelope,
-                     tools: Sequence[Mapping[str, Any]] | None) -> ToolCallSplitter:
-        """The splitter of calls written as JSON ``{"name", "arguments"}`` in ``envelope``."""
-        return cls(envelope.start, envelope.end, _json_call, tools)
 
     def feed(self, text: str, final: bool = False) -> list[str | ToolCall]:
         """What can be passed on now; at ``final`` everything held is released."""
@@ -124,10 +119,6 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
-
-
-def _json_call(text: str, tools: Any) -> Any:
-    return json.loads(text.strip())
 
 
 def json_envelope(tokenizer: Any) -> Envelope | None:

@@ -126,6 +126,17 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallChunk:
+    """A piece of a tool call as it is written: the first piece of call ``index`` has its id
+    and name, the others add to its ``arguments`` (JSON text, whole once the call ends)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class BackendOutput:
     """A text delta (or tool calls); the last output of a generation carries its finish
     reason and usage. An engine that knows the prompt's counts once it is prefilled (how many
@@ -136,6 +147,7 @@ class BackendOutput:
     usage: Usage | None = None
     stop_sequence: str | None = None   # the stop string that ended the generation, if one did
     tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_chunks: tuple[ToolCallChunk, ...] = ()   # calls streamed as they are written
 
 
 class BackendError(RuntimeError):

@@ -4,7 +4,8 @@ part an ``InvalidRequestError`` naming it.
     response_format json_object / json_schema   start: %json {schema}
     tool_choice "required" / a named function   start: call+  (call, when not parallel)
     tool_choice "auto" (tools given)            start: (TEXT | call+)?   (or the format)
-    call:  START (args_0 | args_1 | ...) END    args_i: %json {"name": const, "arguments": ...}
+    call:  START NL? (args_0 | args_1 | ...) NL? END
+           args_i: %json {"name": const, "arguments": ...}
 
 A call's envelope (START, END) is the model family's where its parser reads JSON
 ``{"name", "arguments"}`` between two markers (mlx-lm's ``json_tools``), and the engine's own
@@ -80,8 +81,10 @@ def output_grammar(constraints: OutputConstraints, tools: Sequence[Mapping[str, 
             parts.append((f"tools[{index}].function.parameters", f"start: {name}\n{body}"))
             names.append(name)
         start_id, end_id = envelope.ids
-        rules.append(f"call: {_marker(envelope.start, start_id)} ({' | '.join(names)}) "
-                     f"{_marker(envelope.end, end_id)}")
+        # A newline may stand inside the markers: Qwen/Hermes templates show calls that way.
+        rules.append(f"call: {_marker(envelope.start, start_id)} NL? ({' | '.join(names)}) "
+                     f"NL? {_marker(envelope.end, end_id)}")
+        rules.append('NL: "\\n"')
         alternatives.append("call+" if constraints.parallel_tool_calls else "call")
     if choice in ("auto", "none") or not chosen:
         if fmt is not None:

@@ -126,7 +126,7 @@ def test_streamed_tool_calls_and_json(sidecar) -> None:
         stream=True, messages=[{"role": "system", "content": SYSTEM},
                                {"role": "user", "content": "Weather in Rome?"}])
     calls: dict[int, dict[str, str]] = {}
-    finish = None
+    finish, pieces = None, 0
     for chunk in stream:
         for choice in chunk.choices:
             finish = choice.finish_reason or finish
@@ -134,7 +134,9 @@ def test_streamed_tool_calls_and_json(sidecar) -> None:
                 call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
+                pieces += bool(delta.function.arguments)
     assert finish == "tool_calls" and calls
+    assert pieces > len(calls)  # the arguments came as they were generated, not in one piece
     for call in calls.values():
         valid_call(call["name"], call["arguments"])
 
