@@ -157,3 +157,51 @@ def test_what_each_choice_allows():
     assert output_grammar(OutputConstraints(), None, ENGINE_ENVELOPE) is None
     assert output_grammar(OutputConstraints(), TOOLS, None) is None
     assert output_grammar(OutputConstraints(tool_choice="none"), TOOLS, ENGINE_ENVELOPE) is None
+
+
+def test_a_model_with_no_tool_call_format_gets_calls_through_the_engines_envelope(engines,
+                                                                                target):
+    import asyncio
+
+    from engine_adapter.backend import MLXBackend
+    from prefix_cache.engine_protocol import BackendRequest, SamplingParams
+
+    model, tok = target  # a transformers tokenizer: no mlx-lm tool parser, no format named
+    backend = MLXBackend(engines(stop_token_ids=end_of_turn(tok)), tok)
+    assert backend.envelope is not None and backend.envelope.start == "<tool_call>"
+    ids, end = turn(tok, 4, "Paint it.")
+    request = BackendRequest(ids, end, sampling=SamplingParams(max_tokens=48, temperature=0.0),
+                             tools=TOOLS, constraints=OutputConstraints(
+                                 tool_choice={"type": "function", "function": {"name": "paint"}},
+                                 parallel_tool_calls=False))
+
+    async def outputs() -> list[Any]:
+        return [out async for out in backend.generate(request)]
+
+    outs = asyncio.run(outputs())
+    chunks = [c for out in outs for c in out.tool_call_chunks]
+    assert outs[-1].finish_reason == "tool_calls" and {c.index for c in chunks} == {0}
+    assert [c.name for c in chunks if c.name] == ["paint"]
+    jsonschema.validate(json.loads("".join(c.arguments for c in chunks)), SCHEMA)
+    assert "".join(out.text for out in outs) == ""
+
+
+def test_an_engine_without_constrained_decoding_refuses_binding_fields() -> None:
+    from types import SimpleNamespace
+
+    from prefix_cache.api.engine_target import EngineTarget
+    from prefix_cache.chat.anthropic_params import parse_messages_body
+    from prefix_cache.chat.responses_params import parse_responses_body
+
+    plain = EngineTarget(SimpleNamespace())  # a ChatBackend that does not say it constrains
+    call = parse_messages_body({"model": "m", "max_tokens": 4, "output_config": {"format": {
+        "type": "json_schema", "schema": SCHEMA}}, "messages": [{"role": "user", "content": "x"}]})
+    with pytest.raises(InvalidRequestError, match="^output_config.format is not supported"):
+        plain.check(call, "messages")
+    forced = parse_responses_body({"model": "m", "input": "x", "tool_choice": "required",
+                                   "tools": [{"type": "function", "name": "f",
+                                              "parameters": SCHEMA}]}, lambda _: None).call
+    with pytest.raises(InvalidRequestError, match="^tool_choice is not supported"):
+        plain.check(forced, "responses")
+    plain.check(parse_responses_body({"model": "m", "input": "x"}, lambda _: None).call,
+                "responses")  # free text: it runs
