@@ -460,3 +460,37 @@ def test_tool_call_markers_split_across_deltas_are_found(end: str) -> None:
         2 if end else 1)
     assert len({c.id for c in calls}) == len(calls) and splitter.calls == len(calls)
     assert ToolCallSplitter.for_tokenizer(object(), [TOOL_CHAT]) is None  # no parser known
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"response_format": {"type": "xml"}}, "response_format.type must be one of"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}},
+     "response_format.json_schema.strict must be"),
+    ({"tool_choice": "always"}, "tool_choice must be"),
+    ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice must be"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls must be a boolean"),
+])
+def test_chat_fields_that_bind_the_output_are_checked_in_shape(body: dict[str, Any],
+                                                               fragment: str) -> None:
+    from prefix_cache.chat.openai_params import parse_chat_body
+
+    chat = {"messages": [{"role": "user", "content": "x"}], **body}
+    with pytest.raises(InvalidRequestError, match=fragment):
+        parse_chat_body(chat, run_here=True)
+    assert parse_chat_body(chat, run_here=False).call.chat_options == {}  # the upstream's to check
+
+
+def test_chat_fields_that_bind_the_output_reach_the_engine() -> None:
+    from prefix_cache.chat.openai_params import parse_chat_body
+
+    call = parse_chat_body({"messages": [{"role": "user", "content": "x"}],
+                            "response_format": {"type": "json_object"},
+                            "tool_choice": {"type": "function", "function": {"name": "f"}},
+                            "parallel_tool_calls": False}, run_here=True).call
+    constraints = call.backend_request([1, 2], 1, "default").constraints
+    assert constraints.binding and not constraints.parallel_tool_calls
+    assert constraints.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert constraints.response_format == {"type": "json_object"}
