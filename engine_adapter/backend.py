@@ -7,6 +7,11 @@
                        the tokenizer knows its family's format: ``tool_calls``) ──>
                        BackendOutput deltas, usage on the last one
 
+A request whose output is bound (``response_format``, ``tool_choice``; and ``auto`` with tools,
+so a call once started is finished under its schema) runs under a grammar (``grammar``):
+compiled once per grammar and tokenizer, a fresh matcher per request, checked (a 400 naming the
+part that cannot compile) before anything runs.
+
 The model's end-of-turn tokens end a generation with ``"stop"`` and are not returned as text;
 closing the output iterator closes the engine's, which cancels the request.
 """
@@ -20,23 +25,29 @@ from pathlib import Path
 from typing import Any
 
 from prefix_cache.engine_protocol import (
+    BackendError,
     BackendOutput,
     BackendRequest,
     EngineHealth,
     EngineStats,
     ToolCall,
+    ToolCallChunk,
     Usage,
 )
 
+from .call_stream import StreamedCalls
 from .decoding import IncrementalDecoder, StopStrings
 from .defaults import DEFAULT_MAX_TOKENS
+from .grammar import GrammarCache, OutputGrammar, output_grammar
 from .mlx_engine.request import GenerationRequest
-from .tool_calls import ToolCallSplitter
+from .tool_calls import ToolCallSplitter, json_envelope
 
 
 class MLXBackend:
     """Generation on one engine (an ``MLXEngine``, or anything with its ``agenerate``,
     ``vocab_size``, ``context_length``, ``stop_token_ids``, ``snapshot_stats`` and ``close``)."""
+
+    constrained_decoding = True
 
     def __init__(self, engine: Any, tokenizer: Any | None = None, *, name: str = "model",
                  default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
@@ -47,6 +58,10 @@ class MLXBackend:
         self.name = name
         self.default_max_tokens = default_max_tokens
         self._closed = False
+        self.envelope = json_envelope(self.tokenizer)
+        # A complete grammar allows only the tokens that end the turn: the engine's stops.
+        eos = tuple(getattr(engine, "stop_token_ids", ())) or _eos_ids(self.tokenizer)
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
 
     @classmethod
     def load(cls, model_dir: str | Path, draft_dir: str | Path | None = None, *,
@@ -83,13 +98,32 @@ class MLXBackend:
                 max_tokens = min(max_tokens, window - len(request.prompt_ids))
         checked = replace(request, sampling=replace(request.sampling, max_tokens=max_tokens))
         self._engine_request(checked).validate(self.vocab_size, self.context_length)
+        grammar = self._grammar(checked)
+        if grammar is not None:
+            self.grammars.matcher(grammar)  # compiles it (cached), or refuses the request
         return checked
 
+    def _grammar(self, request: BackendRequest) -> OutputGrammar | None:
+        return output_grammar(request.constraints, request.tools, self.envelope)
+
+    def _splitter(self, request: BackendRequest,
+                  grammar: OutputGrammar | None) -> ToolCallSplitter | StreamedCalls | None:
+        """What cuts tool calls out of the text: the grammar's envelope when it writes them,
+        else the model family's parser (none when the client said tool_choice "none")."""
+        if grammar is not None and grammar.calls and self.envelope is not None:
+            return StreamedCalls(self.envelope)  # the grammar's shape: streamed as written
+        if request.constraints.tool_choice == "none":
+            return None
+        return ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
+
     async def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
-        engine_request = self._engine_request(self.check(request))
+        checked = self.check(request)
+        grammar = self._grammar(checked)
+        run = self.grammars.run(grammar) if grammar is not None else None
+        engine_request = replace(self._engine_request(checked), grammar=run)
         decoder = IncrementalDecoder(self.tokenizer)
         stops = StopStrings(request.sampling.stop)
-        calls = ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
+        calls = self._splitter(request, grammar)
         stop_ids = set(getattr(self.engine, "stop_token_ids", ()))
         generated = cached = 0
         async with aclosing(self.engine.agenerate(engine_request)) as events:
@@ -108,15 +142,19 @@ class MLXBackend:
                     text += decoder.flush()
                 text, stopped = stops.feed(text, final)
                 done = stopped or final
-                pieces: list[str | ToolCall] = [text] if calls is None else calls.feed(text, done)
+                pieces: list[Any] = [text] if calls is None else calls.feed(text, done)
                 last = ""
                 if done and pieces and isinstance(pieces[-1], str):
                     last = str(pieces.pop())  # the last text goes with the finish, as before
                 for piece in pieces:
                     if isinstance(piece, ToolCall):
                         yield BackendOutput(tool_calls=(piece,))
+                    elif isinstance(piece, ToolCallChunk):
+                        yield BackendOutput(tool_call_chunks=(piece,))
                     elif piece:
                         yield BackendOutput(piece)
+                if done and run is not None and run.error is not None:
+                    raise BackendError(f"the output left its grammar: {run.error}")
                 if done:  # leaving the loop closes the engine's iterator
                     finish = "stop" if stopped else event.finish_reason
                     if finish == "stop" and not stopped and calls is not None and calls.calls:
@@ -160,3 +198,12 @@ class MLXBackend:
         if not self._closed:
             self._closed = True
             self.engine.close()
+
+
+def _eos_ids(tokenizer: Any) -> tuple[int, ...]:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        ids = getattr(tokenizer, "eos_token_id", None)
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple, set)) else (int(ids),)

@@ -15,7 +15,10 @@ own 4-bit blocks kept as mlx-lm quantized layers (``bench/demo_dtype.sh``, docs/
 The chat template is the GGUF's (ChatML, with a default system turn when the first message is
 not a system message), extended to render tools: an agent's tool definitions go into the system
 turn, so they are part of the static prefix the way real tool-calling templates put them. Without
-tools it renders byte for byte what the GGUF's template renders (tested).
+tools it renders byte for byte what the GGUF's template renders (tested). Its
+``tokenizer_config.json`` declares the tool-call format the template asks for
+(``"tool_parser_type": "json_tools"``: ``<tool_call>{"name", "arguments"}</tool_call>``), so
+mlx-lm parses the model's calls, and a grammar can write them.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ DEMO_CHAT_NAME = "smollm2-135m-instruct"
 DTYPE = "float32"
 # Bump when the conversion or the template changes what is written: the stamp then differs
 # and the folder is converted again.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 STAMP_FILE = ".prefix-cache-recipe.json"
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -66,6 +69,8 @@ DEMO_CHAT_TEMPLATE = """\
 """
 
 
+TOOL_PARSER_TYPE = "json_tools"  # mlx-lm's parser of the template's <tool_call> JSON
+
 DemoModelUnavailable = fetch.GGUFUnavailable  # the old name, kept for callers
 
 
@@ -81,7 +86,8 @@ def _stamp(gguf: Path, layers: int | None) -> dict[str, object]:
     return {"recipe": RECIPE_VERSION,
             "source": f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}/{GGUF_FILE}",
             "source_bytes": gguf.stat().st_size, "dtype": DTYPE, "layers": layers,
-            "template": hashlib.sha256(DEMO_CHAT_TEMPLATE.encode()).hexdigest()[:16]}
+            "template": hashlib.sha256(DEMO_CHAT_TEMPLATE.encode()).hexdigest()[:16],
+            "tool_parser_type": TOOL_PARSER_TYPE}
 
 
 def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) -> Path:
@@ -109,9 +115,16 @@ def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) 
 
             convert_gguf(gguf, folder, dtype=DTYPE, layers=layers,
                          chat_template=DEMO_CHAT_TEMPLATE)
+            _declare_tool_format(folder / "tokenizer_config.json")
             # Written last: a folder without a matching stamp is converted again.
             (folder / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
     return folder
+
+
+def _declare_tool_format(config_file: Path) -> None:
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["tool_parser_type"] = TOOL_PARSER_TYPE
+    config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,6 +7,11 @@ at those markers: text outside them passes on (a partial marker at the end of a 
 until the next one tells), each complete call becomes a ``ToolCall``. A call the parser cannot
 read, or one cut off by ``max_tokens``, passes on as the text it was, markers included, so
 nothing the model wrote is lost. Calls are parsed only for requests that give tools.
+
+A model whose template names no tool-call format gets the engine's envelope (``<tool_call>``
+JSON ``</tool_call>``, what the demo model's template asks for), written under a grammar
+(``engine_adapter.grammar``); calls written under a grammar are streamed as they are written
+(``call_stream``).
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prefix_cache.engine_protocol import ToolCall
+from prefix_cache.render import unwrap_tokenizer
+
+from .grammar.build import ENGINE_ENVELOPE, Envelope
 
 log = logging.getLogger("engine_adapter.tool_calls")
 
@@ -111,3 +119,24 @@ def _partial_suffix(text: str, marker: str) -> int:
         if text.endswith(marker[:n]):
             return n
     return 0
+
+
+def json_envelope(tokenizer: Any) -> Envelope | None:
+    """The envelope a grammar writes this model's tool calls in: its family's markers when its
+    parser reads JSON ``{"name", "arguments"}`` between them (mlx-lm's ``json_tools``), the
+    engine's own when it has no format, None when its format is another (not constrained)."""
+    start = getattr(tokenizer, "tool_call_start", None)
+    parser = getattr(tokenizer, "tool_parser", None)
+    end = getattr(tokenizer, "tool_call_end", None)
+    if not start:
+        start, end = ENGINE_ENVELOPE.start, ENGINE_ENVELOPE.end
+    elif not end or not getattr(parser, "__module__", "").endswith(".json_tools"):
+        return None
+    return Envelope(start, end, (_added_token(tokenizer, start), _added_token(tokenizer, end)))
+
+
+def _added_token(tokenizer: Any, marker: str) -> int | None:
+    """The id of ``marker`` when it is one added token of the vocabulary, else None."""
+    inner = unwrap_tokenizer(tokenizer)
+    added = getattr(inner, "get_added_vocab", None)
+    return added().get(marker) if callable(added) else None

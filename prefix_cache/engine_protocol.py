@@ -63,6 +63,31 @@ class SpecPrefillParams:
 
 
 @dataclass(frozen=True, slots=True)
+class OutputConstraints:
+    """What the output must be, in chat completions' terms (every API layer translates its own
+    fields into these): ``response_format`` (``json_object`` or ``json_schema``), ``tool_choice``
+    ("auto", "none", "required" or ``{"type": "function", "function": {"name": ...}}``) and
+    whether one turn may hold several calls. An engine that cannot honour what ``binding`` says
+    refuses the request (a 400); it never serves free text as if it held."""
+
+    response_format: Mapping[str, Any] | None = None
+    tool_choice: str | Mapping[str, Any] | None = None
+    parallel_tool_calls: bool = True
+
+    @property
+    def binding(self) -> bool:
+        """Whether the output is bound: a JSON format, or a tool call that must come."""
+        kind = (self.response_format or {}).get("type", "text")
+        return kind != "text" or self.tool_choice not in (None, "auto", "none")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> OutputConstraints:
+        """The constraints among a chat completion's options (fields not sent: defaults)."""
+        return cls(options.get("response_format"), options.get("tool_choice"),
+                   options.get("parallel_tool_calls") is not False)
+
+
+@dataclass(frozen=True, slots=True)
 class BackendRequest:
     """One generation: the prompt's token ids, its static-prefix boundary, the tenant whose KV
     it may reuse, and how to sample."""
@@ -75,6 +100,7 @@ class BackendRequest:
     request_id: str = field(default_factory=new_request_id)
     # The tools the prompt offers: an engine that can parse tool calls does so only then.
     tools: Sequence[Mapping[str, Any]] | None = None
+    constraints: OutputConstraints = OutputConstraints()
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +126,17 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCallChunk:
+    """A piece of a tool call as it is written: the first piece of call ``index`` has its id
+    and name, the others add to its ``arguments`` (JSON text, whole once the call ends)."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class BackendOutput:
     """A text delta (or tool calls); the last output of a generation carries its finish
     reason and usage. An engine that knows the prompt's counts once it is prefilled (how many
@@ -110,6 +147,7 @@ class BackendOutput:
     usage: Usage | None = None
     stop_sequence: str | None = None   # the stop string that ended the generation, if one did
     tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_chunks: tuple[ToolCallChunk, ...] = ()   # calls streamed as they are written
 
 
 class BackendError(RuntimeError):
@@ -214,7 +252,9 @@ class EngineStats(EngineCounts):
 
 
 class ChatBackend(Protocol):
-    """An engine the API layers generate with (see the module docstring)."""
+    """An engine the API layers generate with (see the module docstring). One that honours
+    binding ``OutputConstraints`` says so with ``constrained_decoding = True``; requests that
+    need it are refused before reaching any other."""
 
     name: str
     tokenizer: Any  # the model's tokenizer: renders prompts that come without ids

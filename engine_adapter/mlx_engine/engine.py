@@ -38,7 +38,7 @@ from .kv_tiered import tiered
 from .model_info import context_length, vocab_size
 from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .reuse import ConversationHit, KVReuse, ReusePlan
-from .sampling import make_sampler
+from .sampling import request_sampler
 from .sequence import Deliver, EngineSequence
 from .sparse import SparseJob, SparsePrefill, specprefill_steps
 from .specprefill import SpecPrefillConfig
@@ -148,7 +148,7 @@ class MLXEngine:
     def submit(self, request: GenerationRequest, deliver: Deliver) -> None:
         """Queue a request; ``deliver`` gets its events (or an exception) on the engine thread."""
         request.validate(self.vocab_size, self.context_length)
-        sampler = make_sampler(request.temperature, request.top_p, request.seed)
+        sampler = request_sampler(request)  # a grammar's mask is per sequence: batch shared
         seq = EngineSequence(request, deliver, time.perf_counter(), sampler)
         self._post("submit", seq)
 

@@ -25,7 +25,8 @@ class GenerationRequest:
     ``specprefill`` None means "on when the engine has a draft model and more than the
     threshold of tokens follow the boundary"; False turns it off, True asks for it (a request
     still gets dense prefill when the engine has no draft). ``stop_token_ids`` None uses the
-    engine's (the model's end-of-turn tokens).
+    engine's (the model's end-of-turn tokens). ``grammar`` constrains the output (see
+    ``sampling.GrammarSampler``).
     """
 
     prompt_ids: Sequence[int]
@@ -41,6 +42,9 @@ class GenerationRequest:
     stop_token_ids: Sequence[int] | None = None
     return_logprobs: bool = False
     request_id: str = field(default_factory=_new_id)
+    # A ``grammar.GrammarRun`` (a fresh llguidance matcher) every generated token must satisfy
+    # (None: free text); the engine's sampler advances it, so one serves one request.
+    grammar: Any | None = None
 
     def validate(self, vocab_size: int | None = None, context_length: int | None = None) -> None:
         """Raise InvalidRequestError (a ValueError) naming the first bad field; the prompt plus ``max_tokens`` must fit

@@ -109,6 +109,14 @@ Owner = Annotated[tuple[ResponseStore, str], Depends(_owner)]
 STORED = (400, 401, 403, 404, 503)
 
 
+@router.post("/v1/responses/input_tokens", include_in_schema=False)
+async def input_tokens_not_served() -> Response:
+    """Not served (docs/agent-apis.md): a 404 in OpenAI's shape, not the 405 the stored
+    responses' path would give a POST."""
+    raise NotFound("POST /v1/responses/input_tokens is not served here; the prompt's length is "
+                   "in each response's usage", code="not_found")
+
+
 @router.get("/v1/responses/{response_id}", responses=docs.responses(ResponseObject, *STORED))
 async def retrieve_response(response_id: str, owner: Owner, stream: bool = False,
                             include: Annotated[list[str] | None, Query()] = None,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import engine_protocol as wire
-from ..engine_protocol import BackendRequest, SamplingParams, SpecPrefillParams
+from ..engine_protocol import BackendRequest, OutputConstraints, SamplingParams, SpecPrefillParams
 from ..errors import InvalidRequestError
 from .conversation import Conversation, chat_wire_messages
 from .fields import UNSUPPORTED
@@ -48,6 +48,10 @@ class AgentCall:
             raise InvalidRequestError(f"{', '.join(self.native_only)}: supported only by an "
                                       "upstream that serves this API itself", code=UNSUPPORTED)
 
+    def constraints(self) -> OutputConstraints:
+        """What the output must be (a format, a tool call), from the chat-completion options."""
+        return OutputConstraints.from_options(self.chat_options)
+
     def backend_request(self, prompt_ids: Sequence[int], specprefill_system_end: int,
                         namespace: str) -> BackendRequest:
         """The engine's request for this call over a prompt and its boundary."""
@@ -55,7 +59,8 @@ class AgentCall:
         return BackendRequest(prompt_ids=prompt_ids,
                               specprefill_system_end=specprefill_system_end,
                               namespace=namespace, sampling=self.sampling,
-                              specprefill=self.specprefill, tools=self.conversation.tools)
+                              specprefill=self.specprefill, tools=self.conversation.tools,
+                              constraints=self.constraints())
 
     def chat_body(self, model: str) -> dict[str, Any]:
         """This request as an OpenAI chat completion body (usage asked for when streamed)."""

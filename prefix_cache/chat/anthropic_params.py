@@ -117,9 +117,8 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
         options["top_k"] = req.top_k
         refusal = "top_k is not supported by this engine"
     output_format = (req.output_config or {}).get("format")
-    if output_format is not None:
+    if output_format is not None:  # honoured by an engine with constrained decoding
         options["response_format"] = _response_format(output_format)
-        refusal = "output_config.format is not supported by this engine (no structured outputs)"
     return AgentCall(
         model=req.model, conversation=conversation,
         sampling=sampling, specprefill=specprefill_params(body), stream=bool(req.stream),

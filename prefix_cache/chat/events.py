@@ -61,7 +61,7 @@ def new_call_id(prefix: str = "call_") -> str:
 async def backend_events(backend: ChatBackend,
                          request: BackendRequest) -> AsyncGenerator[OutputEvent, None]:
     """A checked request's generation as events: its text, and the tool calls the engine cut
-    out of it (one whole call per event)."""
+    out of it (one whole call per event, or a call in pieces as it is written)."""
     finish, usage, stop = None, None, None
     calls = 0
     async with aclosing(backend.generate(request)) as outputs:
@@ -73,6 +73,9 @@ async def backend_events(backend: ChatBackend,
             for call in out.tool_calls:
                 yield ToolCallDelta(calls, call.id, call.name, call.arguments)
                 calls += 1
+            for chunk in out.tool_call_chunks:  # a call as it is written: its index is its own
+                yield ToolCallDelta(chunk.index, chunk.id, chunk.name, chunk.arguments)
+                calls = max(calls, chunk.index + 1)
             finish, usage = out.finish_reason or finish, out.usage or usage
             stop = out.stop_sequence or stop
     yield Finish(finish or "length", usage or Usage(len(request.prompt_ids), 0), stop)

@@ -3,7 +3,9 @@ and, when it is generated in this process, its parameters, checked.
 
 Every bad parameter is an ``InvalidRequestError`` naming it (a 400), raised before anything is
 resolved or run. Not supported: ``n`` > 1 and ``logprobs``. Tool calls come back as
-``tool_calls`` where the engine cuts them out of its text (see ``engine_adapter.tool_calls``).
+``tool_calls`` where the engine cuts them out of its text (see ``engine_adapter.tool_calls``);
+``response_format``, ``tool_choice`` and ``parallel_tool_calls`` go to the engine, which honours
+them under a grammar or refuses them (``output_fields``).
 Extension fields: ``specprefill``, ``specprefill_keep_pct``, ``specprefill_threshold``.
 """
 
@@ -25,6 +27,7 @@ from .fields import (
     specprefill_params,
     stop_strings,
 )
+from .output_fields import output_options
 from .render_fields import chat_conversation
 
 MAX_STOP_STRINGS = 4
@@ -50,7 +53,8 @@ def parse_chat_body(body: Mapping[str, Any], *, run_here: bool) -> ChatCall:
                                   stream=bool(body.get("stream") is True)))
     sampling, include_usage = _sampling(body)
     return ChatCall(AgentCall(model, conversation, sampling, specprefill_params(body),
-                              stream=bool(bool_field(body, "stream"))), include_usage)
+                              stream=bool(bool_field(body, "stream")),
+                              chat_options=output_options(body)), include_usage)
 
 
 def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, bool]:

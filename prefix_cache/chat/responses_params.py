@@ -300,9 +300,9 @@ def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
 
 
 # Options an in-process engine cannot honour, by the Responses field the client named.
-ENGINE_REFUSED = {"response_format": "text.format other than {\"type\": \"text\"} (no "
-                                     "structured outputs)",
-                  "reasoning_effort": "reasoning.effort (no reasoning control; a template's "
+# (text.format goes as response_format: an engine with constrained decoding honours it, the
+# others refuse it naming text.format.)
+ENGINE_REFUSED = {"reasoning_effort": "reasoning.effort (no reasoning control; a template's "
                                       "own switch goes in chat_template_kwargs)",
                   "verbosity": "text.verbosity"}
 

@@ -23,7 +23,6 @@ from prefix_cache.errors import InvalidRequestError
 from prefix_cache.http.errors import BadRequest
 from prefix_cache.http.sse import EventStreamError, SSEDecoder
 from prefix_cache.testing.offline_tokenizers import make_model_dir
-
 from tests.support.templates import BEHAVIOURS
 
 SCHEMA = {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}
@@ -149,14 +148,14 @@ def test_generation_fields_and_chat_options() -> None:
     assert body["specprefill_keep_pct"] == 0.5 and body["stop"] == ["END"]
 
 
-def test_structured_output_goes_to_upstreams_and_is_refused_by_the_engine() -> None:
+def test_structured_output_goes_to_upstreams_and_to_the_engine() -> None:
     call = parse_messages_body(anthropic_body(
         messages=[{"role": "user", "content": "x"}],
         output_config={"effort": "low", "format": {"type": "json_schema", "schema": SCHEMA}}))
     assert call.chat_options == {"response_format": {"type": "json_schema", "json_schema": {
         "name": "output", "schema": SCHEMA}}}
-    with pytest.raises(InvalidRequestError, match="output_config.format"):
-        call.check_engine_support()
+    call.check_engine_support()  # the engine honours it under a grammar
+    assert call.constraints().binding
     effort_only = parse_messages_body(anthropic_body(
         messages=[{"role": "user", "content": "x"}], output_config={"effort": "low"}))
     assert effort_only.engine_refusal is None and effort_only.chat_options == {}
@@ -283,7 +282,8 @@ def test_responses_generation_fields() -> None:
     assert structured.chat_options == {"reasoning_effort": "high", "response_format": {
         "type": "json_schema", "json_schema": {"name": "out", "schema": schema,
                                                "strict": True}}}
-    assert "text.format" in (structured.engine_refusal or "")
+    assert "text.format" not in (structured.engine_refusal or "")
+    assert structured.constraints().binding
     effort = responses({"input": "x", "reasoning": {"effort": "low"}})
     assert "reasoning.effort" in (effort.engine_refusal or "")
     with pytest.raises(InvalidRequestError, match="text.format must be"):
@@ -460,3 +460,37 @@ def test_tool_call_markers_split_across_deltas_are_found(end: str) -> None:
         2 if end else 1)
     assert len({c.id for c in calls}) == len(calls) and splitter.calls == len(calls)
     assert ToolCallSplitter.for_tokenizer(object(), [TOOL_CHAT]) is None  # no parser known
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"response_format": {"type": "xml"}}, "response_format.type must be one of"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}},
+     "response_format.json_schema.schema must be"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": 1}}},
+     "response_format.json_schema.strict must be"),
+    ({"tool_choice": "always"}, "tool_choice must be"),
+    ({"tool_choice": {"type": "function", "function": {}}}, "tool_choice must be"),
+    ({"parallel_tool_calls": "yes"}, "parallel_tool_calls must be a boolean"),
+])
+def test_chat_fields_that_bind_the_output_are_checked_in_shape(body: dict[str, Any],
+                                                               fragment: str) -> None:
+    from prefix_cache.chat.openai_params import parse_chat_body
+
+    chat = {"messages": [{"role": "user", "content": "x"}], **body}
+    with pytest.raises(InvalidRequestError, match=fragment):
+        parse_chat_body(chat, run_here=True)
+    assert parse_chat_body(chat, run_here=False).call.chat_options == {}  # the upstream's to check
+
+
+def test_chat_fields_that_bind_the_output_reach_the_engine() -> None:
+    from prefix_cache.chat.openai_params import parse_chat_body
+
+    call = parse_chat_body({"messages": [{"role": "user", "content": "x"}],
+                            "response_format": {"type": "json_object"},
+                            "tool_choice": {"type": "function", "function": {"name": "f"}},
+                            "parallel_tool_calls": False}, run_here=True).call
+    constraints = call.backend_request([1, 2], 1, "default").constraints
+    assert constraints.binding and not constraints.parallel_tool_calls
+    assert constraints.tool_choice == {"type": "function", "function": {"name": "f"}}
+    assert constraints.response_format == {"type": "json_object"}

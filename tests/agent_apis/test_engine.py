@@ -18,11 +18,10 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.server import create_engine_app  # noqa: E402
 from prefix_cache.chat.anthropic_encode import MessageMeta, message_json  # noqa: E402
-from prefix_cache.engine_protocol import BackendRequest, SamplingParams, Usage  # noqa: E402
 from prefix_cache.chat.events import backend_events  # noqa: E402
+from prefix_cache.engine_protocol import BackendRequest, SamplingParams, Usage  # noqa: E402
 from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
-
 from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
 from tests.support.loopback import anthropic_client, openai_client  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
@@ -30,7 +29,6 @@ from tests.support.server_thread import ServerThread  # noqa: E402
 from tests.support.service_fixtures import TINY_MODEL  # noqa: E402
 from tests.support.sidecar import TENANT_KEYS, served, sidecar_app, unique_system  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
-
 
 META = MessageMeta("msg_1", "m", Usage(3, 0))
 
@@ -110,10 +108,30 @@ def test_the_engine_refuses_what_it_cannot_honour(engine_sidecar: tuple[str, MLX
         anthropic_client(url).messages.create(model=TINY_MODEL, max_tokens=4, extra_body={"top_k": 5},
                                     messages=[{"role": "user", "content": "x"}])
     assert info.value.body["error"]["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError, match="text.format") as refused:
+    # A schema the engine's constrained decoding cannot hold: refused, named in each API's terms.
+    lookaround = {"type": "object", "properties": {"s": {"type": "string", "pattern": "(?=a)"}}}
+    with pytest.raises(openai.BadRequestError, match="text.format.schema") as refused:
         openai_client(url, "sk-acme").responses.create(
-            model=TINY_MODEL, input="x", text={"format": {"type": "json_object"}})
+            model=TINY_MODEL, input="x", text={"format": {
+                "type": "json_schema", "name": "x", "schema": lookaround}})
     assert refused.value.body["code"] == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\].function.parameters"):
+        openai_client(url, "sk-acme").chat.completions.create(
+            model=TINY_MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+            tool_choice="required", tools=[{"type": "function", "function": {
+                "name": "f", "parameters": lookaround}}])
+    with pytest.raises(anthropic.BadRequestError, match="output_config.format.schema"):
+        anthropic_client(url).messages.create(
+            model=TINY_MODEL, max_tokens=4, messages=[{"role": "user", "content": "x"}],
+            extra_body={"output_config": {"format": {"type": "json_schema",
+                                                     "schema": lookaround}}})
+    with pytest.raises(openai.BadRequestError, match="tool_choice needs tools"):
+        openai_client(url, "sk-acme").chat.completions.create(
+            model=TINY_MODEL, max_tokens=2, messages=[{"role": "user", "content": "x"}],
+            tool_choice="required")
+    # Not served, as docs/agent-apis.md says: a 404 (not the 405 of the stored responses' path).
+    with pytest.raises(openai.NotFoundError):
+        openai_client(url, "sk-acme").responses.input_tokens.count(model=TINY_MODEL, input="x")
     with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
         openai_client(url, "sk-acme").responses.create(model=TINY_MODEL, input="x",
                                                        reasoning={"effort": "low"})
