@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
 
 from prefix_cache.engine_protocol import EngineCounts, EngineHealth, EngineStats, counted
 
@@ -35,7 +34,7 @@ from .draft_layers import reused_layers
 from .kv_disk import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
-from .model_info import context_length, vocab_size
+from .model_info import BatchGenerator, StopSequences, context_length, vocab_size
 from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .reuse import ConversationHit, KVReuse, ReusePlan
 from .sampling import make_sampler
