@@ -6,8 +6,9 @@ shared by the engine processes of one host.
 
 One file per entry (``kv_file``: the metadata holds the format version, namespace, model
 fingerprint, packed prefix ids, and positions/span of sparse snapshots). An in-memory index
-(a ``ByteLRU`` of the files' sizes, least recently used first) is rebuilt at start by a scan
-of the headers; the conversation store's longest-common-prefix lookup runs over it.
+(a ``ByteLRU`` of the files' sizes, least recently used first, with a radix tree of their
+prefix ids: ``kv_store.PrefixLRU``) is rebuilt at start by a scan of the headers; the
+conversation store's longest-common-prefix lookup runs in that tree, in the prompt's length.
 
 Writes are write-behind: ``submit`` hands the snapshot to one writer thread through a bounded
 queue and returns at once (a full queue drops the write, counted), so the engine thread never
@@ -34,15 +35,14 @@ from pathlib import Path
 
 import xxhash
 
-from prefix_cache.boundary import packed_prefix_len
 from prefix_cache.engine_protocol import DiskKVCounts, DiskKVStats, counted
-from prefix_cache.lru import ByteLRU
 from prefix_cache.token_ids import pack_ids, unpack_ids
 
 from ..defaults import DEFAULT_KV_DISK_QUEUE
 from . import kv_file
 from .kv_cache import KVSnapshot
 from .kv_file import KVFileError
+from .kv_store import PrefixLRU
 from .streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
@@ -70,6 +70,11 @@ class _Write:
     generation: int
 
 
+def _new_index(max_bytes: int) -> PrefixLRU[DiskKey, DiskEntry]:
+    # One prefix tree per tier, namespace and model: a lookup never walks another's entries.
+    return PrefixLRU(max_bytes, lambda key: key[:3], lambda entry: entry.packed_ids)
+
+
 def _namespace_dir(namespace: str) -> str:
     return f"ns-{xxhash.xxh3_64_hexdigest(namespace.encode())}"
 
@@ -92,7 +97,7 @@ class DiskKVStore:
         self.stats = DiskKVCounts()
         self.owned = False   # made for one engine (``open_kv_disk``): closed with it
         self._clock = clock
-        self._index: ByteLRU[DiskKey, DiskEntry] = ByteLRU(max_bytes)
+        self._index = _new_index(max_bytes)
         self._lock = threading.Lock()
         # A purge bumps the generation of its namespace (or all): queued writes made before it
         # are dropped instead of bringing purged KV back.
@@ -148,18 +153,11 @@ class DiskKVStore:
         packed = pack_ids(ids[:max_tokens])
         while True:
             with self._lock:
-                best: tuple[DiskKey, DiskEntry] | None = None
-                best_n = min_tokens
-                for key, entry in reversed(list(self._index.items())):
-                    if key[:3] != (tier, namespace, model_id):
-                        continue
-                    n = packed_prefix_len(packed, entry.packed_ids)
-                    if n > best_n:
-                        best, best_n = (key, entry), n
-                if best is None:
+                found = self._index.longest((tier, namespace, model_id), packed)
+                if found is None or found[0] <= min_tokens:
                     self.stats.misses += 1
                     return None
-            key, entry = best
+            best_n, key, entry = found
             snap = self._load(key, entry.path, entry.packed_ids, known=True)
             if snap is not None:
                 with self._lock:
@@ -294,9 +292,8 @@ class DiskKVStore:
                 self.stats.writes += 1
                 doomed = self._add(item.key, entry, path)
                 if item.supersede:
-                    covered = self._index.pop_where(
-                        lambda k, e: k[:3] == item.key[:3] and k != item.key
-                        and item.packed_ids.startswith(e.packed_ids))
+                    covered = self._index.pop_prefixes(item.key[:3], item.packed_ids,
+                                                       keep=item.key)
                     doomed += [e.path for _, e in covered]
         for old in doomed:
             old.unlink(missing_ok=True)
@@ -344,7 +341,7 @@ class DiskKVStore:
         found.sort(key=lambda f: f[0])
         doomed: list[Path] = []
         with self._lock:
-            self._index = ByteLRU(self.max_bytes)
+            self._index = _new_index(self.max_bytes)
             for _, key, entry, size in found:
                 evicted = self._index.put(key, entry, size) or []
                 self.stats.evictions += len(evicted)
