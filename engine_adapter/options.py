@@ -60,6 +60,9 @@ class EngineOptions(BaseModel):
     reuse_draft_layers: bool = Field(default=False, description="the draft is the target's "
                                      "first layers (a layer-truncated copy): the target reuses "
                                      "the draft's work for them")
+    specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
+                                     "sliding-window or recurrent layers too (approximate "
+                                     "there; the static prefix stays exact)")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
@@ -91,7 +94,8 @@ class EngineOptions(BaseModel):
                               if self.kv_bytes > 0 or self.conversation_bytes > 0 else 0),
             "specprefill": SpecPrefillConfig(keep_pct=self.specprefill_keep_pct,
                                              threshold=self.specprefill_threshold,
-                                             reuse_draft_layers=self.reuse_draft_layers),
+                                             reuse_draft_layers=self.reuse_draft_layers,
+                                             hybrid=self.specprefill_hybrid),
         }
         if self.kv_bytes > 0:
             kwargs["kv_store"] = KVSnapshotStore(int(self.kv_bytes))

@@ -39,7 +39,7 @@ from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, Prefill
 from .reuse import ConversationHit, KVReuse, ReusePlan
 from .sampling import make_sampler
 from .sequence import Deliver, EngineSequence
-from .sparse import SparseJob, SparsePrefill, specprefill_steps
+from .sparse import SparseJob, SparsePrefill, sparse_capable, specprefill_steps
 from .specprefill import SpecPrefillConfig
 from .streams import releasing_streams
 
@@ -348,7 +348,7 @@ class MLXEngine:
             self._sparse_jobs.append(SparseJob(seq, ids, static, steps))
             return
         fallback = "no draft model" if req.specprefill and self.draft_model is None else None
-        if not self.reuse.positioned and self._asks_specprefill(req, rest):
+        if not sparse_capable(self.reuse, self.specprefill) and self._asks_specprefill(req, rest):
             fallback = UNSUPPORTED_LAYERS
         self._start_dense(seq, ids, static, fallback, conv)
 
@@ -361,7 +361,7 @@ class MLXEngine:
         return -share if self._draft_layers else share
 
     def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
-        return self.reuse.positioned and self._asks_specprefill(req, rest)
+        return sparse_capable(self.reuse, self.specprefill) and self._asks_specprefill(req, rest)
 
     def _asks_specprefill(self, req: GenerationRequest, rest: int) -> bool:
         return self.specprefill.asked(req, rest, self.draft_model is not None)
@@ -429,7 +429,8 @@ class MLXEngine:
     def _insert_sparse(self, job: SparseJob, done: SparsePrefill) -> None:
         seq, ids, n = job.seq, job.ids, len(job.ids)
         self._insert(seq, [[ids[-1]]], done.cache)
-        if self.reuse_sparse_kv and self.conversation_store is not None and n > 1:
+        if self.reuse_sparse_kv and self.reuse.positioned and self.conversation_store \
+                is not None and n > 1:   # a layered model's sparse state is no prompt's own
             # The prompt minus its last token is all in the cache: stored after the first
             # token, as a dense prompt is (planned once inserted: a failure before falls back to
             # a dense admission, which must not inherit any of it).
