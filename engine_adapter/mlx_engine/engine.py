@@ -61,6 +61,7 @@ class MLXEngine:
         conversation_store: KVSnapshotStore | None = None,
         reuse_conversation_kv: bool = True,
         reuse_sparse_kv: bool = True,
+        reuse_reply_kv: bool = False,
         specprefill: SpecPrefillConfig | None = None,
         stop_token_ids: Sequence[int] = (),
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
@@ -88,8 +89,7 @@ class MLXEngine:
             self.conversation_store = (conversation_store if conversation_store is not None
                                        else KVSnapshotStore())
         # A SpecPrefill's KV (its kept tokens, at their positions) goes to the conversation store
-        # too, so the next turn restores it and computes only what is new, instead of scoring
-        # and sparsifying the same history again (it sees that history as this turn did).
+        # too: the next turn restores it instead of scoring and sparsifying that history again.
         self.reuse_sparse_kv = reuse_sparse_kv
         self.kv_disk = kv_disk
         self.kv_store = tiered(self.kv_store, kv_disk, "static")
@@ -107,7 +107,7 @@ class MLXEngine:
         self.stats = EngineCounts()
         self.reuse = KVReuse(model, self.kv_store, self.conversation_store,
                              positioned=kv_cache.supports_positioned_cache(model),
-                             reusable=kv_cache.supports_reuse(model))
+                             reusable=kv_cache.supports_reuse(model), keep_replies=reuse_reply_kv)
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
         self._step_size = prefill_step_size
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -276,7 +276,7 @@ class MLXEngine:
             self._forget(seq)
             self.stats.completed += 1
         self._send(seq, event)
-        self.reuse.on_first_token(seq, r.prompt_cache, self._extract(seq))
+        self.reuse.on_token(seq, int(r.token), r.finish_reason, r.prompt_cache, self._extract(seq))
 
     def _send(self, seq: EngineSequence, item: Any) -> None:
         try:
