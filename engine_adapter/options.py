@@ -51,6 +51,9 @@ class EngineOptions(BaseModel):
                                     "off")
     reuse_sparse_kv: bool = Field(default=True, description="SpecPrefilled prompts go to the "
                                   "conversation store too (their kept tokens)")
+    reuse_reply_kv: bool = Field(default=False, description="a finished dense reply's KV goes "
+                                 "to the conversation store with its prompt's, so the next "
+                                 "turn that sends it back reuses it")
     max_context: int | None = Field(default=None, ge=2, description="lower the model's context "
                                     "window (prompt + max_tokens) to bound KV memory")
     max_batch_size: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1, le=4096,
@@ -60,6 +63,9 @@ class EngineOptions(BaseModel):
     reuse_draft_layers: bool = Field(default=False, description="the draft is the target's "
                                      "first layers (a layer-truncated copy): the target reuses "
                                      "the draft's work for them")
+    specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
+                                     "sliding-window or recurrent layers too (approximate "
+                                     "there; the static prefix stays exact)")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
@@ -83,6 +89,7 @@ class EngineOptions(BaseModel):
             "reuse_static_kv": self.kv_bytes > 0,
             "reuse_conversation_kv": self.conversation_bytes > 0,
             "reuse_sparse_kv": self.reuse_sparse_kv,
+            "reuse_reply_kv": self.reuse_reply_kv,
             "max_context": self.max_context,
             "max_batch_size": self.max_batch_size,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.
@@ -91,7 +98,8 @@ class EngineOptions(BaseModel):
                               if self.kv_bytes > 0 or self.conversation_bytes > 0 else 0),
             "specprefill": SpecPrefillConfig(keep_pct=self.specprefill_keep_pct,
                                              threshold=self.specprefill_threshold,
-                                             reuse_draft_layers=self.reuse_draft_layers),
+                                             reuse_draft_layers=self.reuse_draft_layers,
+                                             hybrid=self.specprefill_hybrid),
         }
         if self.kv_bytes > 0:
             kwargs["kv_store"] = KVSnapshotStore(int(self.kv_bytes))

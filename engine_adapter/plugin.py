@@ -13,8 +13,10 @@ probe renders done once per distinct static prefix, per namespace.
 
 Both engine shapes are handled:
 
-- text engine: ``prompt`` is the rendered string; it is tokenized the transformers way
-  (``add_special_tokens=False``), or with the ``encode`` callable given;
+- text engine: ``prompt`` is the rendered string; by default it is tokenized as oMLX prefills
+  it, ``tokenizer.encode(prompt)`` with the tokenizer's defaults (a Llama-3 tokenizer adds a BOS
+  before the template's own), and the boundary counts in those ids; or with the ``encode``
+  callable given, whose ids are taken as the engine's;
 - vision-language engine: ``prompt`` is the token ids the engine will prefill (image
   placeholders already expanded); they are used as they are. Messages may carry image content
   parts; the static prefix is rendered with the request's tools and chat_template_kwargs.
@@ -40,9 +42,21 @@ Namespace = str | Callable[[Mapping[str, Any]], str]
 Encode = Callable[[str], Sequence[int]]
 
 
-def _encode_plain(tokenizer: Any, prompt: str) -> list[int]:
-    # A rendered template already holds its special tokens: add none (the transformers way).
-    return list(tokenizer.encode(prompt, add_special_tokens=False))
+def _leading_specials(tokenizer: Any) -> int:
+    """How many tokens the tokenizer's defaults put before any text (a BOS: 1; Qwen: 0)."""
+    plain = list(tokenizer.encode("a", add_special_tokens=False))
+    framed = list(tokenizer.encode("a"))
+    for lead in range(len(framed) - len(plain) + 1):
+        if framed[lead:lead + len(plain)] == plain:
+            return lead
+    raise ValueError("the tokenizer's default encode does not hold its plain encode")
+
+
+def _encode_as_engine(tokenizer: Any, prompt: str) -> tuple[list[int], int]:
+    """oMLX's prefill ids (``tokenizer.encode(prompt)``, the tokenizer's defaults) and how many
+    of them the defaults put before the rendered text: the cache counts in the render's ids
+    (the template writes its own BOS), the engine's boundary is that count further on."""
+    return list(tokenizer.encode(prompt)), _leading_specials(tokenizer)
 
 
 class SpecPrefillBoundary:
@@ -74,16 +88,16 @@ class SpecPrefillBoundary:
         plan = self._plan(prompt, kwargs, tokenizer)
         if plan is None:
             return
-        tok, ids, namespace = plan
+        tok, ids, lead, namespace = plan
         try:
             result = self.cache.resolve(
                 tok, list(messages), _listed(tools), _dict(chat_template_kwargs),
-                prompt_ids=ids, chat_template=self.chat_template, namespace=namespace,
+                prompt_ids=ids[lead:], chat_template=self.chat_template, namespace=namespace,
                 model=self.model)
         except Exception as exc:
             log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
             return
-        self._apply(result, kwargs)
+        self._apply(result, lead, kwargs)
 
     async def ainject(self, messages: Sequence[Mapping[str, Any]], prompt: str | Sequence[int],
                       tools: Sequence[Mapping[str, Any]] | None,
@@ -93,40 +107,43 @@ class SpecPrefillBoundary:
         plan = self._plan(prompt, kwargs, tokenizer)
         if plan is None:
             return
-        tok, ids, namespace = plan
+        tok, ids, lead, namespace = plan
         try:
             result = await self.cache.aresolve(
                 tok, list(messages), _listed(tools), _dict(chat_template_kwargs),
-                prompt_ids=ids, chat_template=self.chat_template, namespace=namespace,
+                prompt_ids=ids[lead:], chat_template=self.chat_template, namespace=namespace,
                 model=self.model)
         except Exception as exc:
             log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
             return
-        self._apply(result, kwargs)
+        self._apply(result, lead, kwargs)
 
     def _plan(self, prompt: str | Sequence[int], kwargs: Mapping[str, Any],
-              tokenizer: Any | None) -> tuple[Any, list[int], str] | None:
+              tokenizer: Any | None) -> tuple[Any, list[int], int, str] | None:
         if kwargs.get("specprefill") is False or kwargs.get(KWARG) is not None:
             return None  # off for this request, or already given (by a sidecar in front)
         tok = tokenizer if tokenizer is not None else self.tokenizer
         if tok is None:
             log.warning("no tokenizer for specprefill_system_end; dense prefill")
             return None
+        lead = 0
         try:
-            if isinstance(prompt, str):
-                ids = list(self.encode(prompt)) if self.encode else _encode_plain(tok, prompt)
+            if isinstance(prompt, str) and self.encode is None:
+                ids, lead = _encode_as_engine(tok, prompt)
+            elif isinstance(prompt, str):
+                ids = list(self.encode(prompt))
             else:  # the vision-language shape: the engine's own ids, placeholders expanded
                 ids = [int(t) for t in prompt]
             namespace = self.namespace(kwargs) if callable(self.namespace) else self.namespace
         except Exception as exc:
             log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
             return None
-        return tok, ids, namespace
+        return tok, ids, lead, namespace
 
-    def _apply(self, result: PrefixResult, kwargs: dict[str, Any]) -> None:
+    def _apply(self, result: PrefixResult, lead: int, kwargs: dict[str, Any]) -> None:
         self.last = result
         if result.specprefill_system_end > 0:
-            kwargs[KWARG] = result.specprefill_system_end
+            kwargs[KWARG] = lead + result.specprefill_system_end
 
 
 def _listed(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

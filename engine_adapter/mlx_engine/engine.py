@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.generate import BatchGenerator, StopSequences
 
 from prefix_cache.engine_protocol import EngineCounts, EngineHealth, EngineStats, counted
 
@@ -35,12 +34,12 @@ from .draft_layers import reused_layers
 from .kv_disk_setup import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
-from .model_info import context_length, vocab_size
+from .model_info import BatchGenerator, StopSequences, context_length, vocab_size
 from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .reuse import ConversationHit, KVReuse, ReusePlan
 from .sampling import request_sampler
 from .sequence import Deliver, EngineSequence
-from .sparse import SparseJob, SparsePrefill, specprefill_steps
+from .sparse import SparseJob, SparsePrefill, sparse_capable, specprefill_steps
 from .specprefill import SpecPrefillConfig
 from .streams import releasing_streams
 
@@ -62,6 +61,7 @@ class MLXEngine:
         conversation_store: KVSnapshotStore | None = None,
         reuse_conversation_kv: bool = True,
         reuse_sparse_kv: bool = True,
+        reuse_reply_kv: bool = False,
         specprefill: SpecPrefillConfig | None = None,
         stop_token_ids: Sequence[int] = (),
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
@@ -89,8 +89,7 @@ class MLXEngine:
             self.conversation_store = (conversation_store if conversation_store is not None
                                        else KVSnapshotStore())
         # A SpecPrefill's KV (its kept tokens, at their positions) goes to the conversation store
-        # too, so the next turn restores it and computes only what is new, instead of scoring
-        # and sparsifying the same history again (it sees that history as this turn did).
+        # too: the next turn restores it instead of scoring and sparsifying that history again.
         self.reuse_sparse_kv = reuse_sparse_kv
         self.kv_disk = kv_disk
         self.kv_store = tiered(self.kv_store, kv_disk, "static")
@@ -108,7 +107,7 @@ class MLXEngine:
         self.stats = EngineCounts()
         self.reuse = KVReuse(model, self.kv_store, self.conversation_store,
                              positioned=kv_cache.supports_positioned_cache(model),
-                             reusable=kv_cache.supports_reuse(model))
+                             reusable=kv_cache.supports_reuse(model), keep_replies=reuse_reply_kv)
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
         self._step_size = prefill_step_size
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -277,7 +276,7 @@ class MLXEngine:
             self._forget(seq)
             self.stats.completed += 1
         self._send(seq, event)
-        self.reuse.on_first_token(seq, r.prompt_cache, self._extract(seq))
+        self.reuse.on_token(seq, int(r.token), r.finish_reason, r.prompt_cache, self._extract(seq))
 
     def _send(self, seq: EngineSequence, item: Any) -> None:
         try:
@@ -349,7 +348,7 @@ class MLXEngine:
             self._sparse_jobs.append(SparseJob(seq, ids, static, steps))
             return
         fallback = "no draft model" if req.specprefill and self.draft_model is None else None
-        if not self.reuse.positioned and self._asks_specprefill(req, rest):
+        if not sparse_capable(self.reuse, self.specprefill) and self._asks_specprefill(req, rest):
             fallback = UNSUPPORTED_LAYERS
         self._start_dense(seq, ids, static, fallback, conv)
 
@@ -362,7 +361,7 @@ class MLXEngine:
         return -share if self._draft_layers else share
 
     def _wants_specprefill(self, req: GenerationRequest, rest: int) -> bool:
-        return self.reuse.positioned and self._asks_specprefill(req, rest)
+        return sparse_capable(self.reuse, self.specprefill) and self._asks_specprefill(req, rest)
 
     def _asks_specprefill(self, req: GenerationRequest, rest: int) -> bool:
         return self.specprefill.asked(req, rest, self.draft_model is not None)
@@ -430,7 +429,8 @@ class MLXEngine:
     def _insert_sparse(self, job: SparseJob, done: SparsePrefill) -> None:
         seq, ids, n = job.seq, job.ids, len(job.ids)
         self._insert(seq, [[ids[-1]]], done.cache)
-        if self.reuse_sparse_kv and self.conversation_store is not None and n > 1:
+        if self.reuse_sparse_kv and self.reuse.positioned and self.conversation_store \
+                is not None and n > 1:   # a layered model's sparse state is no prompt's own
             # The prompt minus its last token is all in the cache: stored after the first
             # token, as a dense prompt is (planned once inserted: a failure before falls back to
             # a dense admission, which must not inherit any of it).

@@ -16,9 +16,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache, RotatingKVCache
 
-from .layered import LayeredSnapshot, restore_layers, snapshot_layers, supports_layered_cache
+from .layered import (
+    LayeredSnapshot,
+    restore_layers,
+    snapshot_layers,
+    supports_layered_cache,
+    window_at,
+)
 
 
 class PositionedKVCache(KVCache):
@@ -26,7 +32,11 @@ class PositionedKVCache(KVCache):
 
     Used on its own, it behaves exactly as ``KVCache`` (the shift only takes effect in
     ``merge``); the engine sets the shift after a sparse prefill, just before insertion.
+    Models with other layers too get it for their full-attention layers: ``BatchGenerator``
+    merges a layer with its first row's class, so every row must be one.
     """
+
+    plain_kv = True   # a KVCache to a layered snapshot (``layered``)
 
     def __init__(self, position_shift: int = 0) -> None:
         super().__init__()
@@ -105,8 +115,35 @@ def supports_reuse(model: Any) -> bool:
 def make_cache(model: Any) -> list[Any]:
     """A fresh per-sequence cache for ``model``."""
     if hasattr(model, "make_cache") and not supports_positioned_cache(model):
-        return model.make_cache()
+        return _positioned(model.make_cache())
     return [PositionedKVCache() for _ in model.layers]
+
+
+def _positioned(cache: list[Any]) -> list[Any]:
+    """Full-attention layers as ``PositionedKVCache`` (the same state), the others as they are."""
+    out = []
+    for c in cache:
+        if type(c) is KVCache:
+            p = PositionedKVCache()
+            p.keys, p.values, p.offset = c.keys, c.values, c.offset
+            c = p
+        out.append(c)
+    return out
+
+
+def rotate_ahead(cache: list[Any], n_tokens: int) -> list[Any]:
+    """A layered model's cache after a sparse prefill, standing for ``n_tokens`` prompt tokens:
+    full-attention layers rotated ahead by the dropped tokens, sliding-window layers as a dense
+    window (``layered.window_at``), recurrent layers as they are (their state is the kept
+    tokens' own: approximate)."""
+    out = []
+    for c in _positioned(cache):
+        if isinstance(c, PositionedKVCache):
+            c.position_shift = n_tokens - c.offset
+        elif type(c) is RotatingKVCache:
+            c = window_at(c, n_tokens)
+        out.append(c)
+    return out
 
 
 def cache_size(cache: Sequence[Any]) -> int:
@@ -159,7 +196,7 @@ def restore(snap: KVSnapshot | LayeredSnapshot, n_tokens: int | None = None, *,
     ``BatchGenerator.insert``: merging it into the batch copies it anyway, and a second copy
     before that would only cost time to first token."""
     if isinstance(snap, LayeredSnapshot):
-        return restore_layers(snap, n_tokens, copy=copy)
+        return _positioned(restore_layers(snap, n_tokens, copy=copy))
     span = snap.prompt_tokens
     want = span if n_tokens is None else n_tokens
     n = snap.stored_before(want)

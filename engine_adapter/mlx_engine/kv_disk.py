@@ -6,8 +6,9 @@ shared by the engine processes of one host.
 One file per entry (``kv_file``: the metadata holds the format version, namespace, model
 fingerprint, packed prefix ids, and positions/span of sparse snapshots, all covered by the
 file's checksum). An in-memory index (a ``ByteLRU`` of the files' sizes, least recently used
-first) is rebuilt at start by a scan of the headers (``kv_disk_scan``); the conversation
-store's longest-common-prefix lookup runs over it. Every path is reached from the root's held
+first, with a radix tree of their prefix ids: ``kv_store.PrefixLRU``) is rebuilt at start by a
+scan of the headers (``kv_disk_scan``); the conversation store's longest-common-prefix lookup
+runs in that tree, in the prompt's length. Every path is reached from the root's held
 descriptor without following links (``kv_folder``): nothing outside the folder is read,
 written or deleted, and a root that others could write is refused at start.
 
@@ -40,9 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.boundary import packed_prefix_len
 from prefix_cache.engine_protocol import DiskKVCounts, DiskKVStats, counted
-from prefix_cache.lru import ByteLRU
 from prefix_cache.token_ids import pack_ids, unpack_ids
 
 from ..defaults import DEFAULT_KV_DISK_QUEUE
@@ -52,6 +51,7 @@ from .kv_disk_keys import DiskEntry, DiskKey, disk_key, disk_rel, namespace_dir
 from .kv_disk_scan import remove_dead_temps, scan_folder
 from .kv_file import KVFileError
 from .kv_folder import TierFolder
+from .kv_store import PrefixLRU
 from .layered import LayeredSnapshot
 from .streams import releasing_streams
 
@@ -70,6 +70,11 @@ class _Write:
     snapshot: DiskSnapshot
     supersede: bool
     generation: int
+
+
+def _new_index(max_bytes: int) -> PrefixLRU[DiskKey, DiskEntry]:
+    # One prefix tree per tier, namespace and model: a lookup never walks another's entries.
+    return PrefixLRU(max_bytes, lambda key: key[:3], lambda entry: entry.packed_ids)
 
 
 class DiskKVStore:
@@ -96,7 +101,7 @@ class DiskKVStore:
         # fingerprinted turn the tier off for this process (kv_fingerprint).
         self._weights_unchanged = weights_unchanged
         self._off = False
-        self._index: ByteLRU[DiskKey, DiskEntry] = ByteLRU(max_bytes)
+        self._index = _new_index(max_bytes)
         self._lock = threading.Lock()
         self._writing_bytes = 0   # the temporary file being written now (counted in bytes)
         # A purge bumps the generation of its namespace (or all): queued writes made before it
@@ -152,18 +157,11 @@ class DiskKVStore:
         packed = pack_ids(ids[:max_tokens])
         while True:
             with self._lock:
-                best: tuple[DiskKey, DiskEntry] | None = None
-                best_n = min_tokens
-                for key, entry in reversed(list(self._index.items())):
-                    if key[:3] != (tier, namespace, model_id):
-                        continue
-                    n = packed_prefix_len(packed, entry.packed_ids)
-                    if n > best_n:
-                        best, best_n = (key, entry), n
-                if best is None:
+                found = self._index.longest((tier, namespace, model_id), packed)
+                if found is None or found[0] <= min_tokens:
                     self.stats.misses += 1
                     return None
-            key, entry = best
+            best_n, key, entry = found
             snap = self._load(key, entry.rel, entry.packed_ids)
             if snap is not None:
                 with self._lock:
@@ -302,9 +300,8 @@ class DiskKVStore:
                 self.stats.writes += 1
                 doomed = self._add(item.key, entry)
                 if item.supersede:
-                    covered = self._index.pop_where(
-                        lambda k, e: k[:3] == item.key[:3] and k != item.key
-                        and item.packed_ids.startswith(e.packed_ids))
+                    covered = self._index.pop_prefixes(item.key[:3], item.packed_ids,
+                                                       keep=item.key)
                     doomed += [e.rel for _, e in covered]
         self._delete(doomed)
 
@@ -374,7 +371,7 @@ class DiskKVStore:
         doomed: list[str] = []
         with self._lock:
             self.stats.discarded += scan.bad
-            self._index = ByteLRU(self.max_bytes)
+            self._index = _new_index(self.max_bytes)
             for found in scan.found:
                 h = found.header
                 key = self.key(h.tier, h.namespace, h.model_id, h.packed_ids)

@@ -81,12 +81,33 @@ class LayeredSnapshot:
         return None
 
 
+def _plain_kv(c: Any) -> bool:
+    # KVCache, or a subclass that differs from it only in how a batch merges it (``plain_kv``:
+    # the engine's PositionedKVCache); a chunked cache is a subclass that is not.
+    return type(c) is KVCache or bool(getattr(type(c), "plain_kv", False))
+
+
 def supports_layered_cache(caches: Sequence[Any]) -> bool:
     """Whether every layer's cache is of a type a ``LayeredSnapshot`` keeps (exact types: a
     quantized or chunked cache is none of them), with at least one attention layer: the engine
     counts a sequence's tokens off those (a recurrent state does not count them)."""
-    return (all(type(c) in LAYER_TYPES for c in caches)
+    return (all(type(c) in LAYER_TYPES or _plain_kv(c) for c in caches)
             and any(type(c) is not ArraysCache for c in caches))
+
+
+def window_at(c: RotatingKVCache, n_tokens: int) -> RotatingKVCache:
+    """A sliding-window layer after a sparse prefill, as a dense one stands after ``n_tokens``:
+    its stored tokens in order (their last ``max_size``), its offset at ``n_tokens``. Right
+    when the last window of prompt tokens was kept (SpecPrefill on hybrids forces it): they
+    are then exactly the tokens a dense window holds, each rotated at its own position."""
+    layer = _window(c, c.offset)
+    return _restored(WindowLayer(layer.keys, layer.values, n_tokens, layer.max_size,
+                                 layer.keep), n_tokens, copy=False)
+
+
+def max_window(caches: Sequence[Any]) -> int:
+    """The widest sliding window among the layers (0: none)."""
+    return max((c.max_size for c in caches if type(c) is RotatingKVCache), default=0)
 
 
 def _window(c: RotatingKVCache, n_tokens: int) -> WindowLayer:

@@ -1,8 +1,32 @@
-"""What a loaded mlx-lm model's config says about it: vocabulary size and context window."""
+"""What the engine takes from mlx-lm: the batch API of the releases it is tested with, and what
+a loaded model's config says about it (vocabulary size, context window)."""
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
+
+# pyproject's mlx-lm range: the releases the engine is tested with (BatchGenerator's keywords,
+# StopSequences and the cache classes changed names across releases before it).
+MLX_LM_RANGE = ">=0.32.2,<0.33"
+
+
+def needs_mlx_lm(missing: str) -> str:
+    """The message for an mlx-lm whose batch API lacks what the engine calls."""
+    try:
+        installed = f"mlx-lm {version('mlx-lm')} is installed"
+    except PackageNotFoundError:
+        installed = "mlx-lm is not installed"
+    return (f"the MLX engine needs mlx-lm{MLX_LM_RANGE} ({missing}); {installed}: "
+            f"pip install 'mlx-lm{MLX_LM_RANGE}'")
+
+
+try:  # the one import of mlx-lm's batch API: a release without these names says what it needs
+    from mlx_lm.generate import BatchGenerator, StopSequences
+except ImportError as exc:
+    raise ImportError(needs_mlx_lm(f"mlx_lm.generate lacks: {exc}")) from exc
+
+__all__ = ["BatchGenerator", "StopSequences", "context_length", "needs_mlx_lm", "vocab_size"]
 
 # RoPE scalings whose factor stretches ``max_position_embeddings`` (Qwen's YaRN recipe leaves
 # that field at the trained length); llama3 and longrope configs already state the full window.

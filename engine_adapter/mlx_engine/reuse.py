@@ -24,7 +24,7 @@ from . import kv_cache
 from .kv_cache import KVSnapshot
 from .kv_store import Key, KVSnapshotStore, prefix_key
 from .prefill import dense_prefill_steps
-from .request import GenerationRequest
+from .request import DENSE, GenerationRequest
 
 if TYPE_CHECKING:
     from .sequence import EngineSequence
@@ -74,7 +74,7 @@ class KVReuse:
 
     def __init__(self, model: Any, kv_store: KVSnapshotStore | None,
                  conversation_store: KVSnapshotStore | None, *, positioned: bool,
-                 reusable: bool | None = None) -> None:
+                 reusable: bool | None = None, keep_replies: bool = False) -> None:
         self.model = model
         self.kv_store = kv_store
         self.conversation_store = conversation_store
@@ -88,6 +88,12 @@ class KVReuse:
         # same (namespace, prefix ids) wait here and then restore it instead of recomputing.
         self._computing: dict[Key, list[EngineSequence]] = {}
         self._parked_on: dict[str, Key] = {}   # request id -> the prefix it waits for
+        # A finished dense sequence's reply KV goes to the conversation store with its prompt's
+        # (``on_token``): the tokens each one generated so far, and the last one to leave (the
+        # engine forgets a sequence just before its final token comes here).
+        self.keep_replies = keep_replies
+        self._replies: dict[str, list[int]] = {}
+        self._left: tuple[str, list[int]] | None = None
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -220,6 +226,43 @@ class KVReuse:
                                             supersede=True)
         return self.release(seq, stored, leader_running=True) if static else []
 
+    def on_token(self, seq: EngineSequence, token: int, finish_reason: str | None,
+                 prompt_cache: Any, extract: Extract) -> None:
+        """After each token out: the prompt's KV once the first is (``on_first_token``); at a
+        normal finish, the KV of the prompt and of the reply (``_store_reply``)."""
+        self.on_first_token(seq, prompt_cache, extract)
+        info, rid = seq.info, seq.request.request_id
+        if (not self.keep_replies or self.conversation_store is None or not self.positioned
+                or info is None or info.mode != DENSE or seq.plan.restored_positions is not None):
+            return   # a sparse KV holds fewer tokens than it stands for: its prompt only
+        reply = self._replies.pop(rid, None)
+        if reply is None and self._left is not None and self._left[0] == rid:
+            reply = self._left[1]
+        if reply is None and seq.emitted != 1:
+            return   # not followed from its first token
+        reply = reply if reply is not None else []
+        reply.append(token)
+        if finish_reason is None:
+            self._replies[rid] = reply
+        elif finish_reason in ("stop", "length"):   # not cancelled or failed: all computed
+            self._store_reply(seq, reply, prompt_cache)
+
+    def _store_reply(self, seq: EngineSequence, reply: list[int], cache: Any) -> None:
+        """The prompt and the reply, but its last token (never fed), as one conversation entry:
+        a next prompt that sends the reply back restores up to where its ids part from these."""
+        ids = list(seq.request.prompt_ids) + reply[:-1]
+        if len(reply) < 2 or self.conversation_store is None:
+            return
+        try:
+            if cache is None or kv_cache.cache_size(cache) < len(ids):
+                log.warning("reply KV of %s not there; not stored", seq.request.request_id)
+                return
+            self.conversation_store.put(seq.request.namespace, TARGET_ID, ids,
+                                        kv_cache.snapshot(cache, len(ids)), supersede=True)
+        except Exception:
+            log.warning("could not store the reply KV of %s", seq.request.request_id,
+                        exc_info=True)
+
     def on_first_token(self, seq: EngineSequence, prompt_cache: Any, extract: Extract) -> None:
         """Store the prompt minus its last token in the conversation store, copied from the KV
         the sequence holds once its first token is out (the finished response's cache, or the
@@ -268,6 +311,8 @@ class KVReuse:
 
     def forget(self, seq: EngineSequence) -> list[tuple[EngineSequence, bool]]:
         """``seq`` leaves (done, cancelled, failed); the parked requests to start again."""
+        rid = seq.request.request_id
+        self._left = (rid, self._replies.pop(rid)) if rid in self._replies else None
         key = self._parked_on.pop(seq.request.request_id, None)
         if key is not None:
             waiting = self._computing.get(key, [])
@@ -281,3 +326,5 @@ class KVReuse:
         """Forget every parked request (the engine fails them all)."""
         self._computing.clear()
         self._parked_on.clear()
+        self._replies.clear()
+        self._left = None

@@ -16,10 +16,13 @@ import mlx.core as mx
 
 
 def attention_modules(model: Any) -> list[Any]:
-    """The attention module of every layer, in order; ValueError if a layer has none."""
+    """The attention module of every layer, in order, recurrent layers left out (gated
+    DeltaNet: ``linear_attn``, no positions to rotate); ValueError if another layer has none."""
     modules = []
     for i, layer in enumerate(model.layers):
         attn = getattr(layer, "self_attn", None)
+        if attn is None and hasattr(layer, "linear_attn"):
+            continue
         if attn is None or not hasattr(attn, "rope"):
             raise ValueError(f"layer {i} has no self_attn.rope: architecture not supported")
         modules.append(attn)

@@ -7,6 +7,10 @@ decode steps of the running batch.
                      protected part (``score_steps``)
     target           prefills the kept chunks at their own positions; the job's result is the
                      cache the engine inserts with the last prompt token
+
+On models with sliding-window or recurrent layers (opt-in, ``SpecPrefillConfig.hybrid``) every
+layer sees only the kept tokens, the last window of tokens always among them; the static
+prefix is still exact (restored or computed densely, and stored).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import mlx.core as mx
 
 from . import kv_cache
 from .draft_layers import layered_sparse_prefill_steps
+from .layered import max_window
 from .model_info import vocab_size
 from .prefill import sparse_prefill_steps
 from .reuse import DRAFT_ID, TARGET_ID, ConversationHit, KVReuse
@@ -49,6 +54,12 @@ class SparseJob:
     ids: list[int]
     static: int
     steps: Generator[None, None, SparsePrefill]
+
+
+def sparse_capable(reuse: KVReuse, config: SpecPrefillConfig) -> bool:
+    """Whether SpecPrefill may run on the model: full attention only, or with sliding-window
+    and recurrent layers too when ``config.hybrid`` opts in."""
+    return reuse.positioned or (config.hybrid and reuse.reusable)
 
 
 def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefillConfig, *,
@@ -82,8 +93,11 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
                                         lookahead=config.lookahead,
                                         pool_kernel=config.pool_kernel, step=step,
                                         hidden=hidden)
-    kept = select_chunks(importance, keep_pct or config.keep_pct, config.chunk_size,
-                         config.tail_tokens)
+    # A sliding-window layer reads only its last window: with those tokens all kept, it holds
+    # what a dense window holds (``kv_cache.rotate_ahead``). Recurrent layers get the kept ones.
+    tail = config.tail_tokens if reuse.positioned else max(config.tail_tokens,
+                                                           max_window(cache) + 1)
+    kept = select_chunks(importance, keep_pct or config.keep_pct, config.chunk_size, tail)
     # The final prompt token is generation's first input: BatchGenerator feeds it.
     positions = tuple(protected + i for i in kept if protected + i != n - 1)
     if hidden:
@@ -94,8 +108,11 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
     else:
         yield from sparse_prefill_steps(target, ids, positions, cache, step)
     del draft_cache
-    shift = (n - 1) - kv_cache.cache_size(cache)
-    for layer in cache:
-        layer.position_shift = shift
+    if reuse.positioned:
+        shift = (n - 1) - kv_cache.cache_size(cache)
+        for layer in cache:
+            layer.position_shift = shift
+    else:
+        cache = kv_cache.rotate_ahead(cache, n - 1)
     return SparsePrefill(cache, protected, protected_positions, positions, reused,
                          conv is not None)

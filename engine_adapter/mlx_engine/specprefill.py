@@ -44,6 +44,9 @@ class SpecPrefillConfig:
     # The draft is the target's first layers (a layer-truncated copy): the target reuses the
     # draft's work for them (``draft_layers``); the engine checks the weights.
     reuse_draft_layers: bool = False
+    # Models with sliding-window or recurrent layers get SpecPrefill too (opt-in: there it is
+    # approximate beyond what it is on full attention; docs/engine.md, "Model families").
+    hybrid: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 < self.keep_pct <= 1.0:

@@ -136,7 +136,8 @@ def test_a_sibling_sharing_part_of_a_state_snapshot_uses_the_static_prefix(
 
 def test_a_layered_snapshot_restores_only_whole(engine_models_dir, qwen3):
     model = load_tiny(engine_models_dir, "qwen3_next")
-    cache = model.make_cache()
+    cache = kv_cache.make_cache(model)   # its full-attention layers: PositionedKVCache
+    assert any(isinstance(c, kv_cache.PositionedKVCache) for c in cache)
     model(mx.array(qwen3.encode("a few tokens of a prompt"))[None], cache=cache)
     n = kv_cache.cache_size(cache)
     snap = kv_cache.snapshot(cache, n)

@@ -1,6 +1,7 @@
 """The plug-in for engines that compute specprefill_system_end themselves, against two small
-engines in oMLX's shapes: a text engine (prompt is a string) and a vision-language engine
-(prompt is token ids with image placeholders expanded; messages carry image parts)."""
+engines in oMLX's shapes: a text engine (prompt is a string it prefills as
+``tokenizer.encode(prompt)``, the tokenizer's defaults) and a vision-language engine (prompt is
+token ids with image placeholders expanded; messages carry image parts)."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class TextEngine:
         ct_kwargs = kwargs.pop("chat_template_kwargs", None)
         prompt = self._apply_chat_template(messages, tools, ct_kwargs)
         self._inject_specprefill_system_end(messages, prompt, tools, ct_kwargs, kwargs)
-        return self._tokenizer.encode(prompt, add_special_tokens=False), kwargs
+        return self._tokenizer.encode(prompt), kwargs  # oMLX: the tokenizer's defaults
 
 
 class VisionLanguageEngine:
@@ -238,6 +239,73 @@ def test_text_engine_boundary_covers_the_system_and_tools(text_tokenizer):
     assert kwargs["specprefill_system_end"] == truth
     assert "tool_0_15" in qwen3.decode(ids[:truth])
     assert last(boundary).prompt_ids == ids          # tokenized as the engine tokenizes
+
+
+# Llama-3.x's layout: the template writes the BOS, and a Llama-3 tokenizer's defaults add another.
+LLAMA3_TEMPLATE = """\
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}{%- set sys = messages[0].content %}{%- set rest = messages[1:] %}
+{%- else %}{%- set sys = '' %}{%- set rest = messages %}{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + sys }}
+{%- if tools %}{{- '\\n\\nTools:\\n' }}{%- for t in tools %}{{- (t | tojson) + '\\n' }}{%- endfor %}{%- endif %}
+{{- '<|eot_id|>' }}
+{%- for m in rest %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + (m.content or '') + '<|eot_id|>' }}{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
+
+
+def first_user_text(tok: Any, ids: list[int], header: str) -> int:
+    """Independent truth in the engine's own ids: where the first user turn's text starts."""
+    head = tok.encode(header, add_special_tokens=False)
+    return next(i + len(head) for i in range(len(ids)) if ids[i:i + len(head)] == head)
+
+
+LLAMA3_USER = "<|start_header_id|>user<|end_header_id|>\n\n"
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_default_encode_is_the_engines_own(family, request):
+    """oMLX prefills ``tokenizer.encode(prompt)``: on Llama-3 that is two BOS (the template's and
+    the tokenizer's); the boundary lands on the user's text in those ids, turn after turn."""
+    from prefix_cache.demo import DEMO_TEMPLATE
+
+    template, header = ((LLAMA3_TEMPLATE, LLAMA3_USER) if family == "llama3"
+                        else (DEMO_TEMPLATE, "<|im_start|>user\n"))
+    tok = with_template(request.getfixturevalue(family), template)
+    engine = TextEngine(tok)
+    boundary = SpecPrefillBoundary(StaticPrefixCache())
+    install(engine, boundary)
+    tools = make_tools(8)
+    first = [SYSTEM, {"role": "user", "content": "List the files."}]
+    second = first + [{"role": "assistant", "content": "a.txt"},
+                      {"role": "user", "content": "And the dirs?"}]
+    for messages, cache in ((first, "miss"), (second, "hit")):
+        ids, kwargs = engine.chat(messages, tools)
+        end = kwargs["specprefill_system_end"]
+        assert end == first_user_text(tok, ids, header)
+        assert tok.decode(ids[end:]).startswith("List the files.")
+        assert last(boundary).cache == cache
+    doubled = ids[:2] == [tok.bos_token_id] * 2
+    assert doubled == (family == "llama3")           # the case the old default got one short
+
+
+def test_given_encode_counts_in_its_own_ids(llama3):
+    """An engine that prefills without the tokenizer's specials passes its encode: the boundary
+    counts in those ids."""
+    tok = with_template(llama3, LLAMA3_TEMPLATE)
+    messages = [SYSTEM, {"role": "user", "content": "List the files."}]
+    tools = make_tools(4)
+    prompt = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                     add_generation_prompt=True)
+    ids = tok.encode(prompt, add_special_tokens=False)
+    boundary = SpecPrefillBoundary(StaticPrefixCache(), tokenizer=tok,
+                                   encode=lambda p: tok.encode(p, add_special_tokens=False))
+    kwargs: dict[str, Any] = {}
+    boundary(messages, prompt, tools, None, kwargs)
+    assert kwargs["specprefill_system_end"] == first_user_text(tok, ids, LLAMA3_USER)
+    default: dict[str, Any] = {}
+    asyncio.run(SpecPrefillBoundary(StaticPrefixCache(), tokenizer=tok).ainject(
+        messages, prompt, tools, None, default))
+    assert default["specprefill_system_end"] == kwargs["specprefill_system_end"] + 1
 
 
 def test_text_engine_own_subtraction_is_what_the_plugin_replaces(text_tokenizer):

@@ -1,0 +1,164 @@
+"""SpecPrefill on sliding-window and recurrent families (``specprefill_hybrid``), against dense:
+time to first token at 8k and 16k tokens, KL of the first token's distribution to dense, and
+whether the greedy answer equals dense, side by side in one run.
+
+    bash bench/hybrid_specprefill.sh [--families gemma3_text,gpt_oss,qwen3_next,qwen3_5]
+        [--lengths 8192,16384] [--keep 0.3] [--reps 2] [--update-docs]
+    bash bench/hybrid_specprefill.sh --model DIR --draft DIR     # a real hybrid folder
+
+Per model and length, ``--reps`` prompts (a ``--static``-token static prefix, then the rest),
+each served twice by one engine with the option on and no KV stores (every run cold): dense
+(``specprefill=False``) and SpecPrefill (``keep_pct`` ``--keep``), the order alternating per
+rep. Tiny families: random weights (hidden 128, 4 layers; the Qwen3 vocabulary), a draft of
+hidden 32 and 1 layer, random prompt ids; a real folder gets a document of words instead.
+Random weights say nothing of quality: there the KL and answers only show the mechanics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+DOCS = ROOT / "docs" / "engine.md"
+MARK_START, MARK_END = "<!-- bench:hybrid-specprefill:start -->", "<!-- bench:hybrid-specprefill:end -->"
+SHAPE = {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 384}
+ANSWER_TOKENS = 16
+
+
+def serve(engine: Any, ids: list[int], static: int, sparse: bool) -> dict[str, Any]:
+    """TTFT, first-token logprobs, the greedy answer and the prefill info of one request."""
+    from engine_adapter.mlx_engine import GenerationRequest
+
+    request = GenerationRequest(ids, max_tokens=ANSWER_TOKENS, specprefill_system_end=static,
+                                specprefill=sparse, return_logprobs=True)
+    started = time.perf_counter()
+    events = list(engine.generate(request))
+    return {"ttft": events[0].elapsed_s if events[0].elapsed_s else time.perf_counter() - started,
+            "logprobs": events[0].logprobs, "answer": [e.token for e in events],
+            "info": events[0].prefill}
+
+
+def kl(dense: Any, sparse: Any) -> float:
+    import mlx.core as mx
+
+    return float((mx.exp(dense) * (dense - sparse)).sum().item())
+
+
+def prompts(tok: Any, vocab: int, length: int, static: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    if tok is None:
+        return [rng.randrange(vocab) for _ in range(length)]
+    from engine import document
+
+    ids = tok.encode(document(tok, length, seed), add_special_tokens=False)
+    return (ids * (length // max(1, len(ids)) + 1))[:length]
+
+
+def measure(name: str, model: Any, draft: Any, tok: Any, args: argparse.Namespace) -> list[dict]:
+    from engine_adapter.mlx_engine import MLXEngine
+    from engine_adapter.mlx_engine.model_info import vocab_size
+    from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig
+
+    config = SpecPrefillConfig(keep_pct=args.keep, threshold=0, hybrid=True)
+    rows = []
+    vocab = min(vocab_size(model) or 32000, vocab_size(draft) or 32000)
+    with MLXEngine(model, draft_model=draft, specprefill=config, reuse_static_kv=False,
+                   reuse_conversation_kv=False) as engine:
+        serve(engine, prompts(tok, vocab, 256, 64, 0), 64, True)   # warm-up, both paths
+        serve(engine, prompts(tok, vocab, 256, 64, 0), 64, False)
+        for length in (int(x) for x in args.lengths.split(",")):
+            runs: dict[str, list[Any]] = {"dense": [], "sparse": []}
+            for rep in range(args.reps):
+                ids = prompts(tok, vocab, length, args.static, 1000 * length + rep)
+                order = ("dense", "sparse") if rep % 2 == 0 else ("sparse", "dense")
+                got = {mode: serve(engine, ids, args.static, mode == "sparse") for mode in order}
+                assert got["sparse"]["info"].mode == "specprefill", got["sparse"]["info"]
+                for mode in order:
+                    runs[mode].append(got[mode])
+                runs["sparse"][-1]["kl"] = kl(got["dense"]["logprobs"], got["sparse"]["logprobs"])
+                runs["sparse"][-1]["same"] = got["dense"]["answer"] == got["sparse"]["answer"]
+            dense = statistics.median(r["ttft"] for r in runs["dense"])
+            sparse = statistics.median(r["ttft"] for r in runs["sparse"])
+            row = {"model": name, "tokens": length, "dense_ttft_s": dense,
+                   "sparse_ttft_s": sparse, "speedup": dense / sparse,
+                   "kept": statistics.median(r["info"].kept_tokens for r in runs["sparse"]),
+                   "kl": statistics.median(r["kl"] for r in runs["sparse"]),
+                   "same_answers": sum(r["same"] for r in runs["sparse"]), "reps": args.reps}
+            print(json.dumps(row), file=sys.stderr, flush=True)
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict[str, Any]], command: str, keep: float) -> str:
+    from engine import machine
+
+    lines = [f"| model | prompt tokens | dense TTFT (s) | SpecPrefill TTFT (s), keep {keep:.0%} "
+             "| dense / SpecPrefill | tokens computed after the static prefix (kept) | "
+             f"KL(dense, SpecPrefill), first token | greedy {ANSWER_TOKENS} tokens = dense |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['tokens']:,} | {r['dense_ttft_s']:.2f} | "
+                     f"{r['sparse_ttft_s']:.2f} | {r['speedup']:.2f}x | {r['kept']:,.0f} | "
+                     f"{r['kl']:.4f} | {r['same_answers']}/{r['reps']} |")
+    return ("\n".join(lines) + f"\n\nCommand: `{command}`. Machine: {machine()}; shared with "
+            "other engineers' builds and tests while it ran (a loaded 2-core machine: compare "
+            "within a row).")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default="gemma3_text,gpt_oss,qwen3_next,qwen3_5")
+    ap.add_argument("--model", type=Path, help="a real model folder (needs --draft)")
+    ap.add_argument("--draft", type=Path, help="its draft model folder (same vocabulary)")
+    ap.add_argument("--lengths", default="8192,16384")
+    ap.add_argument("--static", type=int, default=1024)
+    ap.add_argument("--keep", type=float, default=0.3)
+    ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--update-docs", action="store_true")
+    args = ap.parse_args()
+    from mlx_lm import load
+    from mlx_lm.utils import load_model
+
+    from engine_adapter.testing.tiny_model import tiny_model_folder
+
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    if args.model:
+        if not args.draft:
+            raise SystemExit("--model needs --draft (a smaller model of the same vocabulary)")
+        model, wrapper = load(str(args.model))[:2]
+        draft = load(str(args.draft))[0]
+        rows += measure(args.model.name, model, draft, wrapper._tokenizer, args)
+    else:
+        root = Path(tempfile.mkdtemp(prefix="hybrid-bench-"))
+        draft = load_model(tiny_model_folder(root / "draft", "qwen3", hidden=32, layers=1,
+                                             heads=2, kv_heads=1))[0]
+        for arch in args.families.split(","):
+            model = load_model(tiny_model_folder(root / arch, arch, **SHAPE))[0]
+            rows += measure(f"tiny {arch}", model, draft, None, args)
+    command = "bash bench/hybrid_specprefill.sh " + " ".join(sys.argv[1:])
+    text = table(rows, command.strip(), args.keep) + (
+        f" Whole run: {time.perf_counter() - started:.0f} s.")
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.update_docs:
+        from engine import update_docs
+
+        update_docs(text, MARK_START, MARK_END, DOCS)
+
+
+if __name__ == "__main__":
+    main()
