@@ -21,6 +21,9 @@
     GET  /metrics               the engine's counters, Prometheus text (prefix_cache_engine_*)
     GET  /health                {"status": "ok"}, or a 503 once the engine thread is down
                                 (what the sidecar's /readyz probes)
+    POST /admin/purge           {"namespace": NAME or null}: that namespace's KV (RAM and disk)
+                                and stored responses deleted (null: all); the API key as for
+                                every call. The sidecar's admin purge calls it on each replica.
 
 A sidecar in front (``prefix-cache serve`` with an upstream of kind ``specprefill``) sends the
 ids its cache cut the boundary in, the boundary, and the tenant as ``specprefill_namespace``.
@@ -43,6 +46,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefix_cache import engine_protocol as wire
 from prefix_cache.api import mount
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT
 from prefix_cache.http.errors import install_error_handlers
@@ -86,6 +90,12 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
         if report["ok"]:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "unavailable", "engine": report}, status_code=503)
+
+    @app.post(wire.PURGE_PATH)
+    async def purge(request: Request) -> dict[str, Any]:
+        # What a tenant sent must not outlive its purge: the sidecar's admin purge calls this
+        # on every replica (engine_host.EngineHost.purge).
+        return await host.purge(request)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -10,6 +10,10 @@ What is attached to the forwarded body depends on the upstream's kind:
 - ``openai``: nothing. Plain OpenAI-compatible servers would reject or silently drop extension
   fields (mlx_lm.server drops them), so the client's bytes go out unchanged -- unless
   ``upstream_model`` renames the model, the one field then rewritten.
+
+Whatever the kind, the fields the sidecar owns (``engine_protocol.is_owned_field``: the
+boundary, the prompt ids, the namespace, any other ``specprefill*`` name but the client's
+SpecPrefill knobs) are removed from a client's body first: a client never names a tenant.
 - ``specprefill``: our engines, which take the boundary instead of recomputing it: the body
   gains ``specprefill_system_end``, ``prompt_token_ids`` (the ids the boundary was cut
   against, so the engine prefills exactly the prompt the boundary belongs to) and
@@ -104,9 +108,12 @@ class Upstream:
         """The bytes to send upstream for a client body (``raw`` parsed is ``body``) of a
         request in tenant ``namespace`` (``with_prompt_ids`` False: the upstream renders the
         prompt itself, the ids cut here being not the whole of it)."""
-        if self.kind == "openai" and self.model is None:
+        owned = any(wire.is_owned_field(name) for name in body)
+        if self.kind == "openai" and self.model is None and not owned:
             return raw  # unchanged, byte for byte
-        out = dict(body)
+        # Whatever the kind: a field the sidecar owns never comes from the client (a plain
+        # OpenAI upstream may be one of our engines, trusting the namespace it is sent).
+        out = wire.without_owned_fields(body) if owned else dict(body)
         if self.model is not None:
             out["model"] = self.model
         if self.kind == "specprefill":
@@ -161,6 +168,30 @@ class Upstream:
             raise UpstreamStatusError(response.status_code, body,
                                       response.headers.get("content-type"))
         return response
+
+    @property
+    def purges(self) -> bool:
+        """Whether the upstream keeps tenants' KV that an admin purge must reach: our engines."""
+        return self.kind == "specprefill"
+
+    @property
+    def purge_url(self) -> str:
+        parts = urlsplit(self.base_url)
+        return urlunsplit((parts.scheme, parts.netloc, wire.PURGE_PATH, "", ""))
+
+    async def purge(self, client: httpx.AsyncClient, namespace: str | None,
+                    timeout_s: float) -> str | None:
+        """Ask the engine to delete a namespace's KV and responses (None: all); None when it
+        did, else why not (for the operator's log)."""
+        try:
+            response = await client.post(self.purge_url, headers=self.headers(),
+                                         content=json_io.dumps({wire.PURGE_NAMESPACE: namespace}),
+                                         timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return repr(exc)
+        if response.status_code != 200:
+            return f"answered {response.status_code}: {response.text[:200]}"
+        return None
 
     async def probe(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
         """Readiness: the upstream answers HTTP below 500 at its health path."""
