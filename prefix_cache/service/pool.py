@@ -2,7 +2,9 @@
 
 - **Passive ejection.** A replica that cannot be reached, times out, or answers a 5xx (or a
   status that is not relayed) is left out of routing for a backoff (``routing.eject_seconds``:
-  doubled per failure in a row); its first success clears the count. A stream that breaks
+  doubled per failure in a row); its first success clears the count. A 5xx is judged by the
+  retry: when the next replica answers the same request with a 5xx too, the request is at
+  fault (a poison request) and neither replica is ejected. A stream that breaks
   after its first byte ejects it too. When every replica is out, all are tried anyway.
 - **Active health.** ``GET /readyz`` probes each replica: a failed probe ejects it the same
   way, a passed one routes to an ejected replica again before its backoff ends.
@@ -135,6 +137,7 @@ class UpstreamPool:
         before answering; the open response's close ends its in-flight count."""
         chosen = self.route(tenant, key)
         attempts = chosen.order[:2]
+        suspect: Replica | None = None  # answered a 5xx: judged by what the retry gets
         for attempt, index in enumerate(attempts):
             replica = self.replicas[index]
             retry_left = attempt + 1 < len(attempts)
@@ -146,18 +149,27 @@ class UpstreamPool:
                 if exc.status < 500:
                     self._succeeded(replica)  # the client's error, relayed: the replica is fine
                     raise
-                self._failed(replica, f"answered {exc.status}")
-                if not retry_left:
+                if suspect is not None:
+                    # The same request failed on two replicas: a poison request, not two bad
+                    # replicas (Envoy's outlier detection counts what is the host's alone).
+                    log.warning("upstream %s and %s both answered %d to one request: "
+                                "neither is ejected", suspect.name, replica.name, exc.status)
                     raise
+                if not retry_left:
+                    self._failed(replica, f"answered {exc.status}")
+                    raise
+                suspect = replica
             except UpstreamUnavailable as exc:  # unreachable, timed out, a status not relayed
                 self._end(replica)
                 self._failed(replica, str(exc))
+                self._judge(suspect)
                 if not retry_left:
                     raise
             except BaseException:  # cancelled (the client left): not the replica's fault
                 self._end(replica)
                 raise
             else:
+                self._judge(suspect)
                 response.stream = _TrackedStream(response.stream, lambda ok, r=replica: (
                     self._finished(r, ok)))
                 return response
@@ -184,6 +196,12 @@ class UpstreamPool:
             self._succeeded(replica)
         else:
             self._failed(replica, "the answer broke off")
+
+    def _judge(self, suspect: Replica | None) -> None:
+        """A replica that answered a 5xx to a request another replica then answered (or could
+        not be asked): its failure counts."""
+        if suspect is not None:
+            self._failed(suspect, "answered a 5xx that another replica did not")
 
     def _succeeded(self, replica: Replica) -> None:
         replica.failures = 0
