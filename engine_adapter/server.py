@@ -118,6 +118,7 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     import uvicorn
 
     from prefix_cache.http.logs import uvicorn_log_config
+    from prefix_cache.http.shutdown import connection_options
 
     from .options import EngineOptions
 
@@ -135,7 +136,8 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     config = uvicorn_log_config(log_level, ("prefix_cache", "engine_adapter"))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            log_config=config, server_header=False,
-                                           timeout_graceful_shutdown=10))  # sets up logging
+                                           timeout_graceful_shutdown=10,  # sets up logging
+                                           **connection_options()))
     log.info("serving %s%s; namespaces %s", chat.name,
              f" with draft {Path(draft_dir).name}" if draft_dir else "",
              "trusted from specprefill_namespace" if trust_namespace else "all 'default'")
