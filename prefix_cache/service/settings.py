@@ -186,6 +186,14 @@ class ServiceSettings(BaseSettings):
                                               description="upstream connect timeout")
     ready_timeout_s: float = Field(default=2.0, gt=0,
                                    description="per-check timeout of GET /readyz")
+    upstream_first_byte_s: float = Field(
+        default=10.0, gt=0, description="how long an upstream replica may take to start its "
+        "answer before its health is checked; a failed check fails the request over to the "
+        "next replica (a busy replica that answers its check keeps the request)")
+    upstream_probe_interval_s: float = Field(
+        default=2.0, gt=0, description="health checks of the replicas of a pool of several, "
+        "in the background: an ejected replica is routed to again within one interval of "
+        "being back")
     header_timeout_s: float = Field(default=10.0, gt=0, description="longest a connection may "
                                     "take to send a request's line and headers (from its "
                                     "opening, or the previous response's end); then closed")

@@ -23,8 +23,9 @@ SpecPrefill knobs) are removed from a client's body first: a client never names 
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -61,6 +62,14 @@ def normalize_base_url(url: str) -> str:
         raise ValueError(f"upstream URL {url!r} must be http:// or https:// with a host")
     path = parts.path.rstrip("/") or "/v1"
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class FirstByte:
+    """How long an upstream may take to start its answer before its health is checked."""
+
+    seconds: float
+    probe_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +146,10 @@ class Upstream:
         return headers
 
     async def open(self, client: httpx.AsyncClient, content: bytes,
-                   api: str = "chat") -> httpx.Response:
+                   api: str = "chat", first_byte: FirstByte | None = None) -> httpx.Response:
         """Send a request of ``api``; the response is open (streaming) and 2xx, else raised.
+        With ``first_byte``: an answer that has not started within its limit while the
+        upstream's health check fails (a stalled process) is an ``UpstreamTimeout``.
 
         The caller owns the returned response and must close it.
         """
@@ -146,7 +157,9 @@ class Upstream:
         request = client.build_request("POST", url, content=content, headers=self.headers())
         # Clients see what went wrong, not where: upstream addresses stay in the operator's log.
         try:
-            response = await client.send(request, stream=True)
+            sent = client.send(request, stream=True)
+            response = await (sent if first_byte is None else
+                              self._first_byte(client, sent, first_byte))
         except httpx.TimeoutException as exc:
             log.warning("upstream %s timed out: %r", url, exc)
             raise UpstreamTimeout("the upstream did not answer in time") from exc
@@ -193,6 +206,27 @@ class Upstream:
             return f"answered {response.status_code}: {response.text[:200]}"
         return None
 
+    async def _first_byte(self, client: httpx.AsyncClient, sent: Awaitable[httpx.Response],
+                          limit: FirstByte) -> httpx.Response:
+        """``sent``'s response, waited for in spans of ``limit.seconds``: after each span
+        without an answer the upstream's health is checked, and a failed check gives up (a
+        busy upstream answers its health check and keeps the request)."""
+        task = asyncio.ensure_future(sent)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=limit.seconds)
+                if done:
+                    return task.result()
+                health = await self.probe(client, limit.probe_timeout_s)
+                if not health["ok"] and not task.done():
+                    log.warning("upstream %s sent no first byte in %.1f s and failed its "
+                                "health check", self.base_url, limit.seconds)
+                    raise UpstreamTimeout("the upstream did not start its answer in time")
+        finally:
+            if not task.done():
+                task.cancel()  # closes its connection; its outcome is of no interest now
+                task.add_done_callback(_ignore_outcome)
+
     async def probe(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
         """Readiness: the upstream answers HTTP below 500 at its health path."""
         try:
@@ -201,6 +235,11 @@ class Upstream:
         except httpx.HTTPError as exc:  # the probe is public: the kind of failure, not details
             return {"ok": False, "error": type(exc).__name__}
         return {"ok": response.status_code < 500, "status": response.status_code}
+
+
+def _ignore_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "never retrieved" warning
 
 
 async def _read_capped(response: httpx.Response, limit: int) -> bytes:
