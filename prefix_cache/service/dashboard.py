@@ -20,6 +20,7 @@ from ..api import openapi_docs as docs
 from ..api.schemas import DashboardStats
 from .deps import State
 from .state import ServiceState
+from .tenants import DASHBOARD_COOKIE_TTL_S
 
 router = APIRouter()
 
@@ -72,8 +73,9 @@ async def dashboard(request: Request, state: State) -> Response:
     page = HTMLResponse(_PAGE.read_text(encoding="utf-8"),
                         headers={"Cache-Control": "no-store"})
     if state.keyring.has_admins:
+        # Expires in the browser and, as the value carries its expiry, on the server too.
         page.set_cookie(COOKIE, state.keyring.dashboard_cookie(), httponly=True,
-                        samesite="strict", path="/dashboard")
+                        samesite="strict", path="/dashboard", max_age=DASHBOARD_COOKIE_TTL_S)
     return page
 
 
