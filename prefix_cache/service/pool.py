@@ -234,7 +234,8 @@ class UpstreamPool:
         now = self._clock()
         for replica, answer in zip(self.replicas, probed, strict=True):
             if not answer["ok"]:
-                self._failed(replica, "health check failed")
+                if replica.healthy(now):  # already out: the same outage, not another ejection
+                    self._failed(replica, "health check failed")
             elif not replica.healthy(now):
                 replica.ejected_until = now  # back up: routed again before its backoff ends
         if len(self.replicas) == 1:

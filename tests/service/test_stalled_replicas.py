@@ -21,8 +21,8 @@ from prefix_cache.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service.pool import UpstreamPool  # noqa: E402
 from prefix_cache.service.served_models import ServedModel  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
-from tests.support.engine_process import EngineProcess  # noqa: E402
 from tests.support.loopback import local_client  # noqa: E402
+from tests.support.serve_process import EngineProcess  # noqa: E402
 from tests.support.server_thread import ServerThread  # noqa: E402
 from tests.support.sidecar import sidecar_app  # noqa: E402
 from tests.support.waits import wait_until  # noqa: E402
