@@ -60,6 +60,9 @@ class EngineOptions(BaseModel):
     reuse_draft_layers: bool = Field(default=False, description="the draft is the target's "
                                      "first layers (a layer-truncated copy): the target reuses "
                                      "the draft's work for them")
+    fair_prefill: bool = Field(default=True, description="prompts wait for a prefill slot, "
+                               "each namespace its fair share of the slots; off: first come "
+                               "first served")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
@@ -85,6 +88,7 @@ class EngineOptions(BaseModel):
             "reuse_sparse_kv": self.reuse_sparse_kv,
             "max_context": self.max_context,
             "max_batch_size": self.max_batch_size,
+            "fair_prefill": self.fair_prefill,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.
             "kv_disk_dir": self.kv_disk_dir,
             "kv_disk_bytes": (int(self.kv_disk_bytes)
