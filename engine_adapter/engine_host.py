@@ -118,6 +118,21 @@ class Namespaces:
         except ValueError as exc:
             raise BadRequest(str(exc), code="invalid_specprefill_namespace") from None
 
+    def purged(self, value: Any) -> str | None:
+        """The namespace a purge of ``value`` (a tenant; None: all) must clear. Untrusted, every
+        tenant's requests ran in "default", so a tenant's purge clears "default" itself."""
+        if value is None:
+            return None
+        if not isinstance(value, str):
+            raise BadRequest(f"{wire.PURGE_NAMESPACE} must be a string or null, got "
+                             f"{type(value).__name__}", code="invalid_namespace")
+        if not self.trust:
+            return DEFAULT_NAMESPACE
+        try:
+            return validate_label(value, wire.PURGE_NAMESPACE)
+        except ValueError as exc:
+            raise BadRequest(str(exc), code="invalid_namespace") from None
+
 
 class EngineHost:
     """See the module docstring."""
@@ -171,3 +186,15 @@ class EngineHost:
 
     def headers(self, result: PrefixResult) -> dict[str, str]:
         return {}
+
+    async def purge(self, request: Request) -> dict[str, Any]:
+        """``POST /admin/purge``: a namespace's KV (RAM and disk) and stored responses go, or
+        everyone's; the caller needs the server's API key, as for every call."""
+        self.caller(request)
+        body = (await read_json_object(request, self.max_body_bytes)).data
+        namespace = self.namespaces.purged(body.get(wire.PURGE_NAMESPACE))
+        kv = await asyncio.to_thread(self.chat.purge_kv, namespace)
+        responses = await self.responses.purge(namespace)
+        log.info("purged namespace %s: %d KV entries, %d stored responses",
+                 "(all)" if namespace is None else namespace, kv, responses)
+        return {"purged": kv, "responses": responses, "namespace": namespace}

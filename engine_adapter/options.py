@@ -66,6 +66,9 @@ class EngineOptions(BaseModel):
     specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
                                      "sliding-window or recurrent layers too (approximate "
                                      "there; the static prefix stays exact)")
+    fair_prefill: bool = Field(default=True, description="prompts wait for a prefill slot, "
+                               "each namespace its fair share of the slots; off: first come "
+                               "first served")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
@@ -92,6 +95,7 @@ class EngineOptions(BaseModel):
             "reuse_reply_kv": self.reuse_reply_kv,
             "max_context": self.max_context,
             "max_batch_size": self.max_batch_size,
+            "fair_prefill": self.fair_prefill,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.
             "kv_disk_dir": self.kv_disk_dir,
             "kv_disk_bytes": (int(self.kv_disk_bytes)

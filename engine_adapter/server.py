@@ -22,6 +22,9 @@
     GET  /health                {"status": "ok"} (with "disk_full": true while the KV disk
                                 is full), or a 503 once the engine thread is down
                                 (what the sidecar's /readyz probes)
+    POST /admin/purge           {"namespace": NAME or null}: that namespace's KV (RAM and disk)
+                                and stored responses deleted (null: all); the API key as for
+                                every call. The sidecar's admin purge calls it on each replica.
 
 A sidecar in front (``prefix-cache serve`` with an upstream of kind ``specprefill``) sends the
 ids its cache cut the boundary in, the boundary, and the tenant as ``specprefill_namespace``.
@@ -44,6 +47,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from prefix_cache import engine_protocol as wire
 from prefix_cache.api import mount
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT
 from prefix_cache.http.errors import install_error_handlers
@@ -89,6 +93,12 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
             return JSONResponse({"status": "ok", **full})
         return JSONResponse({"status": "unavailable", "engine": report}, status_code=503)
 
+    @app.post(wire.PURGE_PATH)
+    async def purge(request: Request) -> dict[str, Any]:
+        # What a tenant sent must not outlive its purge: the sidecar's admin purge calls this
+        # on every replica (engine_host.EngineHost.purge).
+        return await host.purge(request)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         # The engine's own counters (prefix_cache_engine_*: requests, KV store hits and misses,
@@ -110,6 +120,7 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     import uvicorn
 
     from prefix_cache.http.logs import uvicorn_log_config
+    from prefix_cache.http.shutdown import connection_options
 
     from .options import EngineOptions
 
@@ -127,7 +138,8 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     config = uvicorn_log_config(log_level, ("prefix_cache", "engine_adapter"))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            log_config=config, server_header=False,
-                                           timeout_graceful_shutdown=10))  # sets up logging
+                                           timeout_graceful_shutdown=10,  # sets up logging
+                                           **connection_options()))
     log.info("serving %s%s; namespaces %s", chat.name,
              f" with draft {Path(draft_dir).name}" if draft_dir else "",
              "trusted from specprefill_namespace" if trust_namespace else "all 'default'")

@@ -34,8 +34,32 @@ SPECPREFILL_NAMESPACE = "specprefill_namespace"    # the tenant whose engine KV 
 SPECPREFILL = "specprefill"                        # per-request SpecPrefill knobs
 SPECPREFILL_KEEP_PCT = "specprefill_keep_pct"
 SPECPREFILL_THRESHOLD = "specprefill_threshold"
-WIRE_FIELDS = (SPECPREFILL_SYSTEM_END, PROMPT_TOKEN_IDS, SPECPREFILL_NAMESPACE, SPECPREFILL,
-               SPECPREFILL_KEEP_PCT, SPECPREFILL_THRESHOLD)
+# What the sidecar alone sets (from its cache and its own API keys) ...
+SIDECAR_FIELDS = (SPECPREFILL_SYSTEM_END, PROMPT_TOKEN_IDS, SPECPREFILL_NAMESPACE)
+# ... and the per-request knobs a client may set (range-checked by the API's parser; they
+# change how its own request is prefilled, never what it may reuse).
+CLIENT_KNOBS = (SPECPREFILL, SPECPREFILL_KEEP_PCT, SPECPREFILL_THRESHOLD)
+WIRE_FIELDS = SIDECAR_FIELDS + CLIENT_KNOBS
+OWNED_FIELD_PREFIX = "specprefill"
+
+
+def is_owned_field(name: str) -> bool:
+    """Whether ``name`` is a field the sidecar or the engine protocol owns, so a client's body
+    never carries it past the sidecar: the sidecar's fields, and every ``specprefill*`` name
+    but the client's knobs (one a later engine may read must not be a client's to set)."""
+    return name in SIDECAR_FIELDS or (name.startswith(OWNED_FIELD_PREFIX)
+                                      and name not in CLIENT_KNOBS)
+
+
+def without_owned_fields(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a client's body without the fields it must not set (``is_owned_field``)."""
+    return {k: v for k, v in body.items() if not is_owned_field(k)}
+
+
+# An engine server's admin purge (``POST``, its API key as for every call): the body names the
+# namespace whose KV and stored responses go (``null``: every namespace).
+PURGE_PATH = "/admin/purge"
+PURGE_NAMESPACE = "namespace"
 
 
 def new_request_id() -> str:

@@ -1,7 +1,7 @@
 """The batched engine: continuous batching on mlx-lm's BatchGenerator, with the static prefix's
 KV reused across requests and SpecPrefill on the rest of long prompts.
 
-    submit(request) ──> engine thread: admit ──> BatchGenerator.insert ──> next() ──> events
+    submit(request) ──> engine thread: admit ──> fair slot (``prefill``) ──> BatchGenerator
     admit, dense:       what ``KVReuse.plan_dense`` restores (a conversation prefix, the static
                         prefix, or nothing), the rest computed by the batch; the static prefix
                         and the prompt are stored as their segments finish (``reuse``)
@@ -34,7 +34,8 @@ from .draft_layers import reused_layers
 from .kv_disk_setup import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
-from .model_info import BatchGenerator, StopSequences, context_length, vocab_size
+from .model_info import BatchGenerator, context_length, vocab_size
+from .prefill import PrefillQueue, insert_sequence, new_batch_generator
 from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .reuse import ConversationHit, KVReuse, ReusePlan
 from .sampling import request_sampler
@@ -70,6 +71,7 @@ class MLXEngine:
         tokenizer: Any | None = None,
         max_context: int | None = None,
         kv_disk: DiskKVStore | None = None,
+        fair_prefill: bool = True,
     ) -> None:
         if max_context is not None and max_context < 2:
             raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
@@ -115,6 +117,8 @@ class MLXEngine:
         self._closed = False
         self._by_id: dict[str, EngineSequence] = {}
         self._by_uid: dict[int, EngineSequence] = {}
+        self._prefill = PrefillQueue(prefill_batch_size, fair_prefill,
+                                     lambda *args: self._insert(*args))  # looked up per call
         # SpecPrefills in progress, oldest first; the engine advances the oldest by one model
         # chunk per loop, between BatchGenerator steps, so running sequences keep decoding.
         self._sparse_jobs: deque[SparseJob] = deque()
@@ -213,7 +217,7 @@ class MLXEngine:
         while True:
             with self._wake:
                 # (parked requests wait on a leader, so they alone are no work)
-                while not self._inbox and not self._by_uid and not self._sparse_jobs:
+                while not (self._inbox or self._by_uid or self._sparse_jobs or self._prefill):
                     self._wake.wait()
                 work = list(self._inbox)
                 self._inbox.clear()
@@ -228,6 +232,8 @@ class MLXEngine:
                     return
             if self._sparse_jobs:
                 self._advance_sparse()
+            for seq, exc in self._prefill.release(self._generator.stream):
+                self._fail(seq, exc)
             if self._by_uid:
                 try:
                     self._step()
@@ -238,12 +244,7 @@ class MLXEngine:
                     self._generator = self._new_generator()
 
     def _new_generator(self) -> BatchGenerator:
-        max_batch, prefill_batch, step = self._batch
-        return BatchGenerator(
-            self.model, stop_tokens=[[t] for t in self.stop_token_ids] or None,
-            completion_batch_size=max_batch, prefill_batch_size=prefill_batch,
-            prefill_step_size=step,
-        )
+        return new_batch_generator(self.model, self.stop_token_ids, *self._batch)
 
     def _extract(self, seq: EngineSequence) -> Callable[[], Any]:
         """Reads the sequence's cache out of the batch, when the reuse policy needs it."""
@@ -264,6 +265,7 @@ class MLXEngine:
 
     def _emit(self, seq: EngineSequence, r: Any) -> None:
         first = seq.emitted == 0
+        self._prefill.started(seq.request.request_id)  # prefilled: its slot to the next prompt
         event = TokenEvent(
             seq.request.request_id, int(r.token), seq.emitted, r.finish_reason,
             time.perf_counter() - seq.submitted,
@@ -286,6 +288,7 @@ class MLXEngine:
 
     def _forget(self, seq: EngineSequence) -> None:
         self._by_id.pop(seq.request.request_id, None)
+        self._prefill.forget(seq.request.request_id)
         if seq.uid is not None:
             self._by_uid.pop(seq.uid, None)
         self._restart(self.reuse.forget(seq))
@@ -352,6 +355,12 @@ class MLXEngine:
             fallback = UNSUPPORTED_LAYERS
         self._start_dense(seq, ids, static, fallback, conv)
 
+    def _fail(self, seq: EngineSequence, exc: Exception) -> None:
+        log.error("could not admit request %s", seq.request.request_id, exc_info=exc)
+        self._forget(seq)
+        self.stats.failed += 1
+        self._send(seq, EngineError(f"could not start the request: {exc}"))
+
     def _keep_share(self, req: GenerationRequest, ids: list[int], static: int) -> float | None:
         """What this request keeps of its prompt after ``static`` when nothing is restored
         (None: it computes it all); what a sparse history may serve it."""
@@ -372,12 +381,10 @@ class MLXEngine:
             with mx.stream(self._generator.stream):
                 prefill = self.reuse.plan_dense(seq.request, ids, static, conv)
                 seq.plan = prefill.plan
-                self._insert(seq, prefill.segments, prefill.cache)
+                self._prefill.put(seq.request.request_id, seq.request.namespace, seq,
+                                  prefill.segments, prefill.cache)
         except Exception as exc:
-            log.exception("could not admit request %s", seq.request.request_id)
-            self._forget(seq)
-            self.stats.failed += 1
-            self._send(seq, EngineError(f"could not start the request: {exc}"))
+            self._fail(seq, exc)
             return
         seq.info = PrefillInfo(len(ids), static, prefill.reused, len(ids) - prefill.reused,
                                DENSE, fallback=fallback,
@@ -387,14 +394,7 @@ class MLXEngine:
         self.stats.prefilled_tokens += len(ids) - prefill.reused
 
     def _insert(self, seq: EngineSequence, segments: list[list[int]], cache: list[Any]) -> None:
-        req = seq.request
-        stops = None
-        if req.stop_token_ids is not None:
-            stops = [StopSequences([[t] for t in req.stop_token_ids])]
-        (seq.uid,) = self._generator.insert_segments(
-            [segments], max_tokens=[req.max_tokens], caches=[cache],
-            samplers=[seq.sampler], stop_sequences=stops,
-        )
+        seq.uid = insert_sequence(self._generator, seq, segments, cache)
         self._by_uid[seq.uid] = seq
 
     def _advance_sparse(self) -> None:
@@ -428,7 +428,7 @@ class MLXEngine:
 
     def _insert_sparse(self, job: SparseJob, done: SparsePrefill) -> None:
         seq, ids, n = job.seq, job.ids, len(job.ids)
-        self._insert(seq, [[ids[-1]]], done.cache)
+        self._insert(seq, [[ids[-1]]], done.cache)  # prefilled: no slot to wait for
         if self.reuse_sparse_kv and self.reuse.positioned and self.conversation_store \
                 is not None and n > 1:   # a layered model's sparse state is no prompt's own
             # The prompt minus its last token is all in the cache: stored after the first

@@ -13,6 +13,8 @@ from prefix_cache.token_ids import validate_token_ids
 
 from ..defaults import DEFAULT_MAX_TOKENS, GREEDY
 
+SEED_MAX = 2**64 - 1
+
 
 def _new_id() -> str:
     return uuid.uuid4().hex
@@ -64,6 +66,10 @@ class GenerationRequest:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        seed = self.seed  # the PRNG key is 64 bits: a larger seed would fail the model step
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                                 or not 0 <= seed <= SEED_MAX):
+            raise InvalidRequestError(f"seed must be an integer in [0, {SEED_MAX}], got {seed!r}")
         if self.specprefill_keep_pct is not None and not 0.0 < self.specprefill_keep_pct <= 1.0:
             raise InvalidRequestError(f"specprefill_keep_pct must be in (0, 1], got {self.specprefill_keep_pct}")
         if self.specprefill_threshold is not None and self.specprefill_threshold < 0:

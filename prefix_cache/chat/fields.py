@@ -12,16 +12,50 @@ from ..engine_protocol import SpecPrefillParams
 from ..errors import InvalidRequestError
 
 INVALID, UNSUPPORTED = "invalid_value", "unsupported_parameter"
+SEED_MAX = 2**64 - 1      # an engine's PRNG key is 64 bits: a larger seed cannot be honoured
+INT32_MAX = 2**31 - 1     # counts (tokens, choices) an upstream stores in 32 bits
+# OpenAI's documented ranges of a chat body's numbers, checked even when the body goes upstream
+# as it came: a number out of range is the client's 400 here, never a replica's 500 that
+# would count against it (``pool.py``). (name, low, high, integer)
+RELAYED_NUMBERS: tuple[tuple[str, float, float, bool], ...] = (
+    ("n", 1, 128, True),
+    ("max_tokens", 1, INT32_MAX, True),
+    ("max_completion_tokens", 1, INT32_MAX, True),
+    ("seed", -2**63, SEED_MAX, True),
+    ("temperature", 0.0, 2.0, False),
+    ("top_p", 0.0, 1.0, False),
+    ("presence_penalty", -2.0, 2.0, False),
+    ("frequency_penalty", -2.0, 2.0, False),
+    ("top_logprobs", 0, 20, True),
+    ("top_k", -1, INT32_MAX, True),
+    ("min_p", 0.0, 1.0, False),
+)
 
 
-def int_field(body: Mapping[str, Any], name: str, minimum: int) -> int | None:
+def int_field(body: Mapping[str, Any], name: str, minimum: int,
+              maximum: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise InvalidRequestError(f"{name} must be an integer >= {minimum}, got {value!r}",
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or (maximum is not None and value > maximum):
+        within = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise InvalidRequestError(f"{name} must be an integer {within}, got {value!r}",
                                   code=INVALID)
     return value
+
+
+def check_relayed_numbers(body: Mapping[str, Any]) -> None:
+    """Every number of ``RELAYED_NUMBERS`` a body sets, in its range (InvalidRequestError
+    naming the first one out of it), and ``logprobs`` a boolean."""
+    for name, low, high, integer in RELAYED_NUMBERS:
+        if body.get(name) is None:
+            continue
+        if integer:
+            int_field(body, name, int(low), int(high))
+        else:
+            float_field(body, name, low, high)
+    bool_field(body, "logprobs")
 
 
 def float_field(body: Mapping[str, Any], name: str, low: float, high: float,

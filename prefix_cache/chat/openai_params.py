@@ -20,8 +20,10 @@ from ..errors import InvalidRequestError
 from .agent_call import AgentCall
 from .fields import (
     INVALID,
+    SEED_MAX,
     UNSUPPORTED,
     bool_field,
+    check_relayed_numbers,
     float_field,
     int_field,
     specprefill_params,
@@ -49,6 +51,8 @@ def parse_chat_body(body: Mapping[str, Any], *, run_here: bool) -> ChatCall:
     model = body.get("model")
     model = model if isinstance(model, str) and model else None
     if not run_here:
+        check_relayed_numbers(body)
+        specprefill_params(body)  # the knobs go on to a specprefill upstream: checked here
         return ChatCall(AgentCall(model, conversation, SamplingParams(),
                                   stream=bool(body.get("stream") is True)))
     sampling, include_usage = _sampling(body)
@@ -59,6 +63,7 @@ def parse_chat_body(body: Mapping[str, Any], *, run_here: bool) -> ChatCall:
 
 def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, bool]:
     """The sampling parameters of a body generated here, and ``stream_options.include_usage``."""
+    check_relayed_numbers(body)  # OpenAI's ranges first: an engine never sees a number past them
     n = int_field(body, "n", 1)
     if n not in (None, 1):
         raise InvalidRequestError("n > 1 is not supported by this engine", code=UNSUPPORTED)
@@ -76,7 +81,7 @@ def _sampling(body: Mapping[str, Any]) -> tuple[SamplingParams, bool]:
         max_tokens=max_tokens,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
-        seed=int_field(body, "seed", 0),
+        seed=int_field(body, "seed", 0, SEED_MAX),
         stop=stop_strings(body.get("stop"), "stop", MAX_STOP_STRINGS),
     )
     return sampling, bool(bool_field(options or {}, "include_usage"))

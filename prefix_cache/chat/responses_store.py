@@ -81,6 +81,10 @@ class ResponseStore(Protocol):
         """Forget this tenant's record; whether it was there."""
         ...
 
+    async def purge(self, namespace: str | None) -> int:
+        """Drop every record of a tenant (None: of every tenant); how many went."""
+        ...
+
     async def aclose(self) -> None:
         """Release connections (on the loop that used them)."""
         ...
@@ -115,6 +119,11 @@ class MemoryResponses:
         with self._lock:
             lru = self._tenants.get(namespace)
             return lru is not None and lru.pop(response_id) is not None
+
+    async def purge(self, namespace: str | None) -> int:
+        with self._lock:
+            names = list(self._tenants) if namespace is None else [namespace]
+            return sum(len(self._tenants.pop(name, ())) for name in names)
 
     async def aclose(self) -> None:
         """Nothing to release."""
@@ -166,6 +175,10 @@ class SharedResponses:
     async def delete(self, namespace: str, response_id: str) -> bool:
         key = self.key(namespace, response_id)
         return key is not None and await self.store.adelete(key)
+
+    async def purge(self, namespace: str | None) -> int:
+        tenant = "*" if namespace is None else validate_label(namespace, "namespace")
+        return await self.store.apurge(f"{SHARED_KEY_PREFIX}:{tenant}:*")
 
     async def aclose(self) -> None:
         await self.store.aclose()

@@ -6,8 +6,9 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from .request_id import current_request_id
@@ -16,6 +17,8 @@ LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 # uvicorn's access line: (client, method, path with query, http version, status)
 _ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
+LOG_BURST, LOG_WINDOW_S = 20, 10.0  # records of one kind let through per window
+MAX_LOG_KINDS = 10_000
 
 
 class RequestIdFilter(logging.Filter):
@@ -24,6 +27,37 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = current_request_id.get()
         return True
+
+
+class RateLimitFilter(logging.Filter):
+    """At most ``burst`` records of one kind (logger and message template) per ``window_s``;
+    the first one let through after a suppression says how many were dropped. A flood (idle
+    connections, a failing upstream) then costs a few lines a second, not the disk."""
+
+    def __init__(self, burst: int = LOG_BURST, window_s: float = LOG_WINDOW_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.burst, self.window_s, self._clock = burst, window_s, clock
+        self._lock = threading.Lock()
+        self._kinds: dict[tuple[str, Any], list[float]] = {}  # [window start, passed, dropped]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        now = self._clock()
+        key = (record.name, record.msg)
+        with self._lock:
+            if len(self._kinds) > MAX_LOG_KINDS:
+                self._kinds.clear()  # message templates are few; a flood of distinct ones is not
+            kind = self._kinds.setdefault(key, [now, 0, 0])
+            if now - kind[0] >= self.window_s:
+                dropped = int(kind[2])
+                kind[:] = [now, 0, 0]
+                if dropped:
+                    record.msg = f"[{dropped} similar lines suppressed] {record.msg}"
+            kind[1] += 1
+            if kind[1] <= self.burst:
+                return True
+            kind[2] += 1
+            return False
 
 
 class JsonFormatter(logging.Formatter):
@@ -56,13 +90,19 @@ def uvicorn_log_config(level: str, loggers: Sequence[str] = ("prefix_cache",),
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format {log_format!r} is not one of {', '.join(LOG_FORMATS)}")
     config = copy.deepcopy(LOGGING_CONFIG)
-    for name in loggers:
+    # asyncio's own errors (accept failing for want of file descriptors) go through the same
+    # handler and rate limit instead of Python's last-resort handler.
+    for name in (*loggers, "asyncio"):
         config["loggers"][name] = {"handlers": ["default"], "level": level.upper(),
                                    "propagate": False}
+    config["filters"] = {"rate_limit": {"()": f"{__name__}.RateLimitFilter"}}
     if log_format == "json":
-        config["filters"] = {"request_id": {"()": f"{__name__}.RequestIdFilter"}}
+        config["filters"]["request_id"] = {"()": f"{__name__}.RequestIdFilter"}
         for name in config["formatters"]:
             config["formatters"][name] = {"()": f"{__name__}.JsonFormatter"}
-        for handler in config["handlers"].values():
-            handler["filters"] = ["request_id"]
+    for name, handler in config["handlers"].items():
+        # Access lines are one per request answered (bounded by the requests); every other
+        # line, one kind at a time, by the rate limit.
+        handler["filters"] = (["request_id"] if log_format == "json" else []) + \
+            ([] if name == "access" else ["rate_limit"])
     return config

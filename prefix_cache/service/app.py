@@ -41,6 +41,7 @@ from .settings import ServiceSettings
 from .sidecar_host import SidecarHost
 from .state import ServiceState
 from .tenants import KeysConfig
+from .upstream import FirstByte
 
 DESCRIPTION = ("An OpenAI-compatible proxy that attaches the cached SpecPrefill boundary "
                "(specprefill_system_end) of each request. Errors use OpenAI's shape.")
@@ -109,6 +110,8 @@ def build_state(settings: ServiceSettings, models: ModelRegistry | None = None) 
     for model in registry:
         if model.pool is not None:
             pools.watch(model.name, model.pool)
+            model.pool.first_byte = FirstByte(settings.upstream_first_byte_s,
+                                              settings.ready_timeout_s)
     cache = StaticPrefixCache(store, observer=metrics,
                               tokenize_check_rate=settings.tokenize_check_rate)
     limits = TenantLimits.from_settings(settings, callers.tenant_limits)
@@ -138,6 +141,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         await state.store.awarm(s.redis_warm_connections)
         warm = asyncio.create_task(keep_warm(state.store, s.redis_warm_connections))
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
+        probes = asyncio.create_task(health.probe_forever(state))
         restore_sigterm = drain_on_sigterm(state.drain)
         restore_sighup = reload_keys_on_sighup(state)
         # What start made (tokenizers, templates, the app: ~125k objects) lives as long as the
@@ -150,6 +154,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             gc.unfreeze()
             restore_sighup()
             restore_sigterm()
+            probes.cancel()
             gauges.cancel()
             warm.cancel()
             await state.client.aclose()

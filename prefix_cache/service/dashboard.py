@@ -23,6 +23,7 @@ from ..http.errors import BadRequest
 from ..metrics.history_series import history_document
 from .deps import State
 from .state import ServiceState
+from .tenants import DASHBOARD_COOKIE_TTL_S
 
 router = APIRouter()
 
@@ -89,8 +90,9 @@ async def dashboard(request: Request, state: State) -> Response:
     page = HTMLResponse(_PAGE.read_text(encoding="utf-8"),
                         headers={"Cache-Control": "no-store"})
     if state.keyring.has_admins:
+        # Expires in the browser and, as the value carries its expiry, on the server too.
         page.set_cookie(COOKIE, state.keyring.dashboard_cookie(), httponly=True,
-                        samesite="strict", path="/dashboard")
+                        samesite="strict", path="/dashboard", max_age=DASHBOARD_COOKIE_TTL_S)
     return page
 
 

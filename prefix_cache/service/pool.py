@@ -2,7 +2,9 @@
 
 - **Passive ejection.** A replica that cannot be reached, times out, or answers a 5xx (or a
   status that is not relayed) is left out of routing for a backoff (``routing.eject_seconds``:
-  doubled per failure in a row); its first success clears the count. A stream that breaks
+  doubled per failure in a row); its first success clears the count. A 5xx is judged by the
+  retry: when the next replica answers the same request with a 5xx too, the request is at
+  fault (a poison request) and neither replica is ejected. A stream that breaks
   after its first byte ejects it too. When every replica is out, all are tried anyway.
 - **Active health.** ``GET /readyz`` probes each replica: a failed probe ejects it the same
   way, a passed one routes to an ejected replica again before its backoff ends.
@@ -43,7 +45,7 @@ from .routing import (
     routing_key,
 )
 from .settings import DEFAULT_EJECT_S
-from .upstream import Upstream
+from .upstream import FirstByte, Upstream
 
 log = logging.getLogger("prefix_cache.service")
 
@@ -72,6 +74,7 @@ class Replica:
     in_flight: int = 0
     failures: int = 0               # in a row; a success clears it
     ejected_until: float = 0.0      # monotonic time it is routed to again
+    ejected_at: float = float("-inf")  # when its latest ejection began
     ejections: int = 0
     retries: int = 0                # requests that failed here and were sent to another
     requests: Counter[str] = field(default_factory=Counter)  # by routing choice
@@ -89,7 +92,7 @@ class UpstreamPool:
 
     def __init__(self, replicas: Sequence[Upstream], policy: str | None = None, *,
                  load_factor: float = DEFAULT_LOAD_FACTOR, load_floor: int = DEFAULT_LOAD_FLOOR,
-                 eject_s: float = DEFAULT_EJECT_S,
+                 eject_s: float = DEFAULT_EJECT_S, first_byte: FirstByte | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not replicas:
             raise ValueError("an upstream pool needs at least one replica")
@@ -112,6 +115,7 @@ class UpstreamPool:
         self.load_factor = load_factor
         self.load_floor = load_floor
         self.eject_s = eject_s
+        self.first_byte = first_byte  # None: an answer may take until the client's timeout
         self._clock = clock
         self._turns = itertools.count()
         self.observer = PoolObserver()  # the service sets its metrics (pool_metrics.py)
@@ -135,31 +139,41 @@ class UpstreamPool:
         before answering; the open response's close ends its in-flight count."""
         chosen = self.route(tenant, key)
         attempts = chosen.order[:2]
+        suspect: tuple[Replica, float] | None = None  # a 5xx, judged by what the retry gets
         for attempt, index in enumerate(attempts):
             replica = self.replicas[index]
             retry_left = attempt + 1 < len(attempts)
-            self._start(replica, chosen.choice if attempt == 0 else "failover")
+            started = self._start(replica, chosen.choice if attempt == 0 else "failover")
             try:
-                response = await replica.upstream.open(client, content, api)
+                response = await replica.upstream.open(client, content, api, self.first_byte)
             except UpstreamStatusError as exc:
                 self._end(replica)
                 if exc.status < 500:
                     self._succeeded(replica)  # the client's error, relayed: the replica is fine
                     raise
-                self._failed(replica, f"answered {exc.status}")
-                if not retry_left:
+                if suspect is not None:
+                    # The same request failed on two replicas: a poison request, not two bad
+                    # replicas (Envoy's outlier detection counts what is the host's alone).
+                    log.warning("upstream %s and %s both answered %d to one request: "
+                                "neither is ejected", suspect[0].name, replica.name, exc.status)
                     raise
+                if not retry_left:
+                    self._failed(replica, f"answered {exc.status}", started)
+                    raise
+                suspect = (replica, started)
             except UpstreamUnavailable as exc:  # unreachable, timed out, a status not relayed
                 self._end(replica)
-                self._failed(replica, str(exc))
+                self._failed(replica, str(exc), started)
+                self._judge(suspect)
                 if not retry_left:
                     raise
             except BaseException:  # cancelled (the client left): not the replica's fault
                 self._end(replica)
                 raise
             else:
-                response.stream = _TrackedStream(response.stream, lambda ok, r=replica: (
-                    self._finished(r, ok)))
+                self._judge(suspect)
+                response.stream = _TrackedStream(response.stream, lambda ok, r=replica, t=started: (
+                    self._finished(r, ok, t)))
                 return response
             replica.retries += 1
             self.observer.retried(replica.name)
@@ -169,29 +183,44 @@ class UpstreamPool:
 
     # -- health -----------------------------------------------------------------------------
 
-    def _start(self, replica: Replica, choice: str) -> None:
+    def _start(self, replica: Replica, choice: str) -> float:
+        """Count a request sent to ``replica``; when it was sent."""
         replica.requests[choice] += 1
         replica.in_flight += 1
         self.observer.routed(replica.name, choice)
+        return self._clock()
 
     def _end(self, replica: Replica) -> None:
         replica.in_flight -= 1
         self.observer.ended(replica.name)
 
-    def _finished(self, replica: Replica, ok: bool) -> None:
+    def _finished(self, replica: Replica, ok: bool, started: float) -> None:
         self._end(replica)
         if ok:
             self._succeeded(replica)
         else:
-            self._failed(replica, "the answer broke off")
+            self._failed(replica, "the answer broke off", started)
+
+    def _judge(self, suspect: tuple[Replica, float] | None) -> None:
+        """A replica that answered a 5xx to a request another replica then answered (or could
+        not be asked): its failure counts."""
+        if suspect is not None:
+            self._failed(suspect[0], "answered a 5xx that another replica did not", suspect[1])
 
     def _succeeded(self, replica: Replica) -> None:
         replica.failures = 0
 
-    def _failed(self, replica: Replica, why: str) -> None:
+    def _failed(self, replica: Replica, why: str, started: float | None = None) -> None:
+        """Eject ``replica``; a failure of a request sent (``started``) before its current
+        ejection began is the same outage seen again (five streams broken by one crash) and
+        neither lengthens the backoff nor counts as another ejection."""
+        now = self._clock()
+        if started is not None and started < replica.ejected_at and not replica.healthy(now):
+            return
         replica.failures += 1
         backoff = eject_seconds(replica.failures, self.eject_s)
-        replica.ejected_until = self._clock() + backoff
+        replica.ejected_at = now
+        replica.ejected_until = now + backoff
         replica.ejections += 1
         self.observer.ejected(replica.name)
         if len(self.replicas) > 1:
@@ -205,7 +234,8 @@ class UpstreamPool:
         now = self._clock()
         for replica, answer in zip(self.replicas, probed, strict=True):
             if not answer["ok"]:
-                self._failed(replica, "health check failed")
+                if replica.healthy(now):  # already out: the same outage, not another ejection
+                    self._failed(replica, "health check failed")
             elif not replica.healthy(now):
                 replica.ejected_until = now  # back up: routed again before its backoff ends
         if len(self.replicas) == 1:

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import validation_problems
 from ..http.logs import uvicorn_log_config
+from ..http.shutdown import GuardedH11Protocol, connection_options
 from ..metrics.multiprocess import clear_multiprocess_dir
 from .app import create_app, open_backing_store
 from .keys_reload import note_early_sighup
@@ -89,6 +90,9 @@ def serve(overrides: Mapping[str, Any]) -> int:
         "host": settings.host, "port": settings.port, "log_level": settings.log_level,
         "log_config": log_config,
         "server_header": False,
+        # A head deadline, an idle timeout and a connection cap: idle sockets lock no one out.
+        **connection_options(settings.header_timeout_s, settings.keep_alive_timeout_s,
+                             settings.max_connections),
         # SIGTERM drains first (prefix_cache.http.shutdown); this bounds SIGINT's shutdown.
         "timeout_graceful_shutdown": settings.shutdown_grace_s,
     }
@@ -100,6 +104,8 @@ def serve(overrides: Mapping[str, Any]) -> int:
             return EXIT_OK if server.started else EXIT_CONFIG
         # Workers build their own app: hand them exactly the flags this process was given.
         os.environ[FLAGS_ENV] = json.dumps({k: _jsonable(v) for k, v in overrides.items()})
+        # The protocol class goes to the workers by name; worker_app sets its deadline.
+        common["http"] = GuardedH11Protocol
         run_workers(uvicorn.Config("prefix_cache.service.server:worker_app", factory=True,
                                    workers=settings.workers, **common))
     except KeyboardInterrupt:
@@ -135,4 +141,6 @@ def _jsonable(value: Any) -> Any:
 def worker_app() -> Any:
     """The app of one worker process (uvicorn factory)."""
     note_early_sighup()
-    return create_app(make_settings(json.loads(os.environ.get(FLAGS_ENV, "{}"))))
+    settings = make_settings(json.loads(os.environ.get(FLAGS_ENV, "{}")))
+    GuardedH11Protocol.header_timeout_s = settings.header_timeout_s  # this process's servers
+    return create_app(settings)

@@ -187,6 +187,23 @@ class ServiceSettings(BaseSettings):
                                               description="upstream connect timeout")
     ready_timeout_s: float = Field(default=2.0, gt=0,
                                    description="per-check timeout of GET /readyz")
+    upstream_first_byte_s: float = Field(
+        default=10.0, gt=0, description="how long an upstream replica may take to start its "
+        "answer before its health is checked; a failed check fails the request over to the "
+        "next replica (a busy replica that answers its check keeps the request)")
+    upstream_probe_interval_s: float = Field(
+        default=2.0, gt=0, description="health checks of the replicas of a pool of several, "
+        "in the background: an ejected replica is routed to again within one interval of "
+        "being back")
+    header_timeout_s: float = Field(default=10.0, gt=0, description="longest a connection may "
+                                    "take to send a request's line and headers (from its "
+                                    "opening, or the previous response's end); then closed")
+    keep_alive_timeout_s: float = Field(default=5.0, gt=0, description="how long an idle "
+                                        "kept-alive connection is kept")
+    max_connections: int | None = Field(default=None, ge=1, description="open client "
+                                        "connections at most, per worker; past it the one "
+                                        "idle longest is closed (default: half the open-file "
+                                        "limit, raised to its hard limit)")
     metrics_max_tenants: int = Field(default=20, gt=0, description="tenants with their own "
                                      "metrics label; the rest are folded into 'other'")
     tokenize_check_rate: float = Field(

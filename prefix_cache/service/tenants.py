@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from .limits import TenantLimitOverride
 from .settings import ServiceSettings
 
 OPEN_NAMESPACE = "default"
+DASHBOARD_COOKIE_TTL_S = 12 * 3600  # a working day's login; then the prompt again
 
 
 def _digest(key: str) -> bytes:
@@ -133,23 +135,35 @@ class KeyRing:
     def has_admins(self) -> bool:
         return bool(self._admins)
 
-    def dashboard_cookie(self) -> str:
-        """A cookie value any worker can check: an HMAC under an admin key's digest."""
-        digest = min(self._admins)
-        return hmac.new(digest, b"prefix-cache-dashboard", hashlib.sha256).hexdigest()
+    def dashboard_cookie(self, now: float | None = None) -> str:
+        """A cookie value any worker can check until it expires (``DASHBOARD_COOKIE_TTL_S``
+        from ``now``): its expiry time and an HMAC of it under an admin key's digest."""
+        expires = str(int((time.time() if now is None else now) + DASHBOARD_COOKIE_TTL_S))
+        return f"{expires}.{_cookie_mac(min(self._admins), expires)}"
 
-    def dashboard_allowed(self, authorization: str | None, cookie: str | None) -> bool:
+    def dashboard_allowed(self, authorization: str | None, cookie: str | None,
+                          now: float | None = None) -> bool:
         """Open on an unlocked service; else an admin key as Bearer, as the Basic-auth
-        password (what a browser's login prompt sends), or the dashboard cookie."""
+        password (what a browser's login prompt sends), or an unexpired dashboard cookie."""
         if self.is_unlocked:
             return True
-        if cookie:
-            for digest in self._admins:
-                good = hmac.new(digest, b"prefix-cache-dashboard", hashlib.sha256).hexdigest()
-                if hmac.compare_digest(good, cookie):
-                    return True
+        if cookie and self._cookie_valid(cookie, time.time() if now is None else now):
+            return True
         key = bearer_key(authorization) or basic_password(authorization)
         return key is not None and _digest(key) in self._admins
+
+    def _cookie_valid(self, cookie: str, now: float) -> bool:
+        expires, _, mac = cookie.partition(".")
+        if not expires.isdigit() or not now < int(expires) <= now + DASHBOARD_COOKIE_TTL_S:
+            return False
+        # Any admin key's: a removed key's cookies end with it (on SIGHUP's re-read).
+        return any(hmac.compare_digest(_cookie_mac(digest, expires), mac)
+                   for digest in self._admins)
+
+
+def _cookie_mac(digest: bytes, expires: str) -> str:
+    return hmac.new(digest, b"prefix-cache-dashboard:" + expires.encode(), hashlib.sha256
+                    ).hexdigest()
 
 
 KEYS_FILE_FIELDS = ("tenants", "admin_keys", "metrics_keys", "tenant_limits")

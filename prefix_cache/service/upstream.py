@@ -10,6 +10,10 @@ What is attached to the forwarded body depends on the upstream's kind:
 - ``openai``: nothing. Plain OpenAI-compatible servers would reject or silently drop extension
   fields (mlx_lm.server drops them), so the client's bytes go out unchanged -- unless
   ``upstream_model`` renames the model, the one field then rewritten.
+
+Whatever the kind, the fields the sidecar owns (``engine_protocol.is_owned_field``: the
+boundary, the prompt ids, the namespace, any other ``specprefill*`` name but the client's
+SpecPrefill knobs) are removed from a client's body first: a client never names a tenant.
 - ``specprefill``: our engines, which take the boundary instead of recomputing it: the body
   gains ``specprefill_system_end``, ``prompt_token_ids`` (the ids the boundary was cut
   against, so the engine prefills exactly the prompt the boundary belongs to) and
@@ -19,8 +23,9 @@ What is attached to the forwarded body depends on the upstream's kind:
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -57,6 +62,14 @@ def normalize_base_url(url: str) -> str:
         raise ValueError(f"upstream URL {url!r} must be http:// or https:// with a host")
     path = parts.path.rstrip("/") or "/v1"
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+@dataclass(frozen=True, slots=True)
+class FirstByte:
+    """How long an upstream may take to start its answer before its health is checked."""
+
+    seconds: float
+    probe_timeout_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +117,12 @@ class Upstream:
         """The bytes to send upstream for a client body (``raw`` parsed is ``body``) of a
         request in tenant ``namespace`` (``with_prompt_ids`` False: the upstream renders the
         prompt itself, the ids cut here being not the whole of it)."""
-        if self.kind == "openai" and self.model is None:
+        owned = any(wire.is_owned_field(name) for name in body)
+        if self.kind == "openai" and self.model is None and not owned:
             return raw  # unchanged, byte for byte
-        out = dict(body)
+        # Whatever the kind: a field the sidecar owns never comes from the client (a plain
+        # OpenAI upstream may be one of our engines, trusting the namespace it is sent).
+        out = wire.without_owned_fields(body) if owned else dict(body)
         if self.model is not None:
             out["model"] = self.model
         if self.kind == "specprefill":
@@ -130,8 +146,10 @@ class Upstream:
         return headers
 
     async def open(self, client: httpx.AsyncClient, content: bytes,
-                   api: str = "chat") -> httpx.Response:
+                   api: str = "chat", first_byte: FirstByte | None = None) -> httpx.Response:
         """Send a request of ``api``; the response is open (streaming) and 2xx, else raised.
+        With ``first_byte``: an answer that has not started within its limit while the
+        upstream's health check fails (a stalled process) is an ``UpstreamTimeout``.
 
         The caller owns the returned response and must close it.
         """
@@ -139,7 +157,9 @@ class Upstream:
         request = client.build_request("POST", url, content=content, headers=self.headers())
         # Clients see what went wrong, not where: upstream addresses stay in the operator's log.
         try:
-            response = await client.send(request, stream=True)
+            sent = client.send(request, stream=True)
+            response = await (sent if first_byte is None else
+                              self._first_byte(client, sent, first_byte))
         except httpx.TimeoutException as exc:
             log.warning("upstream %s timed out: %r", url, exc)
             raise UpstreamTimeout("the upstream did not answer in time") from exc
@@ -162,6 +182,51 @@ class Upstream:
                                       response.headers.get("content-type"))
         return response
 
+    @property
+    def purges(self) -> bool:
+        """Whether the upstream keeps tenants' KV that an admin purge must reach: our engines."""
+        return self.kind == "specprefill"
+
+    @property
+    def purge_url(self) -> str:
+        parts = urlsplit(self.base_url)
+        return urlunsplit((parts.scheme, parts.netloc, wire.PURGE_PATH, "", ""))
+
+    async def purge(self, client: httpx.AsyncClient, namespace: str | None,
+                    timeout_s: float) -> str | None:
+        """Ask the engine to delete a namespace's KV and responses (None: all); None when it
+        did, else why not (for the operator's log)."""
+        try:
+            response = await client.post(self.purge_url, headers=self.headers(),
+                                         content=json_io.dumps({wire.PURGE_NAMESPACE: namespace}),
+                                         timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            return repr(exc)
+        if response.status_code != 200:
+            return f"answered {response.status_code}: {response.text[:200]}"
+        return None
+
+    async def _first_byte(self, client: httpx.AsyncClient, sent: Awaitable[httpx.Response],
+                          limit: FirstByte) -> httpx.Response:
+        """``sent``'s response, waited for in spans of ``limit.seconds``: after each span
+        without an answer the upstream's health is checked, and a failed check gives up (a
+        busy upstream answers its health check and keeps the request)."""
+        task = asyncio.ensure_future(sent)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=limit.seconds)
+                if done:
+                    return task.result()
+                health = await self.probe(client, limit.probe_timeout_s)
+                if not health["ok"] and not task.done():
+                    log.warning("upstream %s sent no first byte in %.1f s and failed its "
+                                "health check", self.base_url, limit.seconds)
+                    raise UpstreamTimeout("the upstream did not start its answer in time")
+        finally:
+            if not task.done():
+                task.cancel()  # closes its connection; its outcome is of no interest now
+                task.add_done_callback(_ignore_outcome)
+
     async def probe(self, client: httpx.AsyncClient, timeout_s: float) -> dict[str, Any]:
         """Readiness: the upstream answers HTTP below 500 at its health path."""
         try:
@@ -170,6 +235,11 @@ class Upstream:
         except httpx.HTTPError as exc:  # the probe is public: the kind of failure, not details
             return {"ok": False, "error": type(exc).__name__}
         return {"ok": response.status_code < 500, "status": response.status_code}
+
+
+def _ignore_outcome(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved: no "never retrieved" warning
 
 
 async def _read_capped(response: httpx.Response, limit: int) -> bytes:

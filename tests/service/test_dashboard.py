@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefix_cache.service.tenants import DASHBOARD_COOKIE_TTL_S
 from prefix_cache.service.upstream import Upstream
 from tests.support.browser import (
     CHROMEDRIVER,
@@ -148,6 +149,25 @@ def test_dashboard_needs_the_admin_key(base: str) -> None:
         assert cookie
         assert http.get("/dashboard/stats.json", cookies={"prefix_cache_dashboard": cookie}).status_code == 200
         assert http.get("/dashboard/stats.json", cookies={"prefix_cache_dashboard": "forged"}).status_code == 401
+
+
+def test_the_login_cookie_expires_in_the_browser_and_on_the_server(app: Any, base: str) -> None:
+    keyring = app.state.service.keyring
+    with local_client(base_url=base) as http:
+        page = http.get("/dashboard", headers=bearer(ADMIN))
+        assert f"Max-Age={DASHBOARD_COOKIE_TTL_S}" in page.headers["set-cookie"]
+
+        def stats(cookie: str) -> int:
+            return http.get("/dashboard/stats.json",
+                            cookies={"prefix_cache_dashboard": cookie}).status_code
+
+        assert stats(page.cookies["prefix_cache_dashboard"]) == 200
+        expired = keyring.dashboard_cookie(now=time.time() - DASHBOARD_COOKIE_TTL_S - 1)
+        assert stats(expired) == 401
+        expires, mac = keyring.dashboard_cookie().split(".")
+        assert stats(f"{int(expires) + 3600}.{mac}") == 401       # its expiry moved: no match
+        far = keyring.dashboard_cookie(now=time.time() + 10 * DASHBOARD_COOKIE_TTL_S)
+        assert stats(far) == 401                                   # past any lifetime given
 
 
 def test_metrics_endpoint_is_prometheus_text(base: str) -> None:

@@ -68,7 +68,7 @@ def test_json_formatter_writes_one_object_per_record() -> None:
     assert line["request_id"] == "r1" and line["status"] == 200 and line["path"] == "/healthz"
     assert line["level"] == "info" and line["logger"] == "uvicorn.access"
     config = uvicorn_log_config("info", log_format="json")
-    assert all(h["filters"] == ["request_id"] for h in config["handlers"].values())
+    assert all("request_id" in h["filters"] for h in config["handlers"].values())
     with pytest.raises(ValueError, match="log format"):
         uvicorn_log_config("info", log_format="xml")
 

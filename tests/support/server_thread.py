@@ -15,9 +15,10 @@ STARTUP_TIMEOUT_S = 15.0
 class ServerThread:
     """An ASGI app served by a real uvicorn in a thread, on a socket bound before it starts."""
 
-    def __init__(self, app: Any, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, log_level: str = "warning", **config: Any) -> None:
         self.app = app
         self.log_level = log_level
+        self.config = config  # more of uvicorn.Config's options
 
     def __enter__(self) -> str:
         sock = socket.socket()
@@ -25,7 +26,7 @@ class ServerThread:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level=self.log_level, lifespan="on",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, **self.config)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
                                        daemon=True, name=f"uvicorn-{port}")

@@ -1,0 +1,122 @@
+"""Fair prefill: a quiet tenant's time to first token while another floods the engine with long
+prompts, first come first served vs fair slots, side by side in one run (issue 42, item 8).
+
+    LD_PRELOAD=<openblas> PYTHONPATH=$PWD python bench/fair_prefill.py [--flood-tokens 512]
+        [--flood-streams 16] [--quiet 8] [--hidden 64] [--layers 2] [--output FILE]
+
+The engine is the real one on a tiny random-weights model (only time matters). Three runs:
+no flood, a flood with ``fair_prefill=False`` (mlx-lm's own order: first come first served),
+a flood with ``fair_prefill=True``. The flood keeps ``--flood-streams`` prompts of
+``--flood-tokens`` tokens in the engine at all times (namespace "flood"); the quiet tenant
+sends ``--quiet`` prompts of 200 tokens one after another (namespace "quiet"), each answered
+with 1 token, and its TTFT (from submit to the first token, as the engine measures it) is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+QUIET_TOKENS = 200
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def run(model: Any, vocab: int, *, flood: bool, fair: bool, args: argparse.Namespace,
+        ) -> dict[str, float]:
+    from engine_adapter.mlx_engine import GenerationRequest, MLXEngine
+
+    engine = MLXEngine(model, fair_prefill=fair, reuse_static_kv=False,
+                       reuse_conversation_kv=False)
+    stop = threading.Event()
+    flood_tokens = [0]
+    counter = itertools.count()
+
+    def flooder() -> None:
+        while not stop.is_set():
+            n = next(counter)
+            ids = [(n * 7919 + j * 31) % vocab for j in range(args.flood_tokens)]
+            for _ in engine.generate(GenerationRequest(ids, max_tokens=1, namespace="flood")):
+                pass
+            flood_tokens[0] += args.flood_tokens
+
+    threads = [threading.Thread(target=flooder, daemon=True)
+               for _ in range(args.flood_streams if flood else 0)]
+    for t in threads:
+        t.start()
+    time.sleep(args.warmup_s if flood else 0.0)  # the flood fills the engine first
+    started, before = time.perf_counter(), flood_tokens[0]
+    ttfts = []
+    for i in range(args.quiet):
+        ids = [(i * 131 + j) % vocab for j in range(QUIET_TOKENS)]
+        events = list(engine.generate(GenerationRequest(ids, max_tokens=1, namespace="quiet")))
+        ttfts.append(events[0].elapsed_s)
+        time.sleep(0.05)
+    elapsed = time.perf_counter() - started
+    flooded = flood_tokens[0] - before
+    stop.set()
+    for t in threads:
+        t.join()
+    engine.close()
+    return {"p50": statistics.median(ttfts), "p99": percentile(ttfts, 0.99),
+            "flood_tok_s": flooded / elapsed}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # More flood streams than the engine's 8 prefill slots: first come first served, a
+    # newcomer waits behind a queue of them.
+    parser.add_argument("--flood-tokens", type=int, default=512)
+    parser.add_argument("--flood-streams", type=int, default=16)
+    parser.add_argument("--quiet", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--output", type=Path)
+    args = parser.parse_args()
+
+    from mlx_lm.utils import load_model
+
+    from engine_adapter.testing.tiny_model import tiny_model_folder
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = tiny_model_folder(Path(tmp) / "tiny", hidden=args.hidden, layers=args.layers)
+        model = load_model(folder)[0]
+    from engine_adapter.mlx_engine.model_info import vocab_size
+
+    vocab = vocab_size(model) or 32000
+    rows = [("no flood", run(model, vocab, flood=False, fair=True, args=args)),
+            ("flood, first come first served", run(model, vocab, flood=True, fair=False,
+                                                   args=args)),
+            ("flood, fair prefill", run(model, vocab, flood=True, fair=True, args=args))]
+    base = rows[0][1]
+    lines = [f"Quiet tenant's TTFT ({args.quiet} prompts of {QUIET_TOKENS} tokens, one after "
+             f"another) while {args.flood_streams} streams of another tenant "
+             f"keep {args.flood_tokens}-token prompts in the engine; tiny random-weights "
+             f"Qwen3 (hidden {args.hidden}, {args.layers} layers, float32), prefill batch 8, "
+             f"step 2048. {platform.machine()}, {platform.system()}, shared and loaded "
+             "2-core machine.", "",
+             "| run | quiet p50 TTFT | quiet p99 TTFT | p50 vs no flood | p99 vs no flood | "
+             "flood prompt tokens/s |", "|---|---|---|---|---|---|"]
+    for name, r in rows:
+        lines.append(f"| {name} | {r['p50'] * 1000:.0f} ms | {r['p99'] * 1000:.0f} ms | "
+                     f"{r['p50'] / base['p50']:.1f}x | {r['p99'] / base['p99']:.1f}x | "
+                     f"{r['flood_tok_s']:.0f} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.output:
+        args.output.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
