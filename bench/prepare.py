@@ -135,11 +135,14 @@ def breakdown(label: str, tok: Any, template: str, tools: list[dict[str, Any]],
     """Where a hit's time goes: the render's parts and the tokenization, medians of 30."""
     from transformers.utils.chat_template_utils import _plain_template_data
 
+    from prefix_cache.entry import decode_entry
+    from prefix_cache.plan import make_plan
     from prefix_cache.render import get_renderer
 
     renderer = get_renderer(tok, template, tools)
-    plan = cache._plan(tok, messages, tools, None, template, "default", None)
-    entry = cache._read(plan, cache.store.get(plan.key))
+    plan = make_plan(tok, messages, tools, None, template, "default", None, prefix=cache.prefix,
+                     protect_default_prefix=False)
+    entry = decode_entry(cache.store.get(plan.key), plan.key, plan.check)
     text = renderer.render_text(messages, tools, {}, plain=True, memo_key=plan.memo_key)
     indent = 4 if "tojson(indent=4)" in template else None
     parts = {

@@ -21,66 +21,43 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 from . import boundary, keys
-from .entry import DecodedEntries, Entry, encode_entry
+from .entry import DecodedEntries, Entry, decode_entry, encode_entry
 from .errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
-from .known_parts import KnownParts
+from .fastpath import fast_path_setting
 from .messages import dynamic_chars
 from .observer import CacheObserver, ObserverGroup
 from .plan import Plan as _Plan
 from .plan import make_plan
 from .probes import probe
 from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
-from .render import DEFAULT_OPTIONS, RenderOptions
+from .request import (
+    Driven,
+    Flight,
+    Lookup,
+    PrefixRequest,
+    RequestOptions,
+    Step,
+    Work,
+    prefix_request,
+)
+from .result import HIT, MISS, NONE, PrefixResult, RenderedText
 from .singleflight import SingleFlight
 from .stats import CacheStats
 from .store import MemoryStore, Store
 from .token_ids import TokenIds, checked_token_ids, pack_ids
 
+__all__ = ["HIT", "MISS", "NONE", "PrefixResult", "StaticPrefixCache"]
+
 log = logging.getLogger("prefix_cache")
 
-HIT, MISS, NONE = "hit", "miss", "none"
 # A hit whose non-static messages are at most this long is rendered and tokenized on the event
 # loop (~0.1-0.3 ms; a hop to a render thread and back costs as much, more on a busy machine).
 INLINE_HIT_CHARS = 8192
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixResult:
-    """The answer for one request."""
-
-    specprefill_system_end: int
-    prompt: TokenIds    # the prompt's ids, packed; ``prompt_ids`` makes the list on first use
-    cache: str          # "hit", "miss", or "none" when there is no static part
-    key: str            # "" when cache == "none", or when the render cannot be cached
-    static_tokens: int = 0  # length of the template's static scaffold (>= the boundary)
-    uncacheable: str | None = None  # why this render is never cached (a "miss" every time)
-
-    @property
-    def hit(self) -> bool:
-        return self.cache == HIT
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.prompt.ids
-
-    @property
-    def prompt_tokens(self) -> int:
-        """How many ids the prompt has (without making their list)."""
-        return len(self.prompt)
-
-
-@dataclass(frozen=True, slots=True)
-class _Text:
-    """The request's rendered prompt, and whether it rendered with the tools=[] fallback."""
-
-    text: str
-    empty_tools: bool
 
 
 class StaticPrefixCache:
@@ -96,7 +73,11 @@ class StaticPrefixCache:
         max_render_threads: int | None = None,
         observer: CacheObserver | None = None,
         tokenize_check_rate: float = DEFAULT_CHECK_RATE,
+        fast_path: bool | None = None,
     ) -> None:
+        # The accelerators (``fastpath``): on unless turned off here or by
+        # PREFIX_CACHE_FAST_PATH=off; off gives the same answers by the plain computation.
+        self.fast_path = fast_path_setting(fast_path)
         self.store: Store = store if store is not None else MemoryStore()
         self.prefix = keys.validate_label(prefix, "key prefix")
         if ttl_seconds is not None and ttl_seconds <= 0:
@@ -121,109 +102,98 @@ class StaticPrefixCache:
 
     # -- public API ---------------------------------------------------------------------------
 
-    def resolve(
-        self,
-        tokenizer: Any,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        prompt_ids: Sequence[int] | TokenIds | None = None,
-        chat_template: str | None = None,
-        namespace: str = "default",
-        model: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-    ) -> PrefixResult:
+    def resolve(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] | None = None,
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                **options: Unpack[RequestOptions]) -> PrefixResult:
         """The boundary for one request (blocking; renders run in the calling thread).
 
-        ``add_generation_prompt`` and ``continue_final_message`` are ``apply_chat_template``'s:
-        they change how the prompt is rendered (the probes render as the contract says), and
-        the boundary is cut against that prompt."""
-        try:
-            plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
-                              chat_template, namespace, model,
-                              RenderOptions(add_generation_prompt, continue_final_message))
-            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
-            if plan.static is None:
-                return self._none(plan, given if given is not None else self._prepare(plan, None, None)[0])
-            stored = self._read(plan, self._get(plan.key)) if plan.cached else None
-            cache = MISS if stored is None else HIT
-            if given is not None:
-                entry = stored if stored is not None else self._await_flight_sync(plan)
-                prompt, end = given, self._cut_capped(plan, given, entry)
-            elif stored is not None:
-                entry = stored
-                prompt, end = self._prepare(plan, None, entry)
-            else:  # the prompt first: a request whose own render fails stores nothing
-                text = self._render(plan)
-                entry = self._await_flight_sync(plan)
-                prompt, end = self._prepare(plan, text, entry)
-        except PrefixCacheError as exc:
-            self._failed(namespace, model, tokenizer, exc)
-            raise
-        return self._answer(plan, prompt, end, entry, cache)
+        Keyword-only (``RequestOptions``): ``prompt_ids``, ``chat_template``, ``namespace``,
+        ``model``; ``add_generation_prompt`` and ``continue_final_message``, which are
+        ``apply_chat_template``'s (they change how the prompt is rendered; the probes render
+        as the contract says, and the boundary is cut against that prompt); ``known``: what
+        the request's body parse already packed (``body_parts``)."""
+        run = Driven(self._steps(prefix_request(tokenizer, messages, tools,
+                                                chat_template_kwargs, **options)))
+        while (step := run.next_step()) is not None:
+            try:
+                run.outcome = (True, self._do(step))
+            except Exception as exc:  # raised inside the sequence, where it asked
+                run.outcome = (False, exc)
+        return run.result  # type: ignore[no-any-return]
 
-    async def aresolve(
-        self,
-        tokenizer: Any,
-        messages: Sequence[Mapping[str, Any]],
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-        *,
-        prompt_ids: Sequence[int] | TokenIds | None = None,
-        chat_template: str | None = None,
-        namespace: str = "default",
-        model: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        known: KnownParts | None = None,
-    ) -> PrefixResult:
-        """The boundary for one request; renders run in a thread pool, off the event loop.
-        ``known``: what the request's body parse already packed (``body_parts``)."""
+    async def aresolve(self, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                       tools: Sequence[Mapping[str, Any]] | None = None,
+                       chat_template_kwargs: Mapping[str, Any] | None = None,
+                       **options: Unpack[RequestOptions]) -> PrefixResult:
+        """``resolve``, with renders in a thread pool, off the event loop."""
+        run = Driven(self._steps(prefix_request(tokenizer, messages, tools,
+                                                chat_template_kwargs, **options)))
         loop = asyncio.get_running_loop()
-        run = self._executor
+        while (step := run.next_step()) is not None:
+            try:
+                run.outcome = (True, await self._ado(step, loop))
+            except Exception as exc:  # raised inside the sequence, where it asked
+                run.outcome = (False, exc)
+        return run.result  # type: ignore[no-any-return]
+
+    def _do(self, step: Step) -> Any:
+        """One step, in this thread."""
+        if isinstance(step, Lookup):
+            return self._get(step.key)
+        if isinstance(step, Work):
+            return step.function(*step.args)
+        return self._await_flight_sync(step.plan)
+
+    async def _ado(self, step: Step, loop: asyncio.AbstractEventLoop) -> Any:
+        """One step, renders in the thread pool."""
+        if isinstance(step, Lookup):
+            return await self._aget(step.key)
+        if isinstance(step, Work):
+            return await loop.run_in_executor(self._executor, step.function, *step.args)
+        return await self._await_flight(step.plan, loop)
+
+    def _steps(self, request: PrefixRequest) -> Generator[Step, Any, PrefixResult]:
+        """The decision sequence of one request, written once: it yields the I/O it needs
+        (``Lookup``, ``Work``, ``Flight``) and a driver (``resolve``, ``aresolve``) sends back
+        the result; it returns the answer."""
         try:
-            plan = self._plan(tokenizer, messages, tools, chat_template_kwargs,
-                              chat_template, namespace, model,
-                              RenderOptions(add_generation_prompt, continue_final_message), known)
-            given = checked_token_ids(prompt_ids) if prompt_ids is not None else None
+            plan = self._plan(request)
+            given = checked_token_ids(request.prompt_ids) \
+                if request.prompt_ids is not None else None
             if plan.static is None:
                 if given is None:
-                    given = (await loop.run_in_executor(run, self._prepare, plan, None, None))[0]
+                    given = (yield Work(self._prepare, (plan, None, None)))[0]
                 return self._none(plan, given)
-            stored = self._read(plan, await self._aget(plan.key)) if plan.cached else None
+            stored = self._read(plan, (yield Lookup(plan.key))) if plan.cached else None
             cache = MISS if stored is None else HIT
             if given is not None:
-                entry = stored if stored is not None else await self._await_flight(plan, loop)
+                entry = stored if stored is not None else (yield Flight(plan))
                 prompt = given
                 end, past_cap = self._cut(plan, given, entry)
                 if past_cap:
-                    end = await loop.run_in_executor(run, self._capped, plan, given, entry, end)
+                    end = yield Work(self._capped, (plan, given, entry, end))
             elif stored is not None:
                 entry = stored
                 check = self._tokens.sampled()
-                if check or dynamic_chars(plan.messages, plan.n_static) > INLINE_HIT_CHARS:
-                    prompt, end = await loop.run_in_executor(run, self._prepare, plan, None,
-                                                             entry, check)
+                if check or not plan.fast or \
+                        dynamic_chars(plan.messages, plan.n_static) > INLINE_HIT_CHARS:
+                    prompt, end = yield Work(self._prepare, (plan, None, entry, check))
                 else:  # a short dynamic part: rendered and tokenized faster than a thread hop
                     prompt = self._prompt(plan, None, entry, check)
                     end, past_cap = self._cut(plan, prompt, entry)
                     if past_cap:  # one more render of the whole prompt: off the loop
-                        end = await loop.run_in_executor(run, self._capped, plan, prompt, entry,
-                                                         end)
+                        end = yield Work(self._capped, (plan, prompt, entry, end))
             else:  # the prompt first: a request whose own render fails stores nothing
-                text = await loop.run_in_executor(run, self._render, plan)
-                entry = await self._await_flight(plan, loop)
-                prompt, end = await loop.run_in_executor(run, self._prepare, plan, text, entry)
+                text = yield Work(self._render, (plan,))
+                entry = yield Flight(plan)
+                prompt, end = yield Work(self._prepare, (plan, text, entry))
         except PrefixCacheError as exc:
-            self._failed(namespace, model, tokenizer, exc)
+            label = keys.model_label(request.model or
+                                     getattr(request.tokenizer, "name_or_path", "") or "model")
+            self._events.failed(namespace=request.namespace, model=label, error=exc)
             raise
         return self._answer(plan, prompt, end, entry, cache)
-
-    def _failed(self, namespace: str, model: str | None, tokenizer: Any, exc: Exception) -> None:
-        label = keys.model_label(model or getattr(tokenizer, "name_or_path", "") or "model")
-        self._events.failed(namespace=namespace, model=label, error=exc)
 
     def close(self) -> None:
         """Stop the render threads and close the store."""
@@ -232,29 +202,28 @@ class StaticPrefixCache:
 
     # -- steps --------------------------------------------------------------------------------
 
-    def _plan(self, tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
-              chat_template: str | None, namespace: str, model: str | None,
-              options: RenderOptions = DEFAULT_OPTIONS, known: KnownParts | None = None) -> _Plan:
-        return make_plan(tokenizer, messages, tools, kwargs, chat_template, namespace, model,
-                         options, prefix=self.prefix,
-                         protect_default_prefix=self.protect_default_prefix, known=known)
+    def _plan(self, r: PrefixRequest) -> _Plan:
+        return make_plan(r.tokenizer, r.messages, r.tools, r.chat_template_kwargs,
+                         r.chat_template, r.namespace, r.model, r.options, prefix=self.prefix,
+                         protect_default_prefix=self.protect_default_prefix, known=r.known,
+                         fast=self.fast_path)
 
-    def _render(self, plan: _Plan) -> _Text:
+    def _render(self, plan: _Plan) -> RenderedText:
         """The request's prompt text, with the documented tools fallback (tools and kwargs are
         plain data once they are in a key: the render may skip its defensive copy)."""
         self._events.prompt_rendered()
         text, tools = plan.renderer.text_with_choice(
-            plan.messages, plan.tools, plan.kwargs, plain=plan.static is not None,
+            plan.messages, plan.tools, plan.kwargs, plain=plan.static is not None and plan.fast,
             memo_key=plan.memo_key, options=plan.options, json_messages=plan.json_messages)
-        return _Text(text, plan.tools is None and tools is not None)
+        return RenderedText(text, plan.tools is None and tools is not None)
 
-    def _prepare(self, plan: _Plan, text: _Text | None, entry: Entry | None,
+    def _prepare(self, plan: _Plan, text: RenderedText | None, entry: Entry | None,
                  check: bool | None = None) -> tuple[TokenIds, int]:
         """The rendered prompt's ids and its boundary (``_prompt``)."""
         prompt = self._prompt(plan, text, entry, check)
         return prompt, (0 if entry is None else self._cut_capped(plan, prompt, entry))
 
-    def _prompt(self, plan: _Plan, text: _Text | None, entry: Entry | None,
+    def _prompt(self, plan: _Plan, text: RenderedText | None, entry: Entry | None,
                 check: bool | None = None) -> TokenIds:
         """The rendered prompt's ids (from the entry's split when its text allows), rendered
         here unless ``text`` is given. ``check``: a sampled full check? (None: drawn here)"""
@@ -266,21 +235,21 @@ class StaticPrefixCache:
             tools = [] if text.empty_tools else plan.tools
             return plan.renderer.official_text(plan.messages, tools, plan.kwargs, plan.options)
         return self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official, check,
-                                     plan.namespace)
+                                     plan.namespace, plan.fast)
 
-    def _rerender(self, plan: _Plan, text: _Text, entry: Entry) -> _Text:
+    def _rerender(self, plan: _Plan, text: RenderedText, entry: Entry) -> RenderedText:
         """The prompt again, in the rare case its tools argument is not the probes'."""
         self._events.prompt_rendered()
         try:
             again = plan.renderer.render_text(plan.messages, _tools(plan, entry), plan.kwargs,
-                                              plain=True, memo_key=plan.memo_key,
+                                              plain=plan.fast, memo_key=plan.memo_key,
                                               options=plan.options)
         except TemplateRenderError as exc:
             raise TemplateRenderError(
                 f"the template renders this prompt only with tools={'[]' if text.empty_tools else 'None'}"
                 f" but its static part only with tools={'[]' if entry.empty_tools else 'None'}; "
                 f"pass tools explicitly ({exc})") from exc
-        return _Text(again, entry.empty_tools)
+        return RenderedText(again, entry.empty_tools)
 
     def _cut_capped(self, plan: _Plan, prompt: TokenIds, entry: Entry) -> int:
         end, past_cap = self._cut(plan, prompt, entry)
@@ -329,7 +298,7 @@ class StaticPrefixCache:
         if value is None:
             return None
         try:
-            return self._decoded.decode(value, plan.key, plan.check)
+            return self._decode(plan, value)
         except EntryError as exc:
             log.warning("rejected stored entry %s: %s", plan.key, exc)
             self._events.verification_failure()
@@ -388,9 +357,15 @@ class StaticPrefixCache:
         read is far cheaper than the renders it can save."""
         stored = self._get(plan.key)
         try:
-            return None if stored is None else self._decoded.decode(stored, plan.key, plan.check)
+            return None if stored is None else self._decode(plan, stored)
         except EntryError:
             return None
+
+    def _decode(self, plan: _Plan, value: bytes) -> Entry:
+        """``decode_entry``, from the decoded-entry memo when the fast path is on."""
+        if plan.fast:
+            return self._decoded.decode(value, plan.key, plan.check)
+        return decode_entry(value, plan.key, plan.check)
 
     def _compute(self, plan: _Plan) -> tuple[Entry, bool]:
         """The entry for the plan's key, and whether it may be stored under that key: only if
@@ -400,7 +375,7 @@ class StaticPrefixCache:
         for _ in range(2):  # probes that straddle midnight are rendered again, on one date
             day = plan.renderer.date_tag()
             probed = probe(plan.renderer, plan.static or [], plan.tools, plan.kwargs,
-                           plan.memo_key)
+                           plan.memo_key, plan.fast)
             renders += probed.renders
             settled = plan.renderer.date_tag() == day
             if settled:
@@ -414,7 +389,8 @@ class StaticPrefixCache:
             log.info("the date changed since the key was made; %s is not stored", plan.key)
         entry = Entry(plan.key, plan.check, pack_ids(probed.ids), elapsed, probed.cap,
                       probed.empty_tools, probed.split)
-        return entry, settled and day == plan.date
+        # A render that drew at random (caught as it happened) is not stored.
+        return entry, settled and day == plan.date and plan.renderer.uncacheable is None
 
     # -- store access, failures converted to misses in one place -------------------------------
 

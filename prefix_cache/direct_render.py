@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from .fastpath import Unkeyable, typed_key
 from .lru import ByteLRU
 
 # Template variables that apply_chat_template would bind to its own parameters instead.
@@ -113,15 +114,17 @@ def _remembering(tojson: Callable[..., str]) -> Callable[..., str]:
         index = scope.positions.get(id(x))
         if index is None:  # not one of the request's tools
             return tojson(x, ensure_ascii, indent, separators, sort_keys)
-        if not ensure_ascii and indent is None and separators is None and not sort_keys:
+        if ensure_ascii is False and indent is None and separators is None and sort_keys is False:
             text = scope.texts.plain[index]
             if text is None:
                 text = scope.texts.plain[index] = tojson(x, ensure_ascii, indent, separators,
                                                          sort_keys)
                 scope.added += 1
             return text
-        at = (index, ensure_ascii, indent, None if separators is None else tuple(separators),
-              sort_keys)
+        try:  # typed: tojson(indent=2) and tojson(indent=2.0) are not one text (the second raises)
+            at = (index, typed_key((ensure_ascii, indent, separators, sort_keys)))
+        except Unkeyable:
+            return tojson(x, ensure_ascii, indent, separators, sort_keys)
         found = scope.texts.other.get(at)
         if found is None:
             found = scope.texts.other[at] = tojson(x, ensure_ascii, indent, separators, sort_keys)

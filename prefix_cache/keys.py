@@ -48,7 +48,8 @@ def model_label(name: str) -> str:
 
 
 def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
-                    kwargs: Mapping[str, Any] | None, known: KnownParts | None = None) -> bytes:
+                    kwargs: Mapping[str, Any] | None, known: KnownParts | None = None,
+                    *, fast: bool = True) -> bytes:
     """Exact bytes of the plain data a template is given; InvalidRequestError for anything else.
 
     Plain data is what a JSON body parses to: exactly dict, list, str, int, float, bool and None
@@ -72,12 +73,15 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
 
     ``known``: parts (the tools, static messages) a body parser already packed, from bytes it
     saw before (``body_parts``); the same bytes, without packing those parts again.
+    ``fast=False``: the Python walk alone (the reference the C pass and ``known`` must equal).
     """
+    fields = [list(static), None if tools is None else list(tools), dict(kwargs) if kwargs else None]
+    if not fast:
+        return _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
     if known:
         assembled = _assembled(static, tools, kwargs, known)
         if assembled is not None:
             return assembled
-    fields = [list(static), None if tools is None else list(tools), dict(kwargs) if kwargs else None]
     try:
         packed = _pack(fields)
     except (TypeError, OverflowError, ValueError):
@@ -234,10 +238,11 @@ def key_material(
     kwargs: Mapping[str, Any] | None,
     date: str | None = None,
     known: KnownParts | None = None,
+    fast: bool = True,
 ) -> bytes:
     """Length-prefixed fields, so no field's bytes can run into the next one's."""
     fields = (KEY_VERSION, namespace.encode(), identity, (date or "").encode(),
-              canonical_bytes(static, tools, kwargs, known))
+              canonical_bytes(static, tools, kwargs, known, fast=fast))
     return b"".join([len(f).to_bytes(4, "little") + f for f in fields])
 
 

@@ -39,7 +39,7 @@ CHECK_TIME_SHARE = 0.01    # sampled checks take at most this share of the time 
 # Why a prompt was tokenized whole (the ``reason`` of a full tokenization).
 NO_STATIC = "no_static"        # no static part, so no entry
 NO_SPLIT = "no_split"          # the entry has no safe split (tokenizer or static text)
-OFF = "off"                    # turned off for this tokenizer by a failed check
+OFF = "off"                    # turned off: for this tokenizer by a failed check, or everywhere
 REASONS = (NO_STATIC, NO_SPLIT, TEXT_DIFFERS, OFF, ANCHOR)  # TEXT_DIFFERS, ANCHOR: split's
 
 
@@ -67,12 +67,16 @@ class PromptTokenizer:
 
     def tokenize(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
                  model: str, official: Callable[[], str] | None = None,
-                 check: bool | None = None, scope: str = "") -> TokenIds:
+                 check: bool | None = None, scope: str = "", fast: bool = True) -> TokenIds:
         """The prompt's ids, equal to ``renderer.tokenize(text)``. ``official``: the prompt
         rendered through ``apply_chat_template`` itself, for a sampled check of a direct render
         (``direct_render``) along with the tokenization. ``check``: whether this call is one of
         the sampled checks, drawn beforehand with ``sampled()`` (None: drawn here). ``scope``:
-        the tenant whose remembered tail pieces may be used (``tail_pieces``)."""
+        the tenant whose remembered tail pieces may be used (``tail_pieces``). ``fast=False``:
+        the fast path is off (``fastpath``): tokenized whole, nothing to check."""
+        if not fast:
+            self._events.tokenized(model=model, fast=False, reason=OFF)
+            return TokenIds.of_rendered(renderer.tokenize(text))
         ids, reason = self._fast(renderer, text, entry, scope)
         direct = official is not None and renderer.renders_direct
         if check is None:

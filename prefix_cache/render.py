@@ -36,8 +36,15 @@ import xxhash
 from . import direct_render as direct
 from . import tail_pieces
 from .errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
-from .template_clock import DAY_FORMAT, NO_CLOCK, ClockUse, clock_use
-from .tokenizer_identity import current_fingerprint
+from .template_clock import (
+    DAY_FORMAT,
+    NO_CLOCK,
+    ClockUse,
+    clock_use,
+    randomness_seen,
+    watch_randomness,
+)
+from .tokenizer_identity import TokenizerState, current_state
 
 log = logging.getLogger("prefix_cache")
 
@@ -145,13 +152,18 @@ class TemplateRenderer:
     """Renders one chat template through one renderer; cheap to call, safe from many threads."""
 
     def __init__(self, target: Any, template: str | None, identity: bytes,
-                 clock: ClockUse = NO_CLOCK, tokenizer_digest: bytes = b"") -> None:
+                 clock: ClockUse = NO_CLOCK, tokenizer_digest: bytes = b"",
+                 split_special_tokens: bool | None = None) -> None:
         self.target = target        # what renders: a tokenizer, or a wrapper with its own method
         self.tokenizer = unwrap_tokenizer(target)   # what tokenizes
         self.template = template    # None: the wrapper's Python renderer
         self.identity = identity
         self.clock = clock          # what the render reads from the clock (or randomness)
         self.tokenizer_digest = tokenizer_digest  # the tokenizer's fingerprint (its state)
+        # The flag as the key read it (the fingerprint names it): every tokenization of this
+        # renderer uses it, whatever the tokenizer's backend still holds from its last encode.
+        self.split_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False)
+                                         if split_special_tokens is None else split_special_tokens)
         self._wrapped = self.tokenizer is not target
         self._direct = direct.compiled(target, template) if not self._wrapped else None
         self._direct_checked = False
@@ -218,11 +230,15 @@ class TemplateRenderer:
 
     def _direct_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
                      memo_key: tuple[str, int] | None, json_messages: bool = False) -> str:
-        try:
-            text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs, memo_key,
-                                 json_messages)
-        except Exception as exc:
-            raise TemplateRenderError(_template_message(exc)) from exc
+        with randomness_seen() as drawn:
+            try:
+                text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs,
+                                     memo_key, json_messages)
+            except Exception as exc:
+                raise TemplateRenderError(_template_message(exc)) from exc
+            finally:
+                if drawn:
+                    self._drew(drawn[0])
         if not self._direct_checked:
             official = self.official_text(messages, tools, kwargs)
             if official != text:
@@ -248,7 +264,7 @@ class TemplateRenderer:
         The sampled full check compares what this makes with ``tokenize``'s."""
         backend = self._backend
         if backend is None or backend.truncation is not None or backend.padding is not None \
-                or backend.encode_special_tokens != bool(self.tokenizer.split_special_tokens):
+                or backend.encode_special_tokens != self.split_special_tokens:
             return self.tokenize(text)
         try:
             return list(backend.encode(text, add_special_tokens=False).ids)
@@ -260,7 +276,8 @@ class TemplateRenderer:
         """Where ``tokenize_tail`` may cut a text into pieces encoded alone (``tail_pieces``);
         None: it encodes texts whole."""
         if self._cuts is False:
-            self._cuts = None if self._backend is None else tail_pieces.piece_cuts(self._backend)
+            self._cuts = None if self._backend is None else tail_pieces.piece_cuts(
+                self._backend, self.split_special_tokens)
         return self._cuts  # type: ignore[return-value]
 
     def tokenize(self, text: str) -> list[int]:
@@ -270,9 +287,12 @@ class TemplateRenderer:
         try:
             if self._wrapped and self.template is None:
                 return list(self.tokenizer.encode(text, add_special_tokens=False))
+            # The key's flag, not the attribute as it is now (``split_special_tokens``).
+            flags = {} if self._backend is None else \
+                {"split_special_tokens": self.split_special_tokens}
             out = self.tokenizer(text, padding=False, truncation=False, max_length=None,
                                  add_special_tokens=False, return_tensors=None,
-                                 sanitize_control_tokens=False)
+                                 sanitize_control_tokens=False, **flags)
             return list(out["input_ids"])
         except Exception as exc:
             _check_text(text)  # a lone surrogate in the request's own text is the client's fault
@@ -314,6 +334,24 @@ class TemplateRenderer:
     def _call(self, messages: list[Mapping[str, Any]], tools: list | None,
               kwargs: Mapping[str, Any], tokenize: bool = True,
               options: RenderOptions = DEFAULT_OPTIONS) -> Any:
+        if self.template is not None:  # transformers' environment may have been made again
+            _watch_template(self.template)
+        with randomness_seen() as drawn:
+            try:
+                return self._render_call(messages, tools, kwargs, tokenize, options)
+            finally:
+                if drawn:
+                    self._drew(drawn[0])
+
+    def _drew(self, why: str) -> None:
+        """A render drew at random: this renderer's renders are never cached from now on."""
+        if self.clock.uncacheable is None:
+            self.clock = ClockUse(self.clock.formats, why)
+            log.warning("chat template renders at random (%s): not cached", why)
+
+    def _render_call(self, messages: list[Mapping[str, Any]], tools: list | None,
+                     kwargs: Mapping[str, Any], tokenize: bool,
+                     options: RenderOptions) -> Any:
         flags: dict[str, Any] = {"add_generation_prompt": options.add_generation_prompt}
         if options.continue_final_message:  # only when asked: Python renderers may not take it
             flags["continue_final_message"] = True
@@ -370,13 +408,14 @@ _lock = threading.Lock()
 
 
 def get_renderer(tokenizer: Any, chat_template: str | None = None,
-                 tools: Tools = None) -> TemplateRenderer:
+                 tools: Tools = None, *, watch: bool = True) -> TemplateRenderer:
     """The renderer for this tokenizer (or wrapper) and template (the tokenizer's own when none
     is given).
 
     ``chat_template`` may be template text or the name of one of the tokenizer's templates; with
     several named templates, requests with tools (``[]`` included) get ``tool_use`` if present,
-    as in transformers.
+    as in transformers. ``watch``: the tokenizer's added-tokens table may be trusted unchanged
+    while no watched call changed it (``tokenizer_watch``); off, it is compared every call.
     """
     inner = unwrap_tokenizer(tokenizer)
     function = python_renderer(tokenizer, inner)
@@ -396,24 +435,25 @@ def get_renderer(tokenizer: Any, chat_template: str | None = None,
         if not template:
             raise NoChatTemplateError("the tokenizer has no chat template and none was given")
         template_id = template
-    digest = current_fingerprint(inner)
+    state = current_state(inner, watch=watch)  # read once: the key and the renderer share it
     descriptor = wrapper_descriptor(tokenizer) if inner is not tokenizer else b""
-    memo_key = (digest, descriptor, template_id)
+    memo_key = (state.fingerprint, descriptor, template_id)
     table = _renderers.get(tokenizer)
     renderer = table.get(memo_key) if table is not None else None
     if renderer is None:
-        renderer = _new_renderer(tokenizer, template, function, memo_key)
+        renderer = _new_renderer(tokenizer, template, function, memo_key, state)
     return renderer
 
 
 def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., Any] | None,
-                  memo_key: tuple[bytes, bytes, str]) -> TemplateRenderer:
+                  memo_key: tuple[bytes, bytes, str], state: TokenizerState) -> TemplateRenderer:
     digest, descriptor, template_id = memo_key
     identity = xxhash.xxh3_128_digest(b"".join(
         len(part).to_bytes(4, "little") + part for part in (digest, descriptor, template_id.encode())))
     if function is not None:  # a Python renderer's clock is keyed by the day
         clock = ClockUse((DAY_FORMAT,)) if _function_identity(function)[1] else NO_CLOCK
     else:
+        _watch_template(template or "")  # before the direct render copies its filters
         clock = _template_clock(template or "")
     with _lock:
         table = _renderers.setdefault(tokenizer, {})
@@ -421,7 +461,7 @@ def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., 
             # Per-request templates could grow this without end; the oldest is dropped.
             table.pop(next(iter(table)))
         return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, clock,
-                                                           digest))
+                                                           digest, state.split_special_tokens))
 
 
 def _template_clock(template: str) -> ClockUse:
@@ -436,3 +476,13 @@ def _template_clock(template: str) -> ClockUse:
     except Exception:  # does not compile: its render fails with the template's own message
         return NO_CLOCK
     return clock_use(environment, template)
+
+
+def _watch_template(template: str) -> None:
+    """Randomness in transformers' environment of ``template`` recorded when drawn."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        watch_randomness(_compile_jinja_template(template).environment)
+    except Exception:  # does not compile: its render fails with the template's own message
+        return

@@ -75,7 +75,7 @@ class SplitRule:
     added token can cross, and whether line splits are allowed (``off`` / ``lines_off`` say
     why not)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, split_special_tokens: bool | None = None) -> None:
         self.off = _tokenizer_off(tokenizer)
         self.lines_off: str | None = self.off
         self._prefixes: frozenset[str] = frozenset()
@@ -83,7 +83,7 @@ class SplitRule:
         self._ends: re.Pattern[str] | None = None
         self._line_start: re.Pattern[str] | None = None
         if self.off is None:
-            self._read_added_tokens(tokenizer)
+            self._read_added_tokens(tokenizer, split_special_tokens)
             if self.lines_off is None:
                 self.lines_off = _lines_off(tokenizer)
             if self.lines_off is None:
@@ -93,10 +93,11 @@ class SplitRule:
                 else:
                     self.lines_off = "the pre-tokenizer does not start a pre-token at line starts"
 
-    def _read_added_tokens(self, tokenizer: Any) -> None:
+    def _read_added_tokens(self, tokenizer: Any, split_specials: bool | None) -> None:
         added = list(tokenizer.added_tokens_decoder.values())
         raw = [t for t in added if not t.normalized and t.content]
-        split_specials = bool(getattr(tokenizer, "split_special_tokens", False))
+        if split_specials is None:
+            split_specials = bool(getattr(tokenizer, "split_special_tokens", False))
         contents = sorted({t.content for t in raw})
         # Strings that start with c sort right after c: one look at the next one tells.
         extended = {c for c, after in zip(contents, contents[1:], strict=False)
@@ -293,12 +294,14 @@ _rules: weakref.WeakKeyDictionary[Any, tuple[bytes, SplitRule]] = weakref.WeakKe
 _lock = threading.Lock()
 
 
-def split_rule(tokenizer: Any, digest: bytes) -> SplitRule:
-    """The rule of ``tokenizer`` in the state its fingerprint ``digest`` names (built once)."""
+def split_rule(tokenizer: Any, digest: bytes,
+               split_special_tokens: bool | None = None) -> SplitRule:
+    """The rule of ``tokenizer`` in the state its fingerprint ``digest`` names (built once);
+    ``split_special_tokens``: the flag as that state has it (read now when None)."""
     memo = _rules.get(tokenizer)
     if memo is not None and memo[0] == digest:
         return memo[1]
-    rule = SplitRule(tokenizer)
+    rule = SplitRule(tokenizer, split_special_tokens)
     with _lock:
         _rules[tokenizer] = (digest, rule)
     return rule

@@ -41,11 +41,13 @@ _LOCAL_PRE_TOKENIZERS = frozenset((
     "BertPreTokenizer", "UnicodeScripts", "CharDelimiterSplit", "Metaspace"))
 
 
-def piece_cuts(backend: Any) -> re.Pattern[str] | None:
+def piece_cuts(backend: Any, split_special_tokens: bool) -> re.Pattern[str] | None:
     """The added tokens the backend cuts at before normalizing, as one leftmost-longest search;
-    None where cutting a text there and encoding the pieces alone might not give its ids."""
+    None where cutting a text there and encoding the pieces alone might not give its ids.
+    ``split_special_tokens``: the tokenizer's flag as its key read it (the backend's own copy
+    of it changes only on transformers' next encode)."""
     try:
-        if backend.encode_special_tokens:
+        if split_special_tokens:
             return None
         added = list(backend.get_added_tokens_decoder().values())
         pre = backend.pre_tokenizer

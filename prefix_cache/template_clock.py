@@ -10,11 +10,19 @@ around as a value, Jinja's ``random`` filter and ``lipsum()`` make a render that
 request cannot reproduce (or only for a second): such a template is not cached at all
 (``ClockUse.uncacheable`` says why), every request is computed as on a miss and nothing is
 stored.
+
+The syntax tree cannot see every way to reach randomness (``map('random')``, ``lipsum`` passed
+as a value, a filter name built from strings), so randomness is also caught where it happens:
+the environment's ``random`` filter and ``lipsum`` global record each call made inside
+``randomness_seen()`` (``watch_randomness``), and a render that drew is never stored.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -94,3 +102,48 @@ def _too_fine(fmt: str) -> str | None:
         if letter not in _DAY_OR_COARSER and letter not in _MINUTE:
             return f"the template formats the time with an unknown directive (strftime_now({fmt!r}))"
     return None
+
+
+# -- randomness, caught where it happens ----------------------------------------------------------
+
+_WATCHED = "__prefix_cache_random__"
+_drawn: ContextVar[list[str] | None] = ContextVar("prefix_cache_random_drawn", default=None)
+
+
+def watch_randomness(environment: Any) -> None:
+    """Wrap ``environment``'s ``random`` filter and ``lipsum`` global in place (once) so that a
+    call made inside ``randomness_seen()`` is recorded there; they behave as before."""
+    found = environment.filters.get("random")
+    if found is not None and not getattr(found, _WATCHED, False):
+        environment.filters["random"] = _recorded(found, "the template draws with the random "
+                                                         "filter")
+    found = environment.globals.get("lipsum")
+    if found is not None and not getattr(found, _WATCHED, False):
+        environment.globals["lipsum"] = _recorded(found, "the template calls lipsum()")
+
+
+class randomness_seen:  # noqa: N801 - used as a function: ``with randomness_seen() as drawn``
+    """A list that collects why, for each random draw made by a watched template inside (a
+    class, not ``@contextmanager``: it wraps every render, a hit's included)."""
+
+    __slots__ = ("drawn", "token")
+
+    def __enter__(self) -> list[str]:
+        self.drawn: list[str] = []
+        self.token = _drawn.set(self.drawn)
+        return self.drawn
+
+    def __exit__(self, *exc: object) -> None:
+        _drawn.reset(self.token)
+
+
+def _recorded(function: Callable[..., Any], why: str) -> Callable[..., Any]:
+    @functools.wraps(function)  # keeps Jinja's pass_context/pass_environment marks
+    def call(*args: Any, **kwargs: Any) -> Any:
+        drawn = _drawn.get()
+        if drawn is not None:
+            drawn.append(why)
+        return function(*args, **kwargs)
+
+    setattr(call, _WATCHED, True)
+    return call

@@ -82,15 +82,19 @@ def checked_token_ids(value: Any, what: str = "prompt_ids") -> TokenIds:
     A list or tuple of ints, or ids an engine already holds as an array: a one-dimensional
     integer numpy array (``np.asarray`` of an mlx array), an ``array.array`` of 4-byte
     unsigned ints, or ``TokenIds``; an array is checked by its range and packed in one copy,
-    without a Python int per id."""
-    if isinstance(value, TokenIds):
+    without a Python int per id. Exactly those types: a subclass (a numpy masked array, a
+    matrix, a list subclass) may hold or iterate to other values than its data, and is refused
+    like any other array-like."""
+    kind = type(value)
+    if kind is TokenIds:
         return value
-    if isinstance(value, array) and value.typecode == _U32:
+    if kind is array and value.typecode == _U32:
         return TokenIds(None, _swapped(value).tobytes())
-    if isinstance(value, np.ndarray):
+    if kind is np.ndarray:
         return TokenIds(None, _packed_array(value, what))
-    if not isinstance(value, (list, tuple)):
-        raise InvalidRequestError(f"{what} must be a list of token ids, got {type(value).__name__}")
+    if kind is not list and kind is not tuple:
+        raise InvalidRequestError(f"{what} must be a list of token ids or a plain integer "
+                                  f"array, got {kind.__module__}.{kind.__qualname__}")
     try:
         packed = pack_ids(value)
     except (OverflowError, TypeError, ValueError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -19,7 +20,8 @@ import xxhash
 
 from . import tokenizer_watch
 
-__all__ = ["current_fingerprint", "encode_settings", "quick_settings", "tokenizer_fingerprint"]
+__all__ = ["TokenizerState", "current_fingerprint", "current_state", "encode_settings",
+           "quick_settings", "tokenizer_fingerprint"]
 
 def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
     """What can change how an already fingerprinted tokenizer encodes, read in microseconds: its
@@ -42,13 +44,14 @@ def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
     )
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> bytes:
+def tokenizer_fingerprint(tokenizer: Any, split_special_tokens: bool | None = None) -> bytes:
     """Stable digest of everything that can change how this tokenizer renders and tokenizes.
 
     Covers the tokenizer class, its full serialized backend (vocab, merges, normalizer,
     pre-tokenizer, added tokens and their flags), the special-token strings templates see as
     variables, the encode-time settings transformers reads on each call, and the transformers
-    and Jinja versions (the render engine).
+    and Jinja versions (the render engine). ``split_special_tokens``: the flag as the caller
+    already read it (read here when None), so the fingerprint names the state that was read.
     """
     import jinja2
     import transformers
@@ -71,7 +74,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> bytes:
     h.update(b"\x00")
     settings = {
         "special_tokens": tokenizer.special_tokens_map,
-        "split_special_tokens": bool(getattr(tokenizer, "split_special_tokens", False)),
+        "split_special_tokens": (bool(getattr(tokenizer, "split_special_tokens", False))
+                                 if split_special_tokens is None else split_special_tokens),
         **{name: getattr(tokenizer, name) for name in _SLOW_FLAGS if hasattr(tokenizer, name)},
     }
     h.update(orjson.dumps(settings, default=repr, option=orjson.OPT_SORT_KEYS))
@@ -84,16 +88,16 @@ _SLOW_FLAGS = ("legacy", "add_prefix_space", "do_lower_case", "add_dummy_prefix"
 
 
 class _Memo:
-    """One tokenizer's fingerprint, the full settings it was made from, and the quick reading
+    """One tokenizer's state, the full settings it was made from, and the quick reading
     under which those settings were last compared."""
 
-    __slots__ = ("fingerprint", "quick", "settings")
+    __slots__ = ("quick", "settings", "state")
 
     def __init__(self, quick: tuple[Any, ...] | None, settings: tuple[Any, ...],
-                 fingerprint: bytes) -> None:
+                 state: TokenizerState) -> None:
         self.quick = quick
         self.settings = settings
-        self.fingerprint = fingerprint
+        self.state = state
 
 
 def quick_settings(tokenizer: Any) -> tuple[Any, ...] | None:
@@ -118,22 +122,40 @@ _fingerprints: weakref.WeakKeyDictionary[Any, _Memo] = weakref.WeakKeyDictionary
 _lock = threading.Lock()
 
 
-def current_fingerprint(tokenizer: Any) -> bytes:
-    """The tokenizer's fingerprint, recomputed only when its encode settings changed; those are
-    compared in full only when the quick reading says they may have."""
-    quick = quick_settings(tokenizer)  # read before the full settings: a change in between is
-    memo = _fingerprints.get(tokenizer)  # seen by the next call's quick reading
-    if memo is not None and quick is not None and memo.quick == quick:
-        return memo.fingerprint
+@dataclass(frozen=True, slots=True)
+class TokenizerState:
+    """What one call reads of a tokenizer, once, at the moment its key is made: the fingerprint,
+    and the encode-time flag every later step of that call must use (transformers copies
+    ``split_special_tokens`` to its Rust backend only on its next encode, so the backend's own
+    flag may still be the old one)."""
+
+    fingerprint: bytes
+    split_special_tokens: bool
+
+
+def current_fingerprint(tokenizer: Any, *, watch: bool = True) -> bytes:
+    """The tokenizer's fingerprint (``current_state``)."""
+    return current_state(tokenizer, watch=watch).fingerprint
+
+
+def current_state(tokenizer: Any, *, watch: bool = True) -> TokenizerState:
+    """The tokenizer's state, its fingerprint recomputed only when its encode settings changed;
+    those are compared in full only when the quick reading says they may have (``watch=False``:
+    always)."""
+    quick = quick_settings(tokenizer) if watch else None
+    memo = _fingerprints.get(tokenizer)  # (quick is read first: a change in between is seen
+    if memo is not None and quick is not None and memo.quick == quick:  # by the next call)
+        return memo.state
     settings = encode_settings(tokenizer)
     if memo is not None and memo.settings == settings:
         memo.quick = quick
-        return memo.fingerprint
+        return memo.state
     with _lock:  # fingerprinting a large vocab takes a while: once per tokenizer state
         memo = _fingerprints.get(tokenizer)
         if memo is None or memo.settings != settings:
-            memo = _fingerprints[tokenizer] = _Memo(quick, settings,
-                                                     tokenizer_fingerprint(tokenizer))
+            split = settings[2]
+            state = TokenizerState(tokenizer_fingerprint(tokenizer, split), split)
+            memo = _fingerprints[tokenizer] = _Memo(quick, settings, state)
         else:
             memo.quick = quick
-    return memo.fingerprint
+    return memo.state

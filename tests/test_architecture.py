@@ -1,5 +1,6 @@
-"""The architecture's rules, read from the source: which package imports which, module sizes,
-and the layout page's tables (docs/layout.md: modules, tests) against the tree."""
+"""The architecture's rules, read from the source: which package imports which (layers one way,
+the accelerators behind one seam, no import cycle), and the layout page's tables (docs/layout.md:
+modules, tests) against the tree."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("prefix_cache", "engine_adapter")
-MAX_RUNTIME_LINES = 450
+# The accelerators' seam: the rest of the code imports the package, never its modules, and
+# from at most this many modules.
+FASTPATH = "prefix_cache.fastpath"
+MAX_FASTPATH_IMPORTERS = 3
 # The one place prefix_cache reaches engine_adapter: the engine lookup by name.
 ENGINE_LOOKUP = "prefix_cache.engines"
 # The module table and the tests table (moved out of the README, which is for a newcomer).
@@ -117,11 +121,12 @@ def test_the_engine_imports_nothing_from_the_api_layers() -> None:
 
 
 def test_the_import_graph_has_no_cycle() -> None:
-    """Among the runtime modules, counting imports inside functions too."""
+    """Among the runtime modules, counting imports inside functions and those made only for
+    type checking too (two modules that name each other are one concept, or need a protocol)."""
     known = {module_name(p) for p in modules()}
     graph: dict[str, set[str]] = {m: set() for m in known}
     for i in _all_imports():
-        if i.target in known and i.target != i.module and not i.type_only:
+        if i.target in known and i.target != i.module:
             graph[i.module].add(i.target)
     # ``from pkg import mod`` also names pkg; that edge is not an import of pkg's own code
     # when pkg is the importer's own package (its __init__ imports its modules).
@@ -184,10 +189,20 @@ def test_runtime_modules_load_no_test_tooling() -> None:
     assert bad == set()
 
 
-def test_no_runtime_module_is_over_the_size_limit() -> None:
-    sizes = {module_name(p): len(p.read_text(encoding="utf-8").splitlines()) for p in modules()
-             if "testing" not in p.relative_to(REPO).parts}
-    assert {m: n for m, n in sizes.items() if n > MAX_RUNTIME_LINES} == {}
+def test_the_fast_path_is_reached_only_through_its_seam() -> None:
+    inside = {module_name(p) for p in modules()} - {FASTPATH}  # its modules (not its names)
+    outside = [i for i in _all_imports()
+               if _under(i.target, FASTPATH) and not _under(i.module, FASTPATH)]
+    assert {(i.module, i.target) for i in outside if i.target in inside} == set()
+    assert len({i.module for i in outside}) <= MAX_FASTPATH_IMPORTERS
+
+
+def test_the_fast_path_imports_nothing_above_the_core() -> None:
+    """The accelerators sit under the cache: no layer above it (nor the engine) below them."""
+    above = ("prefix_cache.store", *API_LAYERS, "prefix_cache.cache", "engine_adapter")
+    bad = {(i.module, i.target) for i in _all_imports()
+           if _under(i.module, FASTPATH) and any(_under(i.target, a) for a in above)}
+    assert bad == set()
 
 
 def layout_rows() -> dict[str, str]:

@@ -18,16 +18,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import kv_cache
 from .kv_cache import KVSnapshot
 from .kv_store import Key, KVSnapshotStore, prefix_key
 from .prefill import dense_prefill_steps
 from .request import DENSE, GenerationRequest
-
-if TYPE_CHECKING:
-    from .sequence import EngineSequence
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -56,6 +53,14 @@ class ReusePlan:
     conversation_at: int = 0    # >0: store [0, conversation_at) in the conversation store ...
     conversation_ready: bool = False  # ... that segment is prefilled: after the first token
     leads: Key | None = None    # the static prefix requests parked on this one wait for
+
+
+class EngineSequence(Protocol):
+    """What reuse reads of a request inside the engine (``sequence.EngineSequence``, which
+    holds a ``ReusePlan``: a protocol here, so the two modules do not import each other)."""
+
+    request: GenerationRequest
+    plan: ReusePlan
 
 
 @dataclass(frozen=True, slots=True)

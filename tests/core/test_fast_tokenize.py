@@ -20,6 +20,7 @@ from prefix_cache import MemoryStore, StaticPrefixCache, cli, prompt_tokens
 from prefix_cache.entry import decode_entry, encode_entry
 from prefix_cache.metrics import Metrics
 from prefix_cache.observer import CacheObserver
+from prefix_cache.plan import make_plan
 from prefix_cache.render import get_renderer
 from prefix_cache.split import SplitRule, StaticSplit, split_rule
 from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make_model_dir
@@ -150,7 +151,8 @@ def test_line_splits_cut_inside_tools_rendered_in_the_first_user_turn(llama3) ->
 
 
 def _check_of(cache: StaticPrefixCache, tok: Any, tools: Any) -> int:
-    return cache._plan(tok, conv("x"), tools, None, TOOLS_IN_FIRST_USER, "default", None).check
+    return make_plan(tok, conv("x"), tools, None, TOOLS_IN_FIRST_USER, "default", None,
+                     prefix=cache.prefix, protect_default_prefix=False).check
 
 
 @pytest.mark.parametrize("normalizer,pre_tokenizer,reason", [
@@ -220,7 +222,8 @@ def test_a_mismatch_turns_the_fast_path_off_logs_once_and_counts(qwen3, caplog) 
     metrics = Metrics()
     cache = StaticPrefixCache(MemoryStore(), tokenize_check_rate=1.0, observer=metrics)
     first = cache.resolve(qwen3, conv("Ship it."), chat_template=DEFAULT_SYSTEM, model="m")
-    plan = cache._plan(qwen3, conv("x"), None, None, DEFAULT_SYSTEM, "default", "m")
+    plan = make_plan(qwen3, conv("x"), None, None, DEFAULT_SYSTEM, "default", "m",
+                     prefix=cache.prefix, protect_default_prefix=False)
     good = decode_entry(cache.store.get(first.key), first.key, plan.check)
     assert good.split is not None
     # The same marker's first occurrence: the guard on the tail's first id lets it through.
@@ -344,6 +347,7 @@ def test_the_sidecar_prepares_prompts_from_the_split(recorder_server, demo_token
 def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None:
     """A hit's render reuses the tools' tojson texts its key fixes; each namespace has its own."""
     from prefix_cache import direct_render
+    from prefix_cache.fastpath import typed_key
 
     tools = make_tools(5, seed=13)
     cache = StaticPrefixCache(tokenize_check_rate=0)
@@ -360,7 +364,7 @@ def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None
     texts = memo[keys["tenant-a"]].other  # the template asks tojson(indent=4): not the plain call
     assert memo[keys["tenant-a"]].plain == [None] * len(tools)
     assert sorted(at[0] for at in texts) == list(range(len(tools)))  # one text per tool
-    assert all(at[2] == 4 for at in texts)
+    assert all(at[1] == typed_key((False, 4, None, False)) for at in texts)
     assert texts[next(iter(texts))] == json.dumps(tools[0], ensure_ascii=False, indent=4)
 
 
@@ -403,5 +407,13 @@ def test_a_tail_tokenized_straight_from_the_backend_is_the_full_call(name: str) 
     backend.enable_truncation(4)
     assert renderer.tokenize_tail(texts[2]) == wrapped(texts[2]) and calls == [texts[2]]
     backend.no_truncation()
-    tok.split_special_tokens = True
-    assert renderer.tokenize_tail(texts[3]) == wrapped(texts[3]) and len(calls) == 2
+    tok.split_special_tokens = True  # a new state: the next call's key and renderer read it
+    split = get_renderer(tok, DEFAULT_SYSTEM)
+    assert split is not renderer and split.split_special_tokens
+    calls.clear()
+    wrapped_split = split.tokenize
+    split.tokenize = lambda text: calls.append(text) or wrapped_split(text)  # type: ignore[method-assign]
+    assert split.tokenize_tail(texts[3]) == wrapped_split(texts[3]) and len(calls) == 1
+    # A renderer keeps the state its key read, whatever the attribute says now.
+    assert wrapped(texts[3]) == tok(texts[3], add_special_tokens=False,
+                                    split_special_tokens=False)["input_ids"]

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from prefix_cache import InvalidRequestError, StaticPrefixCache, keys
+from prefix_cache.plan import make_plan
 from prefix_cache.render import get_renderer
 from prefix_cache.tokenizer_identity import tokenizer_fingerprint
 
@@ -78,9 +79,10 @@ KEEPS_KEY: dict[str, Edit] = {
 
 
 def _key(cache: StaticPrefixCache, tok: Any, req: dict[str, Any], **kw: Any) -> str:
-    plan = cache._plan(tok, req["messages"], req["tools"], req["kwargs"],
-                       kw.get("template", TEMPLATE), kw.get("namespace", "default"), None)
-    return plan.key
+    """The key ``cache`` would use (its plan: no render)."""
+    return make_plan(tok, req["messages"], req["tools"], req["kwargs"],
+                     kw.get("template", TEMPLATE), kw.get("namespace", "default"), None,
+                     prefix=cache.prefix, protect_default_prefix=False).key
 
 
 @pytest.mark.parametrize("name", sorted(CHANGES_KEY))
@@ -157,7 +159,7 @@ def test_check_value_is_independent_of_key_hash() -> None:
 def test_non_json_input_is_a_clear_error(qwen3) -> None:
     messages = [{"role": "system", "content": "x", "extra": object()}, {"role": "user", "content": "y"}]
     with pytest.raises(InvalidRequestError, match="plain JSON"):
-        StaticPrefixCache()._plan(qwen3, messages, None, None, TEMPLATE, "default", None)
+        _key(StaticPrefixCache(), qwen3, {"messages": messages, "tools": None, "kwargs": None})
 
 
 def test_fingerprint_is_stable_across_processes(qwen3) -> None:
