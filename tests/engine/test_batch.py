@@ -257,7 +257,8 @@ def test_context_length_reads_the_config(args, expected):
 def test_a_closed_engine_refuses_requests(target):
     model, _ = target
     engine = MLXEngine(model)
-    assert engine.health() == {"ok": True, "active": 0, "queued": 0, "sparse_prefills": 0}
+    assert engine.health() == {"ok": True, "active": 0, "queued": 0, "sparse_prefills": 0,
+                               "disk_full": False}
     engine.close()
     assert engine.health()["ok"] is False
     from engine_adapter.mlx_engine import EngineError
