@@ -419,10 +419,14 @@ def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str 
                  max_bytes: int) -> DiskKVStore | None:
     """The disk tier of a model folder (and its draft), or None when ``max_bytes`` is 0."""
     if not max_bytes:
+        log.info("KV disk tier of %s: off (kv_disk_bytes=0)", Path(model_dir).name)
         return None
     fingerprints = {"target": kv_file.folder_fingerprint(model_dir)}
     if draft_dir is not None:
         fingerprints["draft"] = kv_file.folder_fingerprint(draft_dir)
     disk = DiskKVStore(kv_disk_folder(model_dir, base), max_bytes, fingerprints)
     disk.owned = True
+    log.info("KV disk tier of %s: %s, cap %.1f GiB (kv_disk_bytes; 0 turns it off), %d "
+             "entries there now", Path(model_dir).name, disk.root, max_bytes / 2**30,
+             len(disk))
     return disk

@@ -19,10 +19,13 @@ _ACCESS_FIELDS = ("client", "method", "path", "http_version", "status")
 
 
 class RequestIdFilter(logging.Filter):
-    """Adds ``request_id`` (the current request's, or None outside one) to every record."""
+    """Adds ``request_id`` (the current request's, or None outside one) to every record, and
+    ``request_id_text`` for text lines (`` request_id=ID``, or nothing outside a request)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = current_request_id.get()
+        rid = current_request_id.get()
+        record.request_id = rid
+        record.request_id_text = f" request_id={rid}" if rid else ""
         return True
 
 
@@ -59,10 +62,12 @@ def uvicorn_log_config(level: str, loggers: Sequence[str] = ("prefix_cache",),
     for name in loggers:
         config["loggers"][name] = {"handlers": ["default"], "level": level.upper(),
                                    "propagate": False}
-    if log_format == "json":
-        config["filters"] = {"request_id": {"()": f"{__name__}.RequestIdFilter"}}
-        for name in config["formatters"]:
+    config["filters"] = {"request_id": {"()": f"{__name__}.RequestIdFilter"}}
+    for handler in config["handlers"].values():
+        handler["filters"] = ["request_id"]
+    for name, formatter in config["formatters"].items():
+        if log_format == "json":
             config["formatters"][name] = {"()": f"{__name__}.JsonFormatter"}
-        for handler in config["handlers"].values():
-            handler["filters"] = ["request_id"]
+        else:  # text: the line as uvicorn writes it, then the request's id (access lines too)
+            formatter["fmt"] = formatter["fmt"] + "%(request_id_text)s"
     return config

@@ -23,7 +23,7 @@ from ..chat.responses_params import ResponsesRequest
 from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
-from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
+from ..http.shutdown import Drain, DrainMiddleware, drain_on_signals
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
 from ..metrics.multiprocess import mark_process_dead
@@ -136,7 +136,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         await state.store.awarm(s.redis_warm_connections)
         warm = asyncio.create_task(keep_warm(state.store, s.redis_warm_connections))
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
-        restore_sigterm = drain_on_sigterm(state.drain)
+        restore_signals = drain_on_signals(state.drain)
         # What start made (tokenizers, templates, the app: ~125k objects) lives as long as the
         # app: out of every collection, which then scans only what requests made. Thawed at
         # the end, so an app stopped in a longer-lived process can be collected.
@@ -145,7 +145,7 @@ def create_app(settings: ServiceSettings | None = None, *,
             yield
         finally:
             gc.unfreeze()
-            restore_sigterm()
+            restore_signals()
             gauges.cancel()
             warm.cancel()
             await state.client.aclose()

