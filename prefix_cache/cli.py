@@ -170,12 +170,12 @@ def cmd_serve_engine(args: argparse.Namespace) -> int:
         factory = engine_factory("mlx")
         # No --model: the engine's default (the demo chat model, converted on first use).
         model = settings.model or factory.default_model()
-    except (ValueError, ValidationError) as exc:
+        return factory.serve(model, settings.draft_model, host=settings.host,
+                             port=settings.port, trust_namespace=settings.trust_namespace,
+                             api_key=settings.api_key, options=settings.options)
+    except (ValueError, ValidationError) as exc:   # no mlx: one line, as `serve --engine mlx`
         print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    return factory.serve(model, settings.draft_model, host=settings.host, port=settings.port,
-                         trust_namespace=settings.trust_namespace, api_key=settings.api_key,
-                         options=settings.options)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:

@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from engine_adapter.gguf import fetch  # noqa: E402
-from tests.support.loopback import local_client  # noqa: E402
+from tests.support.loopback import free_port, local_client  # noqa: E402
 from tests.support.paths import REPO  # noqa: E402
 from tests.support.serve_process import ServeProcess  # noqa: E402
 from tests.support.service_fixtures import TINY_MODEL  # noqa: E402
@@ -179,3 +179,50 @@ def test_the_engine_names_its_kv_disk_tier_and_drains_a_stream_on_ctrl_c(
         assert json.loads(chunks[-2])["choices"][0]["finish_reason"] in ("length", "stop")
     assert log.count("draining:") == 1 and "SIGINT: draining: 1 request(s)" in log, log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+
+
+def test_serve_engine_drains_on_sigterm_as_the_sidecar_does(tiny_model_dir: Path,
+                                                              tmp_path: Path) -> None:
+    """The engine alone (what Kubernetes and systemd stop): a stop signal turns new requests away
+    with 503 + Retry-After (``/health`` too, so a pool routes elsewhere) while a stream in
+    flight runs on; one drain line, no traceback, exit 0. Request ids are kept and returned."""
+    port = free_port()
+    command = Command(["serve-engine", "--model", str(tiny_model_dir), "--port", str(port)],
+                      tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    command.wait_for("Uvicorn running on")
+    body = {"model": TINY_MODEL, "stream": True, "max_tokens": 400, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Count to one thousand."}]}
+    chunks: list[str] = []
+    first = threading.Event()
+
+    def stream() -> None:
+        with local_client(base_url=url, timeout=BOUNDED_S) as http, \
+                http.stream("POST", "/v1/chat/completions", json=body,
+                            headers={"x-request-id": "engine-trace-1"}) as response:
+            chunks.append(response.headers["x-request-id"])
+            try:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        chunks.append(line[6:])
+                        first.set()
+            except Exception as exc:   # cut at the grace: the client sees it is incomplete
+                chunks.append(f"cut: {type(exc).__name__}")
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert first.wait(BOUNDED_S), "".join(command.err)
+    command.proc.send_signal(signal.SIGTERM)
+    with local_client(base_url=url) as http:
+        deadline = time.monotonic() + BOUNDED_S
+        while (r := http.get("/health")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["code"] == "shutting_down"
+    reader.join(BOUNDED_S)
+    code, _, err = command.finish()
+    assert code == 0, err
+    assert chunks[0] == "engine-trace-1"
+    assert chunks[-1] == "[DONE]" or "cancelling 1 request(s)" in err, chunks[-3:]
+    assert err.count("draining:") == 1 and "SIGTERM: draining: 1 request(s)" in err, err
+    assert "Traceback" not in err, err
