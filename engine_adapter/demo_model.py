@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import sys
+import time
 from pathlib import Path
 
 from prefix_cache.file_lock import file_lock
@@ -40,6 +42,9 @@ DTYPE = "float32"
 # and the folder is converted again.
 RECIPE_VERSION = 2
 STAMP_FILE = ".prefix-cache-recipe.json"
+FULL_MODEL_MB = 540   # the float32 folder of all 30 layers
+
+log = logging.getLogger("engine_adapter.demo_model")
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 DEMO_CHAT_TEMPLATE = """\
@@ -113,11 +118,17 @@ def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) 
         if not current():  # another process may have converted it while we waited
             from .gguf.convert import convert_gguf
 
+            log.info("converting %s (%.0f MB) into %s (%s; once, a few seconds)", gguf,
+                     gguf.stat().st_size / 1e6, folder,
+                     f"{DTYPE}, first {layers} layers" if layers else
+                     f"{DTYPE}, about {FULL_MODEL_MB} MB")
+            started = time.monotonic()
             convert_gguf(gguf, folder, dtype=DTYPE, layers=layers,
                          chat_template=DEMO_CHAT_TEMPLATE)
             _declare_tool_format(folder / "tokenizer_config.json")
             # Written last: a folder without a matching stamp is converted again.
             (folder / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
+            log.info("converted in %.1f s: %s", time.monotonic() - started, folder)
     return folder
 
 

@@ -27,7 +27,7 @@ class MLXFactory:
         try:
             from .backend import MLXBackend  # imports mlx
         except ImportError as exc:
-            raise ValueError(f"the MLX engine needs mlx and mlx-lm installed: {exc}") from exc
+            raise ValueError(needs_mlx(exc)) from exc
         try:
             return MLXBackend.load(folder, draft, name=name, **kwargs.engine_kwargs())
         except (OSError, ValueError, RuntimeError) as exc:
@@ -38,8 +38,10 @@ class MLXFactory:
     def serve(self, folder: Path, draft: Path | None, *, host: str, port: int,
               trust_namespace: bool, api_key: str | None,
               options: Mapping[str, Any]) -> int:
-        from .server import serve_engine
-
+        try:
+            from .server import serve_engine  # imports mlx
+        except ImportError as exc:
+            raise ValueError(needs_mlx(exc)) from exc
         return serve_engine(folder, draft, host=host, port=port,
                             trust_namespace=trust_namespace, api_key=api_key,
                             engine_options=options)
@@ -48,7 +50,16 @@ class MLXFactory:
     def default_model(self) -> Path:
         from .demo_model import demo_chat_model_dir  # converts on first use (imports mlx then)
 
-        return demo_chat_model_dir()
+        try:
+            return demo_chat_model_dir()
+        except ImportError as exc:
+            raise ValueError(needs_mlx(exc)) from exc
+
+
+def needs_mlx(exc: ImportError) -> str:
+    """What to install when mlx or mlx-lm is missing (one line, for every command)."""
+    return (f"the MLX engine needs mlx and mlx-lm installed: pip install 'prefix-cache[mlx]' "
+            f"-c constraints.txt ({exc})")
 
 
 FACTORIES: dict[str, BackendFactory] = {"mlx": MLXFactory()}

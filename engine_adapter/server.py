@@ -51,6 +51,8 @@ from prefix_cache import engine_protocol as wire
 from prefix_cache.api import mount
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT
 from prefix_cache.http.errors import install_error_handlers
+from prefix_cache.http.request_id import RequestIdMiddleware
+from prefix_cache.http.shutdown import Drain, DrainMiddleware, drain_on_signals
 from prefix_cache.metrics.engine import engine_exposition
 
 from .backend import MLXBackend
@@ -59,22 +61,28 @@ from .engine_host import MAX_BODY_BYTES, EngineHost
 log = logging.getLogger("engine_adapter.server")
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8001
+SHUTDOWN_GRACE_S = 10.0   # streams in flight finish within it after SIGTERM or SIGINT
 EXIT_OK, EXIT_CONFIG = 0, 2
 
 
 def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
                       api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
                       close_engine: bool = True,
-                      responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT) -> FastAPI:
-    """The app serving the backend ``chat``; with ``close_engine`` it is closed at shutdown."""
+                      responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT,
+                      shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> FastAPI:
+    """The app serving the backend ``chat``; with ``close_engine`` it is closed at shutdown.
+    SIGTERM and SIGINT drain it as they drain the sidecar (``prefix_cache.http.shutdown``)."""
     host = EngineHost(chat, trust_namespace=trust_namespace, api_key=api_key,
                       max_body_bytes=max_body_bytes, responses_store_bytes=responses_store_bytes)
+    drain = Drain(shutdown_grace_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        restore_signals = drain_on_signals(drain)
         try:
             yield
         finally:
+            restore_signals()
             if close_engine:
                 await asyncio.to_thread(chat.close)
 
@@ -82,7 +90,11 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
     app = FastAPI(title="prefix-cache engine", lifespan=lifespan, redirect_slashes=False,
                   docs_url=None, redoc_url=None, openapi_url=None)
     app.state.chat_engine = chat
+    app.state.drain = drain
     install_error_handlers(app)
+    # Outermost last: every response, the drain's 503 included, carries the request id.
+    app.add_middleware(DrainMiddleware, drain=drain)
+    app.add_middleware(RequestIdMiddleware)
     mount(app, host)  # /v1/models, chat completions, Messages, Responses: the sidecar's routes
 
     @app.get("/health")
@@ -138,7 +150,7 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     config = uvicorn_log_config(log_level, ("prefix_cache", "engine_adapter"))
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                            log_config=config, server_header=False,
-                                           timeout_graceful_shutdown=10,  # sets up logging
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
                                            **connection_options()))
     log.info("serving %s%s; namespaces %s", chat.name,
              f" with draft {Path(draft_dir).name}" if draft_dir else "",

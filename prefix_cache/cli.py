@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -169,12 +170,12 @@ def cmd_serve_engine(args: argparse.Namespace) -> int:
         factory = engine_factory("mlx")
         # No --model: the engine's default (the demo chat model, converted on first use).
         model = settings.model or factory.default_model()
-    except (ValueError, ValidationError) as exc:
+        return factory.serve(model, settings.draft_model, host=settings.host,
+                             port=settings.port, trust_namespace=settings.trust_namespace,
+                             api_key=settings.api_key, options=settings.options)
+    except (ValueError, ValidationError) as exc:   # no mlx: one line, as `serve --engine mlx`
         print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    return factory.serve(model, settings.draft_model, host=settings.host, port=settings.port,
-                         trust_namespace=settings.trust_namespace, api_key=settings.api_key,
-                         options=settings.options)
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
@@ -199,8 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     from .service.settings import EngineServerSettings, env_name
 
     redis_env = env_name("redis_url")
+    from .api.openapi_docs import package_version
+
     parser = argparse.ArgumentParser(prog="prefix-cache", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    parser.add_argument("--version", action="version",
+                        version=f"prefix-cache {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("boundary", help="compute specprefill_system_end for chat requests")
@@ -271,18 +276,37 @@ class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
 
 
 def _configure_logging(verbose: bool) -> None:
-    logger = logging.getLogger("prefix_cache")
-    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
-    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(handler)
+    for name in LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+        if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+            handler = _StderrHandler()
+            handler.setFormatter(logging.Formatter(
+                "%(asctime)s %(levelname)s %(name)s: %(message)s"))
+            logger.addHandler(handler)
+
+
+LOGGERS = ("prefix_cache", "engine_adapter")   # the engine's start-up says where its files go
+SERVER_COMMANDS = ("serve", "serve-engine", "demo-model")   # those that download and convert
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _configure_logging(args.verbose)
-    return args.func(args)
+    if args.command not in SERVER_COMMANDS:
+        return int(args.func(args))
+    from .http.shutdown import stop_signals_interrupt
+
+    with stop_signals_interrupt() as stopped:
+        try:
+            return int(args.func(args))
+        except KeyboardInterrupt:
+            # Ctrl-C or SIGTERM before a server took the signals over (start-up, a download,
+            # a conversion: each leaves no half-written file behind): one line, no traceback.
+            name = stopped.name or "SIGINT"
+            print(f"prefix-cache {args.command}: stopped by {name}; nothing half-made is kept",
+                  file=sys.stderr)
+            return 128 + (stopped.signum or signal.SIGINT)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str 
     before loading the model: its first use checks that no weight file changed since it was
     fingerprinted (``kv_fingerprint``), so the KV it serves is the loaded weights'."""
     if not max_bytes:
+        log.info("KV disk tier of %s: off (kv_disk_bytes=0)", Path(model_dir).name)
         return None
     if not Path(model_dir).is_dir() or (draft_dir is not None and not Path(draft_dir).is_dir()):
         # Not a local folder (missing, or a hub name mlx-lm resolves): no weights to
@@ -47,4 +48,6 @@ def open_kv_disk(model_dir: str | Path, draft_dir: str | Path | None, base: str 
     disk = DiskKVStore(root, max_bytes, fingerprints, weights_unchanged=lambda: before == {
         name: weight_stats(folder) for name, folder in folders.items()})
     disk.owned = True
+    log.info("KV disk tier of %s: %s, cap %.1f GiB (kv_disk_bytes; 0 turns it off), %d "
+             "entries there now", Path(model_dir).name, disk.root, max_bytes / 2**30, len(disk))
     return disk

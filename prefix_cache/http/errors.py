@@ -123,13 +123,16 @@ class ClientDisconnected(ServiceError):
 
 
 class UpstreamStatusError(Exception):
-    """The upstream answered with an error status: relayed with its status and its message."""
+    """The upstream answered with an error status: relayed with its status, its message and
+    the headers a client's backoff reads (``relay.client_headers``)."""
 
-    def __init__(self, status: int, body: bytes, content_type: str | None) -> None:
+    def __init__(self, status: int, body: bytes, content_type: str | None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(f"upstream answered {status}")
         self.status = status
         self.body = body
         self.content_type = content_type or ""
+        self.headers = dict(headers or {})
 
 
 def error_body(message: str, type_: str, code: str | None,
@@ -223,7 +226,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def upstream_status(request: Request, exc: UpstreamStatusError) -> Response:
         return JSONResponse(upstream_error_payload(exc, request.url.path),
-                            status_code=exc.status)
+                            status_code=exc.status, headers=exc.headers)
 
     async def library_error(request: Request, exc: PrefixCacheError) -> Response:
         path = request.url.path

@@ -22,10 +22,13 @@ MAX_LOG_KINDS = 10_000
 
 
 class RequestIdFilter(logging.Filter):
-    """Adds ``request_id`` (the current request's, or None outside one) to every record."""
+    """Adds ``request_id`` (the current request's, or None outside one) to every record, and
+    ``request_id_text`` for text lines (`` request_id=ID``, or nothing outside a request)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = current_request_id.get()
+        rid = current_request_id.get()
+        record.request_id = rid
+        record.request_id_text = f" request_id={rid}" if rid else ""
         return True
 
 
@@ -95,14 +98,15 @@ def uvicorn_log_config(level: str, loggers: Sequence[str] = ("prefix_cache",),
     for name in (*loggers, "asyncio"):
         config["loggers"][name] = {"handlers": ["default"], "level": level.upper(),
                                    "propagate": False}
-    config["filters"] = {"rate_limit": {"()": f"{__name__}.RateLimitFilter"}}
-    if log_format == "json":
-        config["filters"]["request_id"] = {"()": f"{__name__}.RequestIdFilter"}
-        for name in config["formatters"]:
-            config["formatters"][name] = {"()": f"{__name__}.JsonFormatter"}
+    config["filters"] = {"rate_limit": {"()": f"{__name__}.RateLimitFilter"},
+                         "request_id": {"()": f"{__name__}.RequestIdFilter"}}
     for name, handler in config["handlers"].items():
         # Access lines are one per request answered (bounded by the requests); every other
         # line, one kind at a time, by the rate limit.
-        handler["filters"] = (["request_id"] if log_format == "json" else []) + \
-            ([] if name == "access" else ["rate_limit"])
+        handler["filters"] = ["request_id"] + ([] if name == "access" else ["rate_limit"])
+    for name, formatter in config["formatters"].items():
+        if log_format == "json":
+            config["formatters"][name] = {"()": f"{__name__}.JsonFormatter"}
+        else:  # text: the line as uvicorn writes it, then the request's id (access lines too)
+            formatter["fmt"] = formatter["fmt"] + "%(request_id_text)s"
     return config

@@ -1,4 +1,5 @@
-"""Relaying an upstream response to the client as it arrives; a client that leaves cancels it.
+"""Relaying an upstream response to the client as it arrives; a client that leaves cancels it;
+which of the upstream's headers reach the client.
 
 Nothing is buffered: each chunk the upstream sends (an SSE event, a piece of JSON) is passed on
 as soon as it is read. Both the wait for the upstream's answer and the relay itself race the
@@ -19,15 +20,44 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from .errors import error_body
+from .request_id import HEADER as REQUEST_ID_HEADER
+from .request_id import current_request_id
 
 log = logging.getLogger("prefix_cache.service")
 
 T = TypeVar("T")
 
-# Upstream response headers worth passing on; hop-by-hop ones and the upstream's own server
-# details stay behind. The body is relayed byte for byte, so its length and encoding stay true.
-RELAYED_HEADERS = ("content-type", "content-length", "content-encoding", "cache-control",
-                   "x-request-id")
+# Which of an upstream's response headers reach the client, on every answer relayed and every
+# error passed on: what a client's backoff and support requests read -- when to retry
+# (``retry-after-ms`` then ``retry-after``, and ``x-should-retry``: what the OpenAI and
+# Anthropic SDKs read), the rate limits (``x-ratelimit-*``, Anthropic's
+# ``anthropic-ratelimit-*``), the upstream's request id -- and what describes a body relayed
+# byte for byte (so its length and encoding stay true). Hop-by-hop headers, cookies and the
+# upstream's own server details stay behind.
+BODY_HEADERS = ("content-type", "content-length", "content-encoding", "cache-control")
+BACKOFF_HEADERS = ("retry-after", "retry-after-ms", "x-should-retry", "request-id")
+RATE_LIMIT_PREFIXES = ("x-ratelimit-", "anthropic-ratelimit-")
+# x-request-id is ours (the one in our logs, sent upstream too): an upstream that answers with
+# another one has it passed on under this name. Anthropic's request-id passes as it is.
+UPSTREAM_REQUEST_ID_HEADER = "x-upstream-request-id"
+MAX_HEADER_VALUE_CHARS = 256   # what a backoff or an id needs; a longer value is not passed on
+
+
+def client_headers(upstream: Mapping[str, str], *, with_body: bool = True) -> dict[str, str]:
+    """The headers of an upstream response the client gets (lower-case names); ``with_body``
+    False: for an error whose body is rewritten here, so none of the body's own headers."""
+    out: dict[str, str] = {}
+    for name, value in upstream.items():
+        name = name.lower()
+        if len(value) > MAX_HEADER_VALUE_CHARS:
+            continue
+        if (name in BACKOFF_HEADERS or name.startswith(RATE_LIMIT_PREFIXES)
+                or (with_body and name in BODY_HEADERS)):
+            out[name] = value
+    theirs = upstream.get(REQUEST_ID_HEADER)
+    if theirs and theirs != current_request_id.get() and len(theirs) <= MAX_HEADER_VALUE_CHARS:
+        out[UPSTREAM_REQUEST_ID_HEADER] = theirs
+    return out
 
 
 def relays_status(status: int) -> bool:
@@ -94,8 +124,7 @@ class RelayResponse(Response):
         self.error_event = error_event or _openai_error_event  # in the API's shape
         self.status_code = upstream.status_code
         self.background = None
-        merged = {name: upstream.headers[name] for name in RELAYED_HEADERS
-                  if name in upstream.headers}
+        merged = client_headers(upstream.headers)
         merged.update(headers)
         self.is_event_stream = merged.get("content-type", "").startswith("text/event-stream")
         if self.is_event_stream:

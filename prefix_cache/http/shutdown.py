@@ -12,9 +12,9 @@ waits for open connections. Here a SIGTERM first starts a drain:
    still runs then is cancelled;
 3. then uvicorn's own shutdown runs, with nothing left to wait for.
 
-A second SIGTERM changes nothing (systemd signals every process of a unit, and uvicorn's
-supervisor forwards one more to each worker); SIGINT (Ctrl-C) goes straight to uvicorn as before.
-The hook is installed by the app's lifespan, which runs inside uvicorn's signal capture, in the
+SIGINT (Ctrl-C) does exactly the same. A second signal changes nothing (systemd signals every
+process of a unit, uvicorn's supervisor forwards one more to each worker, a terminal's Ctrl-C
+reaches every process of its group): the grace period bounds the wait. The hook is installed by the app's lifespan, which runs inside uvicorn's signal capture, in the
 main thread of a server process (one worker or each of several); elsewhere (a server in a test
 thread) there is no signal to take over and ``Drain.start`` is called directly.
 
@@ -45,12 +45,14 @@ import signal
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 from weakref import WeakKeyDictionary
 
 import h11
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from .errors import error_response
@@ -58,6 +60,7 @@ from .errors import error_response
 log = logging.getLogger("prefix_cache.service")
 
 RETRY_AFTER_S = 1
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class Drain:
@@ -69,14 +72,16 @@ class Drain:
         self.grace_s = grace_s
         self.draining = False
         self.in_flight: set[asyncio.Task[Any]] = set()
+        self.cut: set[asyncio.Task[Any]] = set()   # cancelled at the end of the grace period
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def start(self) -> None:
+    def start(self, reason: str = "") -> None:
         """From now on new requests get 503."""
         if not self.draining:
             self.draining = True
-            log.info("draining: %d request(s) in flight, new ones get 503", len(self.in_flight))
+            log.info("%sdraining: %d request(s) in flight, new ones get 503 (grace %.0f s)",
+                     f"{reason}: " if reason else "", len(self.in_flight), self.grace_s)
 
     def enter(self, task: asyncio.Task[Any]) -> None:
         self.in_flight.add(task)
@@ -99,6 +104,7 @@ class Drain:
             log.warning("grace period of %.1f s over: cancelling %d request(s)", self.grace_s,
                         len(left))
             for task in left:
+                self.cut.add(task)
                 task.cancel()
             await asyncio.gather(*left, return_exceptions=True)
             return False
@@ -118,54 +124,113 @@ class DrainMiddleware:
             await self.app(scope, receive, send)
             return
         if self.drain.draining:  # in the error shape of the API asked for
-            refusal = error_response(503, "the server is shutting down; retry the request",
-                                     "server_error", "shutting_down",
-                                     {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
-                                     path=scope.get("path", ""))
-            await refusal(scope, receive, send)
+            await self._refuse(scope, receive, send)
             return
         task = asyncio.current_task()
         assert task is not None  # an ASGI app always runs in a task
         self.drain.enter(task)
+        started = False
+
+        async def send_watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, send_watched)
+        except asyncio.CancelledError:
+            if task not in self.drain.cut:
+                raise
+            # Cut at the end of the grace period (the drain said so in one line): no traceback.
+            # An answer not begun gets the 503; one begun ends unfinished (its connection
+            # closed), so the client knows it is incomplete.
+            task.uncancel()
+            if not started:
+                await self._refuse(scope, receive, send)
         finally:
+            self.drain.cut.discard(task)
             self.drain.leave(task)
 
+    @staticmethod
+    async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = error_response(503, "the server is shutting down; retry the request",
+                                 "server_error", "shutting_down",
+                                 {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"},
+                                 path=scope.get("path", ""))
+        await refusal(scope, receive, send)
 
-def drain_on_sigterm(drain: Drain) -> Callable[[], None]:
-    """Make SIGTERM drain first, then hand over to the handler installed before (uvicorn's);
-    the function that undoes it. A no-op outside the main thread or without a handler to hand
-    over to."""
+
+def drain_on_signals(drain: Drain) -> Callable[[], None]:
+    """Make SIGTERM and SIGINT drain first, then hand over to the handler installed before
+    (uvicorn's); the function that undoes it. A no-op outside the main thread or without a
+    handler to hand over to."""
     if threading.current_thread() is not threading.main_thread():
         return lambda: None
-    previous = signal.getsignal(signal.SIGTERM)
-    if not callable(previous):
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    if not all(callable(handler) for handler in previous.values()):
         return lambda: None
     loop = asyncio.get_running_loop()
     tasks: set[asyncio.Task[None]] = set()
 
-    async def finish() -> None:
+    async def finish(signum: int) -> None:
         await drain.wait()
-        previous(signal.SIGTERM, None)  # uvicorn: stop serving, then its own shutdown
+        handler = previous[signum]
+        assert callable(handler)
+        handler(signum, None)  # uvicorn: stop serving, then its own shutdown
 
-    def spawn() -> None:
-        task = loop.create_task(finish())
+    def spawn(signum: int) -> None:
+        task = loop.create_task(finish(signum))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+    def on_signal(signum: int, frame: Any) -> None:
         if drain.draining:
             return
-        drain.start()
-        loop.call_soon_threadsafe(spawn)  # wakes the loop, wherever the signal found it
+        drain.start(signal.Signals(signum).name)
+        loop.call_soon_threadsafe(spawn, signum)  # wakes the loop, wherever the signal found it
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)
 
     def restore() -> None:
-        if signal.getsignal(signal.SIGTERM) is on_sigterm:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            if signal.getsignal(signum) is on_signal:
+                signal.signal(signum, handler)
     return restore
+
+
+@dataclass
+class Stopped:
+    """The stop signal that arrived, if one did."""
+
+    signum: int | None = None
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum is not None else None
+
+
+@contextmanager
+def stop_signals_interrupt() -> Iterator[Stopped]:
+    """Until a server takes the signals over: SIGTERM, like SIGINT, raises KeyboardInterrupt in
+    the main thread (so ``finally`` blocks clean up what was half made), and the signal is
+    recorded. Outside the main thread, nothing changes."""
+    stopped = Stopped()
+    if threading.current_thread() is not threading.main_thread():
+        yield stopped
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        if stopped.signum is None:
+            stopped.signum = signum
+        raise KeyboardInterrupt
+
+    previous = {signum: signal.signal(signum, interrupt) for signum in STOP_SIGNALS}
+    try:
+        yield stopped
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # -- idle and slow connections ----------------------------------------------------------------

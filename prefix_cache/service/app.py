@@ -24,7 +24,7 @@ from ..chat.responses_store import MemoryResponses, ResponseStore, SharedRespons
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
 from ..http.request_record import RequestRecordMiddleware
-from ..http.shutdown import Drain, DrainMiddleware, drain_on_sigterm
+from ..http.shutdown import Drain, DrainMiddleware, drain_on_signals
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
 from ..metrics.multiprocess import mark_process_dead
@@ -142,7 +142,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         warm = asyncio.create_task(keep_warm(state.store, s.redis_warm_connections))
         gauges = asyncio.create_task(dashboard.refresh_gauges_forever(state))
         probes = asyncio.create_task(health.probe_forever(state))
-        restore_sigterm = drain_on_sigterm(state.drain)
+        restore_signals = drain_on_signals(state.drain)
         restore_sighup = reload_keys_on_sighup(state)
         # What start made (tokenizers, templates, the app: ~125k objects) lives as long as the
         # app: out of every collection, which then scans only what requests made. Thawed at
@@ -153,7 +153,7 @@ def create_app(settings: ServiceSettings | None = None, *,
         finally:
             gc.unfreeze()
             restore_sighup()
-            restore_sigterm()
+            restore_signals()
             probes.cancel()
             gauges.cancel()
             warm.cancel()

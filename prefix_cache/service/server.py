@@ -31,6 +31,7 @@ from .tenants import KeyRing
 log = logging.getLogger("prefix_cache.service")
 
 EXIT_OK, EXIT_CONFIG = 0, 2
+LOGGERS = ("prefix_cache", "engine_adapter")
 FLAGS_ENV = "PREFIX_CACHE_SERVE_FLAGS"  # not a settings field: read by worker processes only
 
 
@@ -64,6 +65,11 @@ def serve(overrides: Mapping[str, Any]) -> int:
     note_early_sighup()  # a SIGHUP while starting re-reads the keys once serving, not a death
     try:
         settings = make_settings(overrides)
+        # The servers' logging from the first line on (JSON lines with --log-format json),
+        # before models load: a download or a conversion, and the engine, log as they go.
+        log_config = uvicorn_log_config(settings.log_level, LOGGERS,
+                                        log_format=settings.log_format)
+        logging.config.dictConfig(log_config)
         # Before any metric exists: what an earlier run left would count as this one's.
         cleared = clear_multiprocess_dir()
         keyring = KeyRing.from_settings(settings)
@@ -76,9 +82,6 @@ def serve(overrides: Mapping[str, Any]) -> int:
     except (ValueError, OSError) as exc:
         print(f"prefix-cache serve: {exc}", file=sys.stderr)
         return EXIT_CONFIG
-    # The servers' logging from the first line on (JSON lines with --log-format json).
-    log_config = uvicorn_log_config(settings.log_level, log_format=settings.log_format)
-    logging.config.dictConfig(log_config)
     if cleared:
         log.info("removed %d metric files an earlier run left in the multiprocess folder", cleared)
     for warning in startup_warnings(settings):

@@ -41,7 +41,7 @@ from ..http.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from ..http.relay import relays_status
+from ..http.relay import client_headers, relays_status
 from ..http.request_id import HEADER as REQUEST_ID_HEADER
 from ..http.request_id import current_request_id
 from .settings import UpstreamKind
@@ -178,8 +178,11 @@ class Upstream:
                 body = await _read_capped(response, MAX_RELAYED_ERROR_BYTES)
             finally:
                 await response.aclose()
+            log.info("upstream %s answered %d%s", url, response.status_code,
+                     _their_id(response.headers))
             raise UpstreamStatusError(response.status_code, body,
-                                      response.headers.get("content-type"))
+                                      response.headers.get("content-type"),
+                                      client_headers(response.headers, with_body=False))
         return response
 
     @property
@@ -240,6 +243,12 @@ class Upstream:
 def _ignore_outcome(task: asyncio.Future[Any]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved: no "never retrieved" warning
+
+
+def _their_id(headers: httpx.Headers) -> str:
+    """The upstream's own request id, for the log line that ties it to ours."""
+    theirs = headers.get("request-id") or headers.get(REQUEST_ID_HEADER)
+    return f" (its request id {theirs[:128]})" if theirs else ""
 
 
 async def _read_capped(response: httpx.Response, limit: int) -> bytes:

@@ -128,3 +128,12 @@ def test_console_script_end_to_end(model_dir, tmp_path) -> None:
     lines = [json.loads(line) for line in proc.stdout.splitlines()]
     assert [line["cache"] for line in lines] == ["miss", "hit", "hit"]
     assert len({line["specprefill_system_end"] for line in lines}) == 1
+
+
+def test_version_prints_the_installed_version() -> None:
+    from importlib import metadata
+
+    proc = subprocess.run([sys.executable, "-m", "prefix_cache.cli", "--version"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"prefix-cache {metadata.version('prefix-cache')}"

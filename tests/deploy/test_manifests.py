@@ -1,6 +1,9 @@
 """``deploy/`` against the app: every setting the manifests and the launchd job pass exists in
 the settings model and validates; ports, probes, upstream and Redis addresses, the metrics
-scrape and the keys agree across files and with the running app (YAML and plist parsed)."""
+scrape and the keys agree across files and with the running app (YAML and plist parsed);
+every claim, Secret and ConfigMap the pods use is defined, every image that runs the engine is
+built with the mlx extra, the systemd unit's install steps make all it needs, and the engine
+commands without mlx say so in one line."""
 
 from __future__ import annotations
 
@@ -9,6 +12,10 @@ import json
 import os
 import plistlib
 import re
+import shlex
+import subprocess
+import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,7 +34,7 @@ from prefix_cache.service.upstream import DEFAULT_HEALTH_PATH
 from prefix_cache.tokenizer_folders import CACHE_ENV
 
 from tests.support.loopback import local_client
-from tests.support.paths import DEPLOY
+from tests.support.paths import DEPLOY, REPO
 from tests.support.sidecar import served, sidecar_app
 
 
@@ -253,3 +260,160 @@ def test_the_launchd_job_runs_serve_with_valid_settings(settings_of: Any) -> Non
     engine_factory("mlx").check_options(settings.engine_options)   # no mlx needed to check
     assert job["StandardOutPath"] and job["StandardErrorPath"]
     assert job["ExitTimeOut"] > 10   # longer than uvicorn's graceful shutdown of streams
+
+
+# -- what the manifests reference exists; the images can run what they are asked to --------------
+
+
+def pod_specs() -> list[dict[str, Any]]:
+    return [d["spec"]["template"]["spec"] for d in manifests()
+            if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")]
+
+
+def defined(kind: str) -> dict[str, dict[str, Any]]:
+    return {d["metadata"]["name"]: d for d in manifests() if d["kind"] == kind}
+
+
+def test_every_claim_secret_and_config_the_pods_use_is_defined_in_deploy() -> None:
+    claims, secrets, configs = (defined(k) for k in
+                                ("PersistentVolumeClaim", "Secret", "ConfigMap"))
+    for pod in pod_specs():
+        for volume in pod.get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims, volume
+            if "secret" in volume:
+                secret = secrets[volume["secret"]["secretName"]]
+                for item in volume["secret"].get("items", []):
+                    assert item["key"] in secret["stringData"], item
+            if "configMap" in volume:
+                assert volume["configMap"]["name"] in configs, volume
+        for c in pod["containers"]:
+            for e in c.get("env", []):
+                ref = e.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in secrets[ref["name"]]["stringData"], ref
+            mounted = {m["name"] for m in c.get("volumeMounts", [])}
+            assert mounted <= {v["name"] for v in pod.get("volumes", [])}, c["name"]
+    assert "models" in claims   # what every engine and sidecar mounts at /models
+
+
+def dockerfile_builds() -> dict[str, dict[str, str]]:
+    """The image tags the Dockerfile's header builds -> their build arguments."""
+    builds = {}
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        words = line.lstrip("# ").split("#")[0].split()
+        if words[:2] == ["docker", "build"]:
+            tag = words[words.index("-t") + 1]
+            args = [words[i + 1] for i, w in enumerate(words) if w == "--build-arg"]
+            builds[tag] = dict(a.split("=", 1) for a in args)
+    return builds
+
+
+def runs_the_engine(argv: list[str]) -> bool:
+    args = parse_command(argv)
+    return args.command == "serve-engine" or (args.command == "serve" and args.engine == "mlx")
+
+
+def test_images_that_run_the_engine_are_built_with_the_mlx_extra() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"^ARG EXTRAS=\"\"$", dockerfile, re.M)
+    assert re.search(r"pip install [^\n]*-c constraints\.txt \"\.\$\{EXTRAS:\+\[\$EXTRAS\]\}\"",
+                     dockerfile)
+    assert re.search(r"^COPY [^\n]*constraints\.txt", dockerfile, re.M)
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    builds = dockerfile_builds()
+    assert all(set(b.get("EXTRAS", "").split(",")) - {""} <= set(extras) for b in builds.values())
+    containers = [c for pod in pod_specs() for c in pod["containers"]]
+    ours = [c for c in containers if c["image"].split(":")[0].startswith("prefix-cache")]
+    assert len(ours) >= 4
+    for c in ours:
+        assert c["image"] in builds, f"{c['image']} is built by no line of deploy/Dockerfile"
+        engine = runs_the_engine(c["command"])
+        has_mlx = "mlx" in builds[c["image"]].get("EXTRAS", "").split(",")
+        assert engine <= has_mlx, f"{c['name']} runs the engine from {c['image']} (no mlx)"
+
+
+# -- systemd ------------------------------------------------------------------------------------
+
+
+def unit() -> tuple[dict[str, list[str]], list[list[str]]]:
+    """The unit's [Service] settings (name -> values) and its header's install steps."""
+    service: dict[str, list[str]] = {}
+    steps, section = [], ""
+    for line in (DEPLOY / "prefix-cache.service").read_text().splitlines():
+        if line.startswith("#   "):
+            steps.append(shlex.split(line[4:]))
+        elif line.startswith("["):
+            section = line
+        elif section == "[Service]" and "=" in line and not line.startswith("#"):
+            name, value = line.split("=", 1)
+            service.setdefault(name, []).append(value)
+    return service, steps
+
+
+def installed(steps: list[list[str]]) -> dict[str, str]:
+    """``install ... SRC DEST`` steps: destination -> source (the repository's file)."""
+    made = {}
+    for step in steps:
+        if step[:1] == ["install"] and "-d" not in step:
+            source, dest = step[-2], step[-1]
+            assert (REPO / source).is_file(), f"the step installs {source}, not in the repository"
+            made[dest] = source
+    return made
+
+
+def test_the_systemd_steps_make_everything_the_unit_needs(settings_of: Any) -> None:
+    service, steps = unit()
+    (user,) = service["User"]
+    useradd = next(s for s in steps if s[:1] == ["useradd"])
+    assert useradd[-1] == user and "--system" in useradd
+    # The program: a venv the steps make, with the pinned versions.
+    argv = shlex.split(service["ExecStart"][0])
+    venv = Path(argv[0]).parent.parent
+    assert ["python3", "-m", "venv", str(venv)] in steps
+    assert [str(venv / "bin" / "pip"), "install", "-c", "constraints.txt", "."] in steps
+    # The files it reads: installed by the steps, the settings' files too.
+    files = installed(steps)
+    (env_file,) = service["EnvironmentFile"]
+    assert files[env_file] == "deploy/prefix-cache.env"
+    env = dict(line.split("=", 1) for line in (REPO / files[env_file]).read_text().splitlines()
+               if line and not line.startswith("#"))
+    env.update(v.split("=", 1) for v in service["Environment"])
+    for name, value in env.items():
+        if name.endswith("_FILE"):
+            assert value in files, f"{name}={value} is made by no step"
+    assert any(dest.startswith("/etc/systemd/system/") for dest in files)
+    for dest in files:   # their folders exist first
+        folder = str(Path(dest).parent)
+        assert folder == "/etc/systemd/system" or ["install", "-d", "-m", "755", folder] in steps
+    settings = settings_of(argv, env)   # the unit's settings all valid
+    # The one folder it writes: made by systemd for the user, where the settings look.
+    (state,) = service["StateDirectory"]
+    assert env["PREFIX_CACHE_HOME"] == f"/var/lib/{state}" == useradd[useradd.index(
+        "--home-dir") + 1]
+    assert "ReadWritePaths" not in service   # nothing else is written (ProtectSystem=strict)
+    # It drains on stop, and systemd waits longer than the grace period.
+    assert service["KillSignal"] in (["SIGTERM"], ["SIGINT"])
+    assert float(service["TimeoutStopSec"][0]) > settings.shutdown_grace_s + 5
+
+
+# -- without mlx ---------------------------------------------------------------------------------
+
+NO_MLX = ("import sys; sys.modules.update(dict.fromkeys(('mlx', 'mlx.core', 'mlx_lm'))); "
+          "from prefix_cache.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.parametrize("command", ["serve-engine", "serve --engine mlx"])
+def test_the_engine_commands_without_mlx_say_so_in_one_line(command: str, demo_folder: Path,
+                                                            tmp_path: Path) -> None:
+    """An image or a venv without the mlx extra (imports of mlx refused here, as on a machine
+    without it): one line naming what to install, no traceback."""
+    argv = [*command.split(), "--model", str(demo_folder), "--port", "0"]
+    proc = subprocess.run([sys.executable, "-c", NO_MLX, *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=120,
+                          env={**os.environ, "PREFIX_CACHE_HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "needs mlx and mlx-lm installed: pip install 'prefix-cache[mlx]'" in lines[0]

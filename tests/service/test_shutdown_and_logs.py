@@ -93,6 +93,26 @@ def test_serve_writes_json_logs_with_request_ids(demo_folder: Path,
     assert ours and all(json.loads(ln)["message"] for ln in ours)   # every one of them JSON
 
 
+def test_text_log_lines_carry_the_request_id(demo_folder: Path,
+                                            recorder_server: tuple[Recorder, str]) -> None:
+    """The access line (and every line written while serving a request) ends with its id."""
+    serve = ServeProcess(["--upstream", recorder_server[1]], demo_folder.parent)
+    try:
+        base = serve.base_url()
+        with local_client(base_url=base) as http:
+            r = http.post("/v1/chat/completions", json=chat("demo-qwen3"),
+                          headers={"x-request-id": "trace-text-1"})
+            assert r.status_code == 200
+            made = http.get("/healthz").headers["x-request-id"]
+        access = serve.wait_for(r'"POST /v1/chat/completions HTTP/1.1" 200.*')
+        assert access.group(0).rstrip().endswith(" request_id=trace-text-1"), access.group(0)
+        serve.wait_for(rf'"GET /healthz HTTP/1.1" 200 OK request_id={made}$')
+    finally:
+        serve.stop()
+    started = serve.log[0]
+    assert "request_id" not in started   # outside a request: the line as uvicorn writes it
+
+
 def test_serve_starts_clean_only_its_own_lines_and_uvicorns(demo_folder: Path) -> None:
     """No library noise on start (transformers' "PyTorch was not found" read as a broken
     install): every line is the project's or uvicorn's."""
@@ -120,8 +140,11 @@ def test_a_draining_server_answers_503_and_reports_not_ready(demo_tokenizer: Any
             assert r.headers["retry-after"] and r.headers["connection"] == "close"
 
 
-def test_sigterm_finishes_streams_in_flight_refuses_new_ones_then_exits(
-        demo_folder: Path, recorder_server: tuple[Recorder, str], recorder: Recorder) -> None:
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_finishes_streams_in_flight_refuses_new_ones_then_exits(
+        demo_folder: Path, recorder_server: tuple[Recorder, str], recorder: Recorder,
+        stop: signal.Signals) -> None:
+    """SIGINT (Ctrl-C) drains exactly as SIGTERM does: one line, no traceback."""
     serve = ServeProcess(["--upstream", recorder_server[1]], demo_folder.parent,
                          env={"PREFIX_CACHE_SHUTDOWN_GRACE_S": str(GRACE_S)})
     try:
@@ -150,7 +173,7 @@ def test_sigterm_finishes_streams_in_flight_refuses_new_ones_then_exits(
         for t in threads:
             t.start()
         assert all(e.wait(BOUNDED_S) for e in started.values()), seen
-        serve.proc.send_signal(signal.SIGTERM)
+        serve.proc.send_signal(stop)
         with local_client(base_url=base) as http:
             deadline = time.monotonic() + BOUNDED_S
             while (r := http.get("/healthz")).status_code == 200 and time.monotonic() < deadline:
@@ -162,9 +185,11 @@ def test_sigterm_finishes_streams_in_flight_refuses_new_ones_then_exits(
         assert seen["acked"][-1] == "[DONE]" and len(seen["acked"]) == 5, seen["acked"]
         assert "[DONE]" not in seen["hung"]  # cut when the grace period ended
         serve.proc.wait(BOUNDED_S)
-        assert serve.proc.returncode in (0, -signal.SIGTERM)
+        assert serve.proc.returncode == 0
         assert recorder.streams_open == 0
     finally:
         serve.stop()
     log = serve.output()
-    assert "draining: 2 request(s) in flight" in log and "cancelling 1 request(s)" in log
+    assert log.count("draining:") == 1 and "cancelling 1 request(s)" in log
+    assert f"{stop.name}: draining: 2 request(s) in flight" in log
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log

@@ -9,6 +9,7 @@ conversion back (chat completions) are both seen by the real SDKs.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -40,6 +41,9 @@ class AgentRecorder:
     raw_arguments: str | None = None                           # the call's arguments as sent
     usage: tuple[int, int, int] = (11, 3, 4)                   # prompt, completion, cached
     error: tuple[int, Any] | None = None                       # (status, JSON body) to answer
+    error_headers: dict[str, str] = field(default_factory=dict)  # sent with that error
+    errors_left: int | None = None                             # None: every request fails
+    arrived_at: list[float] = field(default_factory=list)      # monotonic time of each request
     break_stream: bool = False                                 # die after the first event
 
     def reset(self) -> None:
@@ -47,6 +51,8 @@ class AgentRecorder:
         self.text, self.tool_call, self.usage, self.error = "recorded", None, (11, 3, 4), None
         self.break_stream = False
         self.raw_arguments = None
+        self.error_headers, self.errors_left = {}, None
+        self.arrived_at.clear()
 
     def last(self, path: str) -> Recorded:
         return [r for p, r in self.requests if p == path][-1]
@@ -67,12 +73,16 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
         raw = await request.body()
         body = json.loads(raw)
         rec.requests.append((path, Recorded(dict(request.headers), raw, body)))
+        rec.arrived_at.append(time.monotonic())
         return body
 
     def failure() -> Response | None:
-        """The error the test asked for, if any."""
-        return None if rec.error is None else JSONResponse(rec.error[1],
-                                                           status_code=rec.error[0])
+        """The error the test asked for, if any (``errors_left`` times, or every time)."""
+        if rec.error is None or rec.errors_left == 0:
+            return None
+        if rec.errors_left is not None:
+            rec.errors_left -= 1
+        return JSONResponse(rec.error[1], status_code=rec.error[0], headers=rec.error_headers)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
