@@ -64,7 +64,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     rows += [f"  {HOME_ENV:<42} folder the demo models are made in, with no model given "
              "(with --engine mlx, the demo chat model converted there) (~/.cache/prefix-cache)",
              f"  {CACHE_ENV:<42} disk cache of the tokenizers built offline "
-             "(~/.cache/prefix-cache/tokenizers)"]
+             "(~/.cache/prefix-cache/tokenizers)",
+             # read by every StaticPrefixCache (prefix_cache.fastpath), not a service setting
+             f"  {'PREFIX_CACHE_FAST_PATH':<42} on|off: off runs the hit path's plain "
+             "computation alone, every accelerator off (the same answers) (on)"]
     parser.epilog = ("settings without a flag (the flags' variables are in their help), and "
                      "where files are made:\n" + "\n".join(rows))
 

@@ -26,6 +26,7 @@ from tests.support.sidecar import bearer
 OTHER_VARIABLES = {
     "PREFIX_CACHE_HOME",            # where the demo model folder is made (serve --help)
     "PREFIX_CACHE_TOKENIZERS",      # the offline tokenizers' disk cache (serve --help)
+    "PREFIX_CACHE_FAST_PATH",       # every accelerator on or off (serve --help)
     "PREFIX_CACHE_ENGINE_API_KEY",  # serve-engine --api-key
     "PREFIX_CACHE_TEMPLATES",       # tests: the conformance templates' folder
     "PREFIX_CACHE_ARTIFACTS",       # tests: where the browser tests leave screenshots
@@ -105,7 +106,8 @@ def test_help_readme_and_deploy_name_the_same_variables() -> None:
     help_text = _serve_help()
     settings = {env_name(name) for name in ServiceSettings.model_fields}
     assert {v for v in settings if v not in help_text} == set()       # one each, all in --help
-    assert {"PREFIX_CACHE_HOME", "PREFIX_CACHE_TOKENIZERS"} <= set(re.findall(
+    assert {"PREFIX_CACHE_HOME", "PREFIX_CACHE_TOKENIZERS",
+            "PREFIX_CACHE_FAST_PATH"} <= set(re.findall(
         r"PREFIX_CACHE_[A-Z_]+", help_text))
     documents = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
                  *sorted(p for p in (REPO / "deploy").rglob("*") if p.is_file())]
