@@ -51,6 +51,8 @@ class EngineOptions(BaseModel):
                                     "off")
     reuse_sparse_kv: bool = Field(default=True, description="SpecPrefilled prompts go to the "
                                   "conversation store too (their kept tokens)")
+    reuse_reply_kv: bool = Field(default=True, description="finished requests' generated "
+                                 "tokens go to the conversation store too (a reply sent back)")
     max_context: int | None = Field(default=None, ge=2, description="lower the model's context "
                                     "window (prompt + max_tokens) to bound KV memory")
     max_batch_size: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1, le=4096,
@@ -83,6 +85,7 @@ class EngineOptions(BaseModel):
             "reuse_static_kv": self.kv_bytes > 0,
             "reuse_conversation_kv": self.conversation_bytes > 0,
             "reuse_sparse_kv": self.reuse_sparse_kv,
+            "reuse_reply_kv": self.reuse_reply_kv,
             "max_context": self.max_context,
             "max_batch_size": self.max_batch_size,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.

@@ -142,11 +142,13 @@ class DiskKVStore:
 
     def longest_common_prefix(self, tier: str, namespace: str, model_id: str,
                               ids: Sequence[int], max_tokens: int, min_tokens: int = 0,
+                              *, whole: bool = False,
                               ) -> tuple[int, DiskSnapshot, list[int]] | None:
         """``(n, snapshot, its prefix ids)``: the file of this tier, namespace and model sharing
         the longest prefix with ``ids`` (capped at ``max_tokens``) when longer than
         ``min_tokens``, as ``KVSnapshotStore.longest_common_prefix``; a candidate that fails to
-        load is dropped and the next best tried."""
+        load is dropped and the next best tried. ``whole``: only files all of whose ids are
+        shared (snapshots that restore only whole)."""
         if max_tokens <= min_tokens or not self._usable():
             return None
         packed = pack_ids(ids[:max_tokens])
@@ -158,7 +160,7 @@ class DiskKVStore:
                     if key[:3] != (tier, namespace, model_id):
                         continue
                     n = packed_prefix_len(packed, entry.packed_ids)
-                    if n > best_n:
+                    if n > best_n and not (whole and 4 * n != len(entry.packed_ids)):
                         best, best_n = (key, entry), n
                 if best is None:
                     self.stats.misses += 1

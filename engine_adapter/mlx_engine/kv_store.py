@@ -88,7 +88,8 @@ class KVSnapshotStore:
             return entry.snapshot
 
     def longest_common_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
-                              max_tokens: int, min_tokens: int = 0) -> tuple[int, Any] | None:
+                              max_tokens: int, min_tokens: int = 0, *,
+                              whole: bool = False) -> tuple[int, Any] | None:
         """``(n, snapshot)``: the entry of this namespace and model that shares the longest
         prefix with ``ids`` (exact comparison), with ``n`` that shared length capped at
         ``max_tokens``, when ``n > min_tokens``; else None.
@@ -98,7 +99,8 @@ class KVSnapshotStore:
         those tokens alone, so the caller restores just them (mlx_lm.server's prompt cache
         trims the same way). The conversation store's lookup: a scan of the namespace's entries
         in recency order, each a memcmp binary search on the packed ids (4 bytes per id, so a
-        byte prefix is a token prefix); the most recent entry wins a tie."""
+        byte prefix is a token prefix); the most recent entry wins a tie. ``whole``: only
+        entries all of whose ids are shared (snapshots that restore only whole)."""
         if max_tokens <= min_tokens:
             return None
         packed = pack_ids(ids[:max_tokens])
@@ -109,7 +111,7 @@ class KVSnapshotStore:
                 if key[0] != namespace or key[1] != model_id:
                     continue
                 n = packed_prefix_len(packed, entry.packed_ids)
-                if n > best_n:
+                if n > best_n and not (whole and 4 * n != len(entry.packed_ids)):
                     best, best_n = (key, entry), n
             if best is None:
                 self.stats.misses += 1

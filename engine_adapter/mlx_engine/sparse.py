@@ -39,6 +39,7 @@ class SparsePrefill:
     kept: tuple[int, ...]                            # positions prefilled after them
     reused: int                                      # of ``protected``: restored, not computed
     from_conversation: bool                          # restored from an earlier prompt
+    reply: int = 0                                   # of ``reused``: generated earlier
 
 
 @dataclass(slots=True)
@@ -98,4 +99,4 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
     for layer in cache:
         layer.position_shift = shift
     return SparsePrefill(cache, protected, protected_positions, positions, reused,
-                         conv is not None)
+                         conv is not None, conv.reply if conv is not None else 0)
