@@ -51,9 +51,8 @@ class EngineOptions(BaseModel):
                                     "off")
     reuse_sparse_kv: bool = Field(default=True, description="SpecPrefilled prompts go to the "
                                   "conversation store too (their kept tokens)")
-    reuse_reply_kv: bool = Field(default=False, description="a finished dense reply's KV goes "
-                                 "to the conversation store with its prompt's, so the next "
-                                 "turn that sends it back reuses it")
+    reuse_reply_kv: bool = Field(default=True, description="finished requests' generated "
+                                 "tokens go to the conversation store too (a reply sent back)")
     max_context: int | None = Field(default=None, ge=2, description="lower the model's context "
                                     "window (prompt + max_tokens) to bound KV memory")
     max_batch_size: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1, le=4096,

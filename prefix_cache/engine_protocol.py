@@ -257,6 +257,7 @@ class EngineCounts:
     generated_tokens: int = 0
     parked: int = 0             # waited for a request computing the same static prefix
     conversation_hits: int = 0  # restored more than the static prefix from an earlier prompt
+    reused_generated_tokens: int = 0  # of reused_tokens: an earlier reply's, sent back
     last_fallback: str | None = None
 
 

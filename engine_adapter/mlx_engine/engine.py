@@ -62,7 +62,7 @@ class MLXEngine:
         conversation_store: KVSnapshotStore | None = None,
         reuse_conversation_kv: bool = True,
         reuse_sparse_kv: bool = True,
-        reuse_reply_kv: bool = False,
+        reuse_reply_kv: bool = True,    # a finished sequence's reply too (``reply``)
         specprefill: SpecPrefillConfig | None = None,
         stop_token_ids: Sequence[int] = (),
         max_batch_size: int = DEFAULT_MAX_BATCH_SIZE,
@@ -109,7 +109,7 @@ class MLXEngine:
         self.stats = EngineCounts()
         self.reuse = KVReuse(model, self.kv_store, self.conversation_store,
                              positioned=kv_cache.supports_positioned_cache(model),
-                             reusable=kv_cache.supports_reuse(model), keep_replies=reuse_reply_kv)
+                             reusable=kv_cache.supports_reuse(model), replies=reuse_reply_kv)
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
         self._step_size = prefill_step_size
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -273,12 +273,15 @@ class MLXEngine:
             seq.info if first else None,
         )
         seq.emitted += 1
+        seq.generated.append(int(r.token))
         self.stats.generated_tokens += 1
         if r.finish_reason is not None:
             self._forget(seq)
             self.stats.completed += 1
         self._send(seq, event)
-        self.reuse.on_token(seq, int(r.token), r.finish_reason, r.prompt_cache, self._extract(seq))
+        self.reuse.on_first_token(seq, r.prompt_cache, self._extract(seq))
+        if r.finish_reason is not None:  # its prompt's and reply's KV, for the next turn
+            self.reuse.on_finish(seq, r.prompt_cache)
 
     def _send(self, seq: EngineSequence, item: Any) -> None:
         try:
@@ -387,11 +390,9 @@ class MLXEngine:
             self._fail(seq, exc)
             return
         seq.info = PrefillInfo(len(ids), static, prefill.reused, len(ids) - prefill.reused,
-                               DENSE, fallback=fallback,
-                               conversation_tokens=prefill.conversation)
-        self.stats.conversation_hits += conv is not None
-        self.stats.reused_tokens += prefill.reused
-        self.stats.prefilled_tokens += len(ids) - prefill.reused
+                               DENSE, fallback=fallback, conversation_tokens=prefill.conversation,
+                               reply_tokens=conv.reply if conv is not None else 0)
+        seq.info.tally(self.stats)
 
     def _insert(self, seq: EngineSequence, segments: list[list[int]], cache: list[Any]) -> None:
         seq.uid = insert_sequence(self._generator, seq, segments, cache)
@@ -443,8 +444,5 @@ class MLXEngine:
         computed = (done.protected - done.reused) + len(done.kept) + 1
         seq.info = PrefillInfo(n, job.static, done.reused, computed, SPECPREFILL,
                                kept_tokens=len(done.kept) + 1,
-                               conversation_tokens=conversation)
-        self.stats.specprefill += 1
-        self.stats.conversation_hits += done.from_conversation
-        self.stats.reused_tokens += done.reused
-        self.stats.prefilled_tokens += computed
+                               conversation_tokens=conversation, reply_tokens=done.reply)
+        seq.info.tally(self.stats)

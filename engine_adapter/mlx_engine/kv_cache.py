@@ -59,7 +59,7 @@ class KVSnapshot:
     SpecPrefill's KV) stores only some: ``positions`` says each stored token's prompt position
     (increasing), ``span`` how many prompt tokens the snapshot stands for, and ``keep_pct`` the
     keep share its dropped tokens were chosen at (None: not known, so its sparse part serves
-    no request).
+    no request). ``reply_from``: where a finished sequence's generated tokens start.
     """
 
     layers: tuple[tuple[mx.array, mx.array], ...]
@@ -68,6 +68,7 @@ class KVSnapshot:
     positions: tuple[int, ...] | None = None
     span: int | None = None
     keep_pct: float | None = None
+    reply_from: int | None = None   # stored ids from here on were generated (``reply``)
     trimmable = True    # restores any leading part (``LayeredSnapshot``: only the whole)
 
     @property

@@ -147,17 +147,20 @@ class DiskKVStore:
 
     def longest_common_prefix(self, tier: str, namespace: str, model_id: str,
                               ids: Sequence[int], max_tokens: int, min_tokens: int = 0,
+                              *, whole: bool = False,
                               ) -> tuple[int, DiskSnapshot, list[int]] | None:
         """``(n, snapshot, its prefix ids)``: the file of this tier, namespace and model sharing
         the longest prefix with ``ids`` (capped at ``max_tokens``) when longer than
         ``min_tokens``, as ``KVSnapshotStore.longest_common_prefix``; a candidate that fails to
-        load is dropped and the next best tried."""
+        load is dropped and the next best tried. ``whole``: only files all of whose ids are
+        shared (snapshots that restore only whole)."""
         if max_tokens <= min_tokens or not self._usable():
             return None
         packed = pack_ids(ids[:max_tokens])
         while True:
             with self._lock:
-                found = self._index.longest((tier, namespace, model_id), packed)
+                lookup = self._index.longest_whole if whole else self._index.longest
+                found = lookup((tier, namespace, model_id), packed)
                 if found is None or found[0] <= min_tokens:
                     self.stats.misses += 1
                     return None

@@ -215,6 +215,15 @@ class PrefixLRU(ByteLRU[K, V]):
         value = self.peek(found[1])
         return None if value is None else (found[0], found[1], value)
 
+    def longest_whole(self, scope: Hashable, packed: bytes) -> tuple[int, K, V] | None:
+        """``(n, key, value)``: the entry of ``scope`` whose ids are the longest prefix of
+        ``packed`` (all of them shared: a snapshot that restores only whole)."""
+        for key in reversed(self.index.prefixes(scope, packed)):
+            value = self.peek(key)
+            if value is not None:
+                return len(self._ids(value)) // WIDTH, key, value
+        return None
+
     def pop_prefixes(self, scope: Hashable, packed: bytes,
                      keep: K | None = None) -> list[tuple[K, V]]:
         """Remove the entries of ``scope`` whose ids are a prefix of ``packed`` (but ``keep``)."""
@@ -293,7 +302,8 @@ class KVSnapshotStore:
             return entry.snapshot
 
     def longest_common_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
-                              max_tokens: int, min_tokens: int = 0) -> tuple[int, Any] | None:
+                              max_tokens: int, min_tokens: int = 0, *,
+                              whole: bool = False) -> tuple[int, Any] | None:
         """``(n, snapshot)``: the entry of this namespace and model that shares the longest
         prefix with ``ids`` (exact comparison), with ``n`` that shared length capped at
         ``max_tokens``, when ``n > min_tokens``; else None.
@@ -302,12 +312,14 @@ class KVSnapshotStore:
         turn, another agent on the same history): the KV of its first ``n`` tokens depends on
         those tokens alone, so the caller restores just them (mlx_lm.server's prompt cache
         trims the same way). The conversation store's lookup, in the prompt's length (the
-        radix tree), whatever the number of entries."""
+        radix tree), whatever the number of entries. ``whole``: only entries all of whose ids
+        the prompt holds (snapshots that restore only whole)."""
         if max_tokens <= min_tokens:
             return None
         packed = pack_ids(ids[:max_tokens])
         with self._lock:
-            found = self._entries.longest((namespace, model_id), packed)
+            lookup = self._entries.longest_whole if whole else self._entries.longest
+            found = lookup((namespace, model_id), packed)
             if found is None or found[0] <= min_tokens:
                 self.stats.misses += 1
                 return None

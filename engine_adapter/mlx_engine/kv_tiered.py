@@ -36,12 +36,14 @@ class TieredKVStore(KVSnapshotStore):
         return snap
 
     def longest_common_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
-                              max_tokens: int, min_tokens: int = 0) -> tuple[int, Any] | None:
+                              max_tokens: int, min_tokens: int = 0, *,
+                              whole: bool = False) -> tuple[int, Any] | None:
         """The longer of RAM's and disk's longest common prefix (RAM's on a tie: no read)."""
-        ram = super().longest_common_prefix(namespace, model_id, ids, max_tokens, min_tokens)
+        ram = super().longest_common_prefix(namespace, model_id, ids, max_tokens, min_tokens,
+                                            whole=whole)
         floor = ram[0] if ram is not None else min_tokens
         disk = self.disk.longest_common_prefix(self.tier, namespace, model_id, ids, max_tokens,
-                                               floor)
+                                               floor, whole=whole)
         if disk is None:
             return ram
         n, snap, entry_ids = disk

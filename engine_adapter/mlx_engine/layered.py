@@ -64,6 +64,7 @@ class LayeredSnapshot:
     positions: None = None
     span: None = None
     keep_pct: None = None   # always dense: no keep share chose what it holds
+    reply_from: int | None = None   # stored ids from here on were generated (``reply``)
     trimmable = False
 
     @property

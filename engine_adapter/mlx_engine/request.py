@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefix_cache.engine_protocol import BackendError
+from prefix_cache.engine_protocol import BackendError, EngineCounts
 from prefix_cache.errors import ContextLengthError, InvalidRequestError
 from prefix_cache.token_ids import validate_token_ids
 
@@ -111,6 +111,15 @@ class PrefillInfo:
     kept_tokens: int | None = None   # SpecPrefill: tokens kept after the protected part
     fallback: str | None = None      # why SpecPrefill was wanted but dense ran
     conversation_tokens: int = 0     # of reused_tokens: restored from an earlier prompt (dense)
+    reply_tokens: int = 0            # of conversation_tokens: an earlier reply's, sent back
+
+    def tally(self, stats: EngineCounts) -> None:
+        """Add this prefill to the engine's counts."""
+        stats.specprefill += self.mode == SPECPREFILL
+        stats.conversation_hits += self.conversation_tokens > 0
+        stats.reused_tokens += self.reused_tokens
+        stats.reused_generated_tokens += self.reply_tokens
+        stats.prefilled_tokens += self.prefilled_tokens
 
 
 @dataclass(frozen=True, slots=True)

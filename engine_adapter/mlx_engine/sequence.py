@@ -22,5 +22,6 @@ class EngineSequence:
     sampler: Any
     uid: int | None = None          # its row in the BatchGenerator, once inserted
     emitted: int = 0
+    generated: list[int] = field(default_factory=list)  # the token ids emitted so far
     info: PrefillInfo | None = None
     plan: ReusePlan = field(default_factory=ReusePlan)

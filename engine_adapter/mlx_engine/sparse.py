@@ -44,6 +44,7 @@ class SparsePrefill:
     kept: tuple[int, ...]                            # positions prefilled after them
     reused: int                                      # of ``protected``: restored, not computed
     from_conversation: bool                          # restored from an earlier prompt
+    reply: int = 0                                   # of ``reused``: generated earlier
 
 
 @dataclass(slots=True)
@@ -115,4 +116,4 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
     else:
         cache = kv_cache.rotate_ahead(cache, n - 1)
     return SparsePrefill(cache, protected, protected_positions, positions, reused,
-                         conv is not None)
+                         conv is not None, conv.reply if conv is not None else 0)

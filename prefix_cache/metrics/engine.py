@@ -35,6 +35,8 @@ COUNTERS = (
     ("specprefill_fallbacks", "fallbacks", "SpecPrefills that failed and fell back to dense."),
     ("conversation_hits", "conversation_hits",
      "Requests that restored more than their static prefix from an earlier prompt."),
+    ("reused_generated_tokens", "reused_generated_tokens",
+     "Prompt tokens restored that an earlier request generated (its reply, sent back)."),
 )
 
 

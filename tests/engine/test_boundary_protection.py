@@ -114,8 +114,13 @@ def _kept(engine: Any, ids: list[int], namespace: str) -> set[int]:
                                                           len(ids) - 1)
     assert hit is not None and hit[0] == len(ids) - 1
     snap = hit[1]
-    assert snap.prompt_tokens == len(ids) - 1
-    return set(range(snap.n_tokens) if snap.positions is None else snap.positions)
+    # The prompt's entry, or (once stored, just after the last token is delivered) the finished
+    # request's that supersedes it: the prompt and the two tokens it generated (``reply``).
+    # Both hold the same positions before ``len(ids) - 1``.
+    assert snap.prompt_tokens == len(ids) - 1 or (snap.prompt_tokens == len(ids) + 2
+                                                  and snap.reply_from == len(ids))
+    span = len(ids) - 1
+    return set(range(span) if snap.positions is None else snap.positions) & set(range(span))
 
 
 def _assert_protected(engine: Any, ids: list[int], end: int, namespace: str, name: str) -> None:

@@ -33,6 +33,7 @@ from tests.support.engine_fixtures import (  # noqa: E402  # noqa: E402
     load_tiny,
     next_turn,
     restart,
+    restored_from,
     run,
     turn,
 )
@@ -46,7 +47,8 @@ def test_after_a_restart_the_kv_comes_from_disk_and_matches_dense(engines, disks
     model, tok = target
     first, end = turn(tok, 40, "What is in the workspace?")
     engine = engines(kv_disk=disks())
-    assert run(engine, first, end)[0].prefill.reused_tokens == 0
+    done = run(engine, first, end)
+    assert done[0].prefill.reused_tokens == 0
     engine = restart(engines, disks, engine)
     # Another user turn on the same static prefix: restored from disk (the static entry, or
     # the conversation entry's longer shared part), and the answer is a dense forward's.
@@ -57,10 +59,11 @@ def test_after_a_restart_the_kv_comes_from_disk_and_matches_dense(engines, disks
     disk = engine.snapshot_stats().kv_disk
     assert disk.hits == 1 and disk.loads == 1 and disk.discarded == 0
     engine = restart(engines, disks, engine)
-    # The next turn of the first conversation: all of turn 1 comes back from disk.
+    # The next turn of the first conversation: all of turn 1 (and what it shares of turn 1's
+    # reply) comes back from disk.
     second = next_turn(tok, first, "A README.", "Open it.")
     events = run(engine, second, end, max_tokens=4)
-    assert events[0].prefill.conversation_tokens == len(first) - 1
+    assert events[0].prefill.conversation_tokens == restored_from(first, done, second)
     assert_matches_dense(model, second, events)
     for path in files(tmp_path / "kv"):
         assert path.stat().st_mode & 0o777 == 0o600

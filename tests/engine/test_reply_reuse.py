@@ -1,84 +1,183 @@
-"""The engine keeps the KV of what it generated (issue 43; engine option ``reuse_reply_kv``, off
-by default): a dense sequence that finishes stores its prompt and its reply as one conversation
-entry, so the next prompt that sends the
-reply back restores up to where its ids part from the generated ones; every decode step then
-equals an uncached dense run. A reply the client edited reuses only the common part; a
-SpecPrefilled or cancelled sequence stores no reply."""
+"""The engine keeps the KV of what it generated: a finished sequence's prompt and reply go to the
+conversation store, so the next turn that sends the reply back restores it (up to where the
+re-sent reply diverges from the generated ids, never more), and every decode step after that
+equals an uncached dense forward. A cancelled sequence keeps no more than its prompt."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-pytest.importorskip("mlx.core")
+mx = pytest.importorskip("mlx.core")
+pytest.importorskip("mlx_lm")
 
-from tests.support.engine_fixtures import assert_matches_dense, run, turn  # noqa: E402
+from engine_adapter.mlx_engine import (  # noqa: E402
+    GenerationRequest,
+    KVSnapshotStore,
+    MLXEngine,
+    SpecPrefillConfig,
+)
+from engine_adapter.testing.reference import masked_logprobs  # noqa: E402
+from engine_adapter.testing.tiny_model import FAMILIES  # noqa: E402
+from prefix_cache.boundary import common_prefix_len  # noqa: E402
+from prefix_cache.metrics.engine import engine_exposition  # noqa: E402
+from tests.engine.test_specprefill import expected_kept, prompt  # noqa: E402
+from tests.support.engine_fixtures import (  # noqa: E402
+    assert_close,
+    assert_matches_dense,
+    load_tiny,
+    run,
+    turn,
+)
 
-REPLY = 12
+GENERATED = 16
 
 
-def next_prompt(tok, ids: list[int], reply: list[int], user: str) -> list[int]:
-    return ids + reply + tok.encode(f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-                                    "<|im_start|>assistant\n")
+def send_back(tok: Any, prompt: list[int], reply: list[int], user: str) -> list[int]:
+    """The next turn: ``prompt`` (ending in the assistant header), the reply's ids as they
+    were generated, then a new user turn and the header."""
+    return prompt + reply + tok.encode(f"<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
+                                       "<|im_start|>assistant\n")
 
 
-def test_the_next_turn_reuses_the_prompt_and_the_reply(engines, target):
+def first_turn(engine: MLXEngine, tok: Any) -> tuple[list[int], int, list[int]]:
+    """Turn 1 run to its length: its prompt, static end and generated ids."""
+    first, end = turn(tok, 12, "What is in the workspace?")
+    events = run(engine, first, end, max_tokens=GENERATED)
+    assert events[-1].finish_reason == "length" and len(events) == GENERATED
+    return first, end, [e.token for e in events]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3_moe"])
+def test_turn_two_restores_the_prompt_and_the_reply_and_matches_dense(arch, engine_models_dir,
+                                                                      qwen3):
+    model, tok = load_tiny(engine_models_dir, arch), qwen3
+    with MLXEngine(model) as engine:
+        first, end, reply = first_turn(engine, tok)
+        second = send_back(tok, first, reply, "Open the README.")
+        events = run(engine, second, end, max_tokens=6)
+        info = events[0].prefill
+        assert info.reused_tokens == info.conversation_tokens == len(first) + len(reply)
+        assert info.reply_tokens == len(reply)                 # all of it: >= 80% asked
+        assert info.prefilled_tokens == len(second) - len(first) - len(reply)
+        assert_matches_dense(model, second, events)
+        stats = engine.snapshot_stats()
+        assert stats.reused_generated_tokens == len(reply)
+        # The finished turn's entry superseded its prompt's: one entry per conversation.
+        assert stats.conversation_store.entries == 1
+        text = engine_exposition("tiny", engine)[0].decode()
+        assert f'prefix_cache_engine_reused_generated_tokens_total{{model="tiny"}} ' \
+               f'{float(len(reply))}' in text
+
+
+def test_after_a_specprefill_the_sparse_history_and_the_dense_reply_are_restored(target, draft):
     model, tok = target
-    engine = engines(reuse_reply_kv=True)
-    ids, end = turn(tok, 12, "List the files.")
-    first = run(engine, ids, end, max_tokens=REPLY)
-    reply = [e.token for e in first]
-    assert len(reply) == REPLY and first[-1].finish_reason == "length"
-    second = next_prompt(tok, ids, reply, "And the dirs?")
-    events = run(engine, second, end, max_tokens=4)
-    # All of the prompt and all of the reply but its last token (sampled, never fed).
-    assert events[0].prefill.conversation_tokens == len(ids) + REPLY - 1
-    assert_matches_dense(model, second, events)
+    config = SpecPrefillConfig(keep_pct=0.1, threshold=40, chunk_size=8, tail_tokens=8)
+    with MLXEngine(model, draft_model=draft, specprefill=config) as engine:
+        first, end = prompt(tok, 120)
+        kept = set(expected_kept(draft, first, end, config))
+        events = run(engine, first, end, max_tokens=8)
+        assert events[0].prefill.mode == "specprefill"
+        reply = [e.token for e in events]
+        second = send_back(tok, first, reply, "Go on.")
+        events = run(engine, second, end, max_tokens=4)
+        info = events[0].prefill
+        assert info.mode == "dense"
+        assert info.conversation_tokens == len(first) + len(reply)
+        assert info.reply_tokens == len(reply)
+        # The kept tokens stand for turn 1's prompt; its last token, the reply and all after
+        # it are dense.
+        visible = [i < end or i in kept or i >= len(first) - 1 for i in range(len(second))]
+        tokens = [e.token for e in events]
+        for k, event in enumerate(events):
+            want = masked_logprobs(model, second + tokens[:k], visible + [True] * k)
+            assert_close(event.logprobs, want)
 
 
-def test_an_edited_reply_reuses_only_the_common_part(engines, target):
+def test_a_reply_edited_by_the_client_restores_only_the_common_part(target):
     model, tok = target
-    engine = engines(reuse_reply_kv=True)
-    ids, end = turn(tok, 12, "Name three files.")
-    reply = [e.token for e in run(engine, ids, end, max_tokens=REPLY)]
-    edited = reply[:5] + [t + 1 for t in reply[5:]]      # the client changed the rest
-    second = next_prompt(tok, ids, edited, "Thanks.")
-    events = run(engine, second, end, max_tokens=4)
-    assert events[0].prefill.conversation_tokens == len(ids) + 5
-    assert_matches_dense(model, second, events)
+    with MLXEngine(model) as engine:
+        first, end, reply = first_turn(engine, tok)
+        k = GENERATED // 2
+        edited_reply = reply[:k] + [t for t in tok.encode(" an edited ending") if t != reply[k]]
+        assert edited_reply[k] != reply[k]
+        second = send_back(tok, first, edited_reply, "Go on.")
+        events = run(engine, second, end, max_tokens=6)
+        info = events[0].prefill
+        assert info.conversation_tokens == len(first) + k
+        assert info.reply_tokens == k
+        assert_matches_dense(model, second, events)
+        # The reply as text, decoded and tokenized again: what matches the generated ids.
+        again = first + tok.encode(tok.decode(reply) + "<|im_end|>\n<|im_start|>user\nMore."
+                                   "<|im_end|>\n<|im_start|>assistant\n")
+        shared = common_prefix_len(first + reply, again)
+        events = run(engine, again, end, max_tokens=4)
+        assert events[0].prefill.conversation_tokens == max(shared, len(first) + k)
+        assert_matches_dense(model, again, events)
 
 
-def test_a_specprefilled_or_cancelled_sequence_stores_no_reply(engines, target, draft):
-    from engine_adapter.mlx_engine import GenerationRequest
-    from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig
-
+def test_a_cancelled_sequence_keeps_no_more_than_its_prompt(target):
     model, tok = target
-    engine = engines(draft_model=draft, reuse_reply_kv=True,
-                     specprefill=SpecPrefillConfig(keep_pct=0.5, threshold=0))
-    ids, end = turn(tok, 12, "a question with enough words to be worth sparsifying " * 3)
-    sparse = run(engine, ids, end, max_tokens=REPLY)
-    assert sparse[0].prefill.mode == "specprefill"
-    second = next_prompt(tok, ids, [e.token for e in sparse], "more?")
-    events = run(engine, second, end, max_tokens=2, specprefill=False)
-    assert events[0].prefill.conversation_tokens <= len(ids) - 1   # its prompt at most
-    other, other_end = turn(tok, 12, "Cancel me.")
-    stream = engine.generate(GenerationRequest(other, max_tokens=50,
-                                               specprefill_system_end=other_end,
-                                               specprefill=False))
-    got = [next(stream).token for _ in range(5)]
-    stream.close()                                                # cancelled mid-reply
-    later = run(engine, next_prompt(tok, other, got, "?"), other_end, max_tokens=2,
-                specprefill=False)
-    assert later[0].prefill.conversation_tokens <= len(other) - 1
+    with MLXEngine(model) as engine:
+        first, end = turn(tok, 12, "What is in the workspace?")
+        stream = engine.generate(GenerationRequest(first, specprefill_system_end=end,
+                                                   max_tokens=200))
+        reply = [next(stream).token for _ in range(4)]
+        stream.close()                                   # cancels it
+        second = send_back(tok, first, reply, "Go on.")
+        events = run(engine, second, end)
+        info = events[0].prefill
+        assert info.conversation_tokens == len(first) - 1 and info.reply_tokens == 0
+        assert_matches_dense(model, second, events)
+        assert engine.snapshot_stats().reused_generated_tokens == 0
 
 
-def test_off_by_default_the_next_turn_reuses_the_prompt_only(engines, target):
-    from engine_adapter.options import EngineOptions
-
-    assert EngineOptions.parse({}).engine_kwargs()["reuse_reply_kv"] is False
-    assert EngineOptions.parse({"reuse_reply_kv": True}).engine_kwargs()["reuse_reply_kv"]
+def test_a_reply_too_big_for_the_store_is_not_kept_and_the_turn_is_computed(target):
     model, tok = target
-    engine = engines()
-    ids, end = turn(tok, 12, "List the files.")
-    reply = [e.token for e in run(engine, ids, end, max_tokens=REPLY)]
-    events = run(engine, next_prompt(tok, ids, reply, "And the dirs?"), end, max_tokens=2)
-    assert events[0].prefill.conversation_tokens == len(ids) - 1
+    probe = KVSnapshotStore()
+    with MLXEngine(model, conversation_store=probe) as engine:
+        first, end, _ = first_turn(engine, tok)
+    per_token = probe.nbytes // (len(first) + GENERATED)   # closed: the reply is stored
+    # Room for the prompt's entry, not for the prompt and its reply.
+    store = KVSnapshotStore(max_bytes=per_token * (len(first) - 1 + GENERATED // 2))
+    with MLXEngine(model, conversation_store=store) as engine:
+        first, end, reply = first_turn(engine, tok)
+        second = send_back(tok, first, reply, "Go on.")
+        events = run(engine, second, end)  # (admitted after turn 1's reply was offered)
+        assert store.snapshot_stats().rejected >= 1
+        assert events[0].prefill.conversation_tokens == len(first) - 1
+        assert events[0].prefill.reply_tokens == 0
+        assert_matches_dense(model, second, events)
+
+
+@pytest.mark.parametrize("arch", [f for f in FAMILIES if f != "qwen3_moe"])
+def test_layered_families_restore_the_reply_whole_and_match_dense(arch, engine_models_dir,
+                                                                  qwen3):
+    # A window or a recurrent state is snapshotted at the sequence's end: a next prompt that
+    # holds all of the reply restores it; one that changes it restores the prompt's entry.
+    model, tok = load_tiny(engine_models_dir, arch), qwen3
+    with MLXEngine(model) as engine:
+        first, end, reply = first_turn(engine, tok)
+        edited = send_back(tok, first, reply[:-1] + [t for t in tok.encode(" x")
+                                                     if t != reply[-1]], "Go on.")
+        events = run(engine, edited, end, max_tokens=4)
+        assert events[0].prefill.conversation_tokens == len(first) - 1, arch
+        assert_matches_dense(model, edited, events)
+        second = send_back(tok, first, reply, "Open the README.")
+        events = run(engine, second, end, max_tokens=4)
+        info = events[0].prefill
+        assert info.conversation_tokens == len(first) + len(reply), arch
+        assert info.reply_tokens == len(reply)
+        assert_matches_dense(model, second, events)
+
+
+def test_the_off_switch_keeps_the_prompt_only(target):
+    model, tok = target
+    with MLXEngine(model, reuse_reply_kv=False) as engine:
+        first, end, reply = first_turn(engine, tok)
+        second = send_back(tok, first, reply, "Go on.")
+        events = run(engine, second, end)
+        info = events[0].prefill
+        assert info.conversation_tokens == len(first) - 1 and info.reply_tokens == 0
+        assert_matches_dense(model, second, events)

@@ -37,6 +37,7 @@ from tests.support.engine_fixtures import (  # noqa: E402
     assert_close,
     assert_matches_dense,
     load_tiny,
+    restored_from,
     run,
 )
 
@@ -281,13 +282,15 @@ def test_the_threshold_counts_only_what_the_conversation_store_leaves(target, ma
     assert len(second) - end > threshold >= len(second) - len(first) + 1   # ...after the boundary
     engine = make_engine(reuse_conversation_kv=True, specprefill=SpecPrefillConfig(
         threshold=threshold, chunk_size=8, tail_tokens=8))
-    assert run(engine, first, end)[0].prefill.mode == "dense"
+    done = run(engine, first, end)
+    assert done[0].prefill.mode == "dense"
     events = run(engine, second, end)
     info = events[0].prefill
     # Restored from the first turn, the new turn is left: dense, not SpecPrefill over the whole
     # conversation after the boundary.
-    assert info.mode == "dense" and info.conversation_tokens == len(first) - 1
-    assert info.prefilled_tokens == len(second) - len(first) + 1
+    shared = restored_from(first, done, second)
+    assert info.mode == "dense" and info.conversation_tokens == shared
+    assert info.prefilled_tokens == len(second) - shared
     assert_close(events[0].logprobs, dense_logprobs(model, second))
 
 
@@ -296,9 +299,10 @@ def test_specprefill_after_a_restored_conversation_protects_all_of_it(target, dr
     config = SpecPrefillConfig(keep_pct=0.1, threshold=40, chunk_size=8, tail_tokens=8)
     engine = make_engine(reuse_conversation_kv=True, specprefill=config)
     first, end = prompt(tok, 50)
-    assert run(engine, first, end, specprefill=False)[0].prefill.mode == "dense"
+    done = run(engine, first, end, specprefill=False)
+    assert done[0].prefill.mode == "dense"
     second = extend(tok, first, 120)
-    base = len(first) - 1                      # the first prompt but its last token, restored
+    base = restored_from(first, done, second)  # the first prompt and what it shares of the reply
     kept = expected_kept(draft, second, base, config)
     events = run(engine, second, end)
     info = events[0].prefill
@@ -314,14 +318,15 @@ def test_specprefill_after_a_restored_conversation_protects_all_of_it(target, dr
 
 
 def run_dense(engine: MLXEngine, model: Any, ids: list[int], end: int,
-              visible: list[bool]) -> Any:
-    """Run ``ids`` and check every step against the masked reference; the prefill info."""
+              visible: list[bool]) -> tuple[Any, list[Any]]:
+    """Run ``ids`` and check every step against the masked reference; the prefill info and
+    the events."""
     events = run(engine, ids, end)
     tokens = [e.token for e in events]
     for k, event in enumerate(events):
         assert_close(event.logprobs,
                      masked_logprobs(model, ids + tokens[:k], visible + [True] * k))
-    return events[0].prefill
+    return events[0].prefill, events
 
 
 def test_the_turns_after_a_specprefill_restore_its_kept_tokens(target, draft, make_engine):
@@ -332,25 +337,28 @@ def test_the_turns_after_a_specprefill_restore_its_kept_tokens(target, draft, ma
     kept = set(expected_kept(draft, first, end, config))
     # One token: its KV is stored from the finished response's cache (the later turns, running
     # on, store theirs from the batch).
-    assert run(engine, first, end, max_tokens=1)[0].prefill.mode == "specprefill"
-    seen = len(first) - 1                      # where the first turn's stored prompt ends
+    done = run(engine, first, end, max_tokens=1)
+    assert done[0].prefill.mode == "specprefill"
+    seen = len(first) - 1                      # where the first turn's sparse part ends
 
     def visible(ids: list[int]) -> list[bool]:
         # The kept tokens of the first turn stand for all of it; everything after is dense.
         return [i < end or i in kept or i >= seen for i in range(len(ids))]
 
     second = extend(tok, first, 5)             # a short turn: restored + dense, no SpecPrefill
-    info = run_dense(engine, model, second, end, visible(second))
-    assert info.mode == "dense" and info.conversation_tokens == seen
-    assert info.prefilled_tokens == len(second) - seen
+    info, events = run_dense(engine, model, second, end, visible(second))
+    shared = restored_from(first, done, second)  # turn 1's prompt, what it shares of its reply
+    assert info.mode == "dense" and info.conversation_tokens == shared
+    assert info.prefilled_tokens == len(second) - shared
     third = extend(tok, second, 5)             # and the turn after that restores the second's
-    info = run_dense(engine, model, third, end, visible(third))
-    assert info.mode == "dense" and info.conversation_tokens == len(second) - 1
+    info, _ = run_dense(engine, model, third, end, visible(third))
+    assert info.mode == "dense"
+    assert info.conversation_tokens == restored_from(second, events, third)
     # A sibling of the first turn, sharing only part of its sparse history, restores that part.
     cut = seen - 20
     sibling = first[:cut] + tok.encode(" a different ending<|im_end|>\n<|im_start|>assistant\n")
-    info = run_dense(engine, model, sibling, end, [i < end or i in kept or i >= cut
-                                                  for i in range(len(sibling))])
+    info, _ = run_dense(engine, model, sibling, end, [i < end or i in kept or i >= cut
+                                                     for i in range(len(sibling))])
     assert info.mode == "dense" and info.conversation_tokens == cut
 
 
@@ -387,12 +395,13 @@ def test_a_specprefill_that_fails_at_insertion_stores_a_dense_entry(target, make
 
     engine._insert = insert_once_failing        # the engine thread looks it up per call
     first, end = prompt(tok, 120)
-    info = run(engine, first, end)[0].prefill
+    done = run(engine, first, end)
+    info = done[0].prefill
     assert info.mode == "dense" and "MemoryError" in info.fallback and calls[0] == 1
     second = extend(tok, first, 5)             # restores the fallback's dense prompt: exact
     events = run(engine, second, end)
     assert events[0].prefill.mode == "dense"
-    assert events[0].prefill.conversation_tokens == len(first) - 1
+    assert events[0].prefill.conversation_tokens == restored_from(first, done, second)
     assert_matches_dense(model, second, events)
 
 

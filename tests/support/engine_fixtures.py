@@ -94,6 +94,14 @@ def run(engine: Any, ids: list[int], end: int, **fields: Any) -> list[Any]:
                                                   return_logprobs=True, **fields)))
 
 
+def restored_from(previous: list[int], events: list[Any], ids: list[int]) -> int:
+    """What ``ids`` restores from a finished request (prompt ``previous``, its ``events``): the
+    prompt and the generated tokens it shares, up to all but its own last token."""
+    from prefix_cache.boundary import common_prefix_len
+
+    return min(common_prefix_len(previous + [e.token for e in events], ids), len(ids) - 1)
+
+
 def assert_close(a: Any, b: Any) -> None:
     import mlx.core as mx
 
