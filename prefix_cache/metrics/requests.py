@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..http.request_record import RequestRecord
+from .children import LabelledChildren
 
 log = logging.getLogger("prefix_cache.metrics")
 
@@ -31,7 +31,6 @@ E2E_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
                120.0, 300.0)
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 30.0, 60.0)
-_MAX_CHILDREN = 10_000
 
 
 class RequestMetrics:
@@ -41,7 +40,7 @@ class RequestMetrics:
                  tenant_label: Callable[[str], str]) -> None:
         reg = registry
         self.tenant_label = tenant_label
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._child = LabelledChildren()
         self.requests = Counter(f"{NS}_http_requests_total", "API requests answered, by HTTP "
                                 "status.", [*LABELS, "status"], registry=reg)
         self.latency = Histogram(f"{NS}_e2e_request_latency_seconds", "API request time, in "
@@ -74,12 +73,3 @@ class RequestMetrics:
         self._child(self.cached, *labels).inc(record.cached_tokens)
         self._child(self.generated, *labels).inc(record.generation_tokens)
 
-    def _child(self, metric: Any, *values: str) -> Any:
-        """``metric.labels(*values)``, remembered (the values are bounded)."""
-        key = (id(metric), values)
-        child = self._children.get(key)
-        if child is None:
-            child = metric.labels(*values)
-            if len(self._children) < _MAX_CHILDREN:
-                self._children[key] = child
-        return child

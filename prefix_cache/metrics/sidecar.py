@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from ..http.request_record import RequestRecord
 from ..observer import CacheObserver
 from ..store.base import StoreStats
+from .children import LabelledChildren
 from .history import History
 from .multiprocess import forget_dead_processes, multiprocess_dir
 from .requests import RequestMetrics
@@ -44,7 +45,6 @@ LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
                    0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 RESULTS = ("hit", "miss", "none", "error")
-_MAX_CHILDREN = 10_000
 # The request metrics a tenant's usage (for billing) is read from, and its fields.
 USAGE_FIELDS = {"http_requests_total": "requests", "prompt_tokens_total": "prompt_tokens",
                 "prompt_tokens_cached_total": "cached_tokens",
@@ -83,7 +83,7 @@ class Metrics(CacheObserver):
         self._collectors: list[Collector] = []
         reg = None if self._multiprocess else self.registry
         self.tenant_label = TenantLabels(max_tenants)
-        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._child = LabelledChildren()
         self.requests = Counter(f"{NS}_requests_total", "Boundary requests by cache result.",
                                 ["result", "model", "tenant"], registry=reg)
         self.renders = Counter(f"{NS}_renders_total", "Probe renders run (four per computation).",
@@ -187,18 +187,6 @@ class Metrics(CacheObserver):
 
     def fast_path_off(self, *, model: str, reason: str) -> None:
         self.fast_path_offs.labels(model).inc()
-
-    def _child(self, metric: Any, *values: str) -> Any:
-        """``metric.labels(*values)``, remembered: every hit records five labelled samples, and
-        ``labels`` builds and locks its way to the same child each time. The label values are
-        bounded (results, reasons, configured models, ``tenant_label``); so is this map."""
-        key = (id(metric), values)
-        child = self._children.get(key)
-        if child is None:
-            child = metric.labels(*values)
-            if len(self._children) < _MAX_CHILDREN:
-                self._children[key] = child
-        return child
 
     # -- store gauges -----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from prefix_cache.http.usage_tap import UsageTap
 from prefix_cache.service.upstream import Upstream
 from tests.support.recording_upstream import Recorder
 from tests.support.sidecar import TENANT_KEYS, bearer, served, sidecar_app, unique_system
+from tests.support.waits import wait_until
 
 ACME = "sk-acme"
 METRICS_KEY = "sk-req-metrics"
@@ -124,17 +125,22 @@ def test_refused_requests_are_counted_by_status(http: Any) -> None:
 
 
 def test_admin_stats_report_each_tenants_usage_for_billing(http: Any, recorder: Recorder) -> None:
+    def answered(found: dict[tuple[str, tuple], float], tenant: str) -> float:
+        return value(found, "prefix_cache_http_requests_total", tenant=tenant, status="200")
+
+    before = samples(http)
     for key in (ACME, "sk-globex"):
         assert http.post("/v1/chat/completions", json=chat(unique_system("bill")),
                          headers=bearer(key)).status_code == 200
+    # A request is recorded once its answer has gone out: the client may read before that.
+    wait_until(lambda: all(answered(samples(http), t) > answered(before, t)
+                           for t in ("acme", "globex")), "both requests recorded")
     found = samples(http)
     usage = {row["tenant"]: row for row in
              http.get("/admin/stats", headers=bearer(ADMIN_KEY)).json()["usage"]}
     assert set(usage) >= {"acme", "globex"}
     for tenant in ("acme", "globex"):
-        answered = sum(value(found, "prefix_cache_http_requests_total", tenant=tenant, status=s)
-                       for s in ("200",))
-        assert usage[tenant]["requests"] == answered >= 1
+        assert usage[tenant]["requests"] == answered(found, tenant) >= 1
         assert usage[tenant]["prompt_tokens"] == value(found, "prefix_cache_prompt_tokens_total",
                                                        tenant=tenant) >= 1
         assert usage[tenant]["generated_tokens"] == value(
