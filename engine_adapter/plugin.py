@@ -28,7 +28,8 @@ No mlx import here.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prefix_cache import StaticPrefixCache
@@ -85,41 +86,27 @@ class SpecPrefillBoundary:
                  chat_template_kwargs: Mapping[str, Any] | None, kwargs: dict[str, Any],
                  *, tokenizer: Any | None = None) -> None:
         """Set ``kwargs["specprefill_system_end"]`` (oMLX's ``_inject_...`` signature)."""
-        plan = self._plan(prompt, kwargs, tokenizer)
-        if plan is None:
-            return
-        tok, ids, lead, namespace = plan
-        try:
-            result = self.cache.resolve(
-                tok, list(messages), _listed(tools), _dict(chat_template_kwargs),
-                prompt_ids=ids[lead:], chat_template=self.chat_template, namespace=namespace,
-                model=self.model)
-        except Exception as exc:
-            log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
-            return
-        self._apply(result, lead, kwargs)
+        call = self._prepare(messages, prompt, tools, chat_template_kwargs, kwargs, tokenizer)
+        if call is not None:
+            self._apply(_outcome(lambda: self.cache.resolve(*call.args, **call.options)),
+                        call.lead, kwargs)
 
     async def ainject(self, messages: Sequence[Mapping[str, Any]], prompt: str | Sequence[int],
                       tools: Sequence[Mapping[str, Any]] | None,
                       chat_template_kwargs: Mapping[str, Any] | None, kwargs: dict[str, Any],
                       *, tokenizer: Any | None = None) -> None:
         """The same for asyncio engines: renders on a miss run off the event loop."""
-        plan = self._plan(prompt, kwargs, tokenizer)
-        if plan is None:
-            return
-        tok, ids, lead, namespace = plan
-        try:
-            result = await self.cache.aresolve(
-                tok, list(messages), _listed(tools), _dict(chat_template_kwargs),
-                prompt_ids=ids[lead:], chat_template=self.chat_template, namespace=namespace,
-                model=self.model)
-        except Exception as exc:
-            log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
-            return
-        self._apply(result, lead, kwargs)
+        call = self._prepare(messages, prompt, tools, chat_template_kwargs, kwargs, tokenizer)
+        if call is not None:
+            self._apply(await _aoutcome(self.cache.aresolve(*call.args, **call.options)),
+                        call.lead, kwargs)
 
-    def _plan(self, prompt: str | Sequence[int], kwargs: Mapping[str, Any],
-              tokenizer: Any | None) -> tuple[Any, list[int], int, str] | None:
+    def _prepare(self, messages: Sequence[Mapping[str, Any]], prompt: str | Sequence[int],
+                 tools: Sequence[Mapping[str, Any]] | None,
+                 chat_template_kwargs: Mapping[str, Any] | None, kwargs: Mapping[str, Any],
+                 tokenizer: Any | None) -> _Call | None:
+        """The cache call this request makes (the same for ``resolve`` and ``aresolve``), or
+        None where there is none to make (off, already given, or the ids cannot be had)."""
         if kwargs.get("specprefill") is False or kwargs.get(KWARG) is not None:
             return None  # off for this request, or already given (by a sidecar in front)
         tok = tokenizer if tokenizer is not None else self.tokenizer
@@ -138,12 +125,42 @@ class SpecPrefillBoundary:
         except Exception as exc:
             log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
             return None
-        return tok, ids, lead, namespace
+        args = (tok, list(messages), _listed(tools), _dict(chat_template_kwargs))
+        options = {"prompt_ids": ids[lead:], "chat_template": self.chat_template,
+                   "namespace": namespace, "model": self.model}
+        return _Call(args, options, lead)
 
-    def _apply(self, result: PrefixResult, lead: int, kwargs: dict[str, Any]) -> None:
-        self.last = result
-        if result.specprefill_system_end > 0:
-            kwargs[KWARG] = lead + result.specprefill_system_end
+    def _apply(self, outcome: PrefixResult | Exception, lead: int,
+               kwargs: dict[str, Any]) -> None:
+        if isinstance(outcome, Exception):  # never fails the request: dense prefill
+            log.warning("specprefill_system_end not computed, dense prefill: %s", outcome)
+            return
+        self.last = outcome
+        if outcome.specprefill_system_end > 0:
+            kwargs[KWARG] = lead + outcome.specprefill_system_end
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One prepared cache call: its arguments, and the engine's ids ahead of the render's."""
+
+    args: tuple[Any, ...]
+    options: dict[str, Any]
+    lead: int
+
+
+def _outcome(resolve: Callable[[], PrefixResult]) -> PrefixResult | Exception:
+    try:
+        return resolve()
+    except Exception as exc:  # handed to _apply: logged, and the request prefills densely
+        return exc
+
+
+async def _aoutcome(resolving: Awaitable[PrefixResult]) -> PrefixResult | Exception:
+    try:
+        return await resolving
+    except Exception as exc:
+        return exc
 
 
 def _listed(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]] | None:

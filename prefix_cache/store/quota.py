@@ -140,23 +140,24 @@ class TenantQuotaStore(Store):
             raise
         self.inner.put(key, value, ttl_seconds)  # failed or not, the key stays on the books
 
+    # Each twin sends its call, then keeps the books the same way (one definition each).
     def delete(self, key: str) -> bool:
-        removed = self.inner.delete(key)
-        self._forget(key)
-        return removed
+        return self._deleted(key, self.inner.delete(key))
 
     async def adelete(self, key: str) -> bool:
-        removed = await self.inner.adelete(key)
+        return self._deleted(key, await self.inner.adelete(key))
+
+    def purge(self, pattern: str) -> int:
+        return self._purged(pattern, self.inner.purge(pattern))
+
+    async def apurge(self, pattern: str) -> int:
+        return self._purged(pattern, await self.inner.apurge(pattern))
+
+    def _deleted(self, key: str, removed: bool) -> bool:
         self._forget(key)
         return removed
 
-    def purge(self, pattern: str) -> int:
-        removed = self.inner.purge(pattern)
-        self._forget_matching(pattern)
-        return removed
-
-    async def apurge(self, pattern: str) -> int:
-        removed = await self.inner.apurge(pattern)
+    def _purged(self, pattern: str, removed: int) -> int:
         self._forget_matching(pattern)
         return removed
 

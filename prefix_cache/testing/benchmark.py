@@ -172,36 +172,35 @@ def run_case(tokenizer: Any, template: str, n_tools: int, n_requests: int,
     }
 
 
+def _markdown(header: str, columns: str, cells: list[str]) -> str:
+    """``header``, then a table of right-aligned ``columns`` (``a | b``), one row per cell line."""
+    align = "|" + "---:|" * (columns.count("|") + 1)
+    return "\n".join([header, "", f"| {columns} |", align, *cells]) + "\n"
+
+
 def format_table(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [
-        header,
-        "",
-        "| tools | boundary (tokens) | naive boundary | uncached two-probe (median) | naive subtraction (median) | cached hit (median) | hit speedup vs uncached |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        naive = ",".join(str(v) for v in r["naive_boundary"][:3])
-        lines.append(
-            f"| {r['tools']} | {r['static_tokens']} | {naive} | {r['uncached_ms']:.2f} ms | "
-            f"{r['naive_ms']:.2f} ms | {r['hit_us']:.1f} µs | **{r['speedup']:.0f}x** |"
-        )
-    return "\n".join(lines) + "\n"
+    columns = ("tools | boundary (tokens) | naive boundary | uncached two-probe (median) | "
+               "naive subtraction (median) | cached hit (median) | hit speedup vs uncached")
+    cells = [
+        f"| {r['tools']} | {r['static_tokens']} | "
+        f"{','.join(str(v) for v in r['naive_boundary'][:3])} | {r['uncached_ms']:.2f} ms | "
+        f"{r['naive_ms']:.2f} ms | {r['hit_us']:.1f} µs | **{r['speedup']:.0f}x** |"
+        for r in rows]
+    return _markdown(header, columns, cells)
 
 
 def format_redis_table(rows: list[dict[str, Any]], header: str) -> str:
-    lines = [
-        header,
-        "",
-        "| tools | boundary (tokens) | uncached two-probe | Redis hit | speedup | tiered (memory) hit | speedup | entry value | Redis MEMORY USAGE | bytes per static token |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['tools']} | {r['static_tokens']} | {r['uncached_ms']:.2f} ms | {r['redis_hit_us']:.1f} µs | "
-            f"**{r['redis_speedup']:.0f}x** | {r['tiered_hit_us']:.1f} µs | **{r['tiered_speedup']:.0f}x** | "
-            f"{r['value_bytes']} B | {r['redis_entry_bytes']} B | {r['redis_entry_bytes'] / max(r['static_tokens'], 1):.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+    columns = ("tools | boundary (tokens) | uncached two-probe | Redis hit | speedup | "
+               "tiered (memory) hit | speedup | entry value | Redis MEMORY USAGE | "
+               "bytes per static token")
+    cells = [
+        f"| {r['tools']} | {r['static_tokens']} | {r['uncached_ms']:.2f} ms | "
+        f"{r['redis_hit_us']:.1f} µs | **{r['redis_speedup']:.0f}x** | "
+        f"{r['tiered_hit_us']:.1f} µs | **{r['tiered_speedup']:.0f}x** | {r['value_bytes']} B | "
+        f"{r['redis_entry_bytes']} B | "
+        f"{r['redis_entry_bytes'] / max(r['static_tokens'], 1):.2f} |"
+        for r in rows]
+    return _markdown(header, columns, cells)
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
