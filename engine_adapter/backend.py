@@ -193,6 +193,11 @@ class MLXBackend:
         report["ok"] = bool(report.get("ok")) and not self._closed
         return report
 
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called (read-only)."""
+        return self._closed
+
     def close(self) -> None:
         """Stop the engine (once; later calls do nothing)."""
         if not self._closed:

@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,13 @@ class MLXEngine:
         """Stop a request early; its consumer gets nothing more."""
         self._post("cancel", request_id)
 
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """Whatever is submitted and cancelled inside the block, the engine thread takes in one
+        step (it cannot drain its inbox until the block ends): a batch that starts together."""
+        with self._wake:
+            yield
+
     def generate(self, request: GenerationRequest) -> Iterator[TokenEvent]:
         """Tokens of one request as they come (blocking); closing the iterator cancels it."""
         return blocking_events(self.submit, self.cancel, request)
@@ -181,6 +189,11 @@ class MLXEngine:
             kv_store=kv_store.snapshot_stats() if kv_store is not None else None,
             conversation_store=conv.snapshot_stats() if conv is not None else None,
             kv_disk=self.kv_disk.snapshot_stats() if self.kv_disk is not None else None)
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` was called: the engine takes no more requests (read-only)."""
+        return self._closed
 
     def close(self) -> None:
         """Finish the engine thread; requests still running get an EngineError."""

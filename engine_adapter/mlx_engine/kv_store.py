@@ -283,6 +283,17 @@ class KVSnapshotStore:
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def indexed(self) -> int:
+        """Entries the radix tree holds: ``len(self)`` while the two are in step."""
+        return len(self._entries.index)
+
+    def entries(self) -> list[tuple[str, str, bytes, Any]]:
+        """Every entry as (namespace, model, packed ids, snapshot), least recently used
+        first: a read-only listing that uses no entry."""
+        with self._lock:
+            return [(k[0], k[1], e.packed_ids, e.snapshot) for k, e in self._entries.items()]
+
     def snapshot_stats(self) -> KVStoreStats:
         """The store's figures now."""
         with self._lock:

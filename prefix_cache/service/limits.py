@@ -145,6 +145,16 @@ class TenantLimits:
     def of(self, tenant: str) -> TenantLimit:
         return self._limits.get(tenant, self.default)
 
+    def active(self, tenant: str) -> int:
+        """How many of the tenant's slots are held now (read-only)."""
+        gate = self._gates.get(tenant)
+        return 0 if gate is None else gate.active
+
+    def waiting(self, tenant: str) -> int:
+        """How long the tenant's line for a slot is now (read-only; a full line refuses)."""
+        gate = self._gates.get(tenant)
+        return 0 if gate is None else len(gate.waiters)
+
     @asynccontextmanager
     async def slot(self, tenant: str) -> AsyncIterator[None]:
         """Hold one of the tenant's slots; TooManyRequests when none frees up in time."""

@@ -35,6 +35,8 @@ class ConnectionGate:
         self._threads = threading.BoundedSemaphore(slots)
         self._tasks: asyncio.Semaphore | None = None
         self.busy = 0  # callers turned away after the whole wait
+        self.holding = 0  # callers holding a slot now (read-only, for stats and tests)
+        self._count = threading.Lock()  # threads move ``holding`` one at a time
 
     def _refuse(self) -> StoreBusyError:
         self.busy += 1
@@ -46,8 +48,12 @@ class ConnectionGate:
         if not self._threads.acquire(timeout=self.wait_seconds):
             raise self._refuse()
         try:
+            with self._count:
+                self.holding += 1
             yield
         finally:
+            with self._count:
+                self.holding -= 1
             self._threads.release()
 
     @asynccontextmanager
@@ -60,6 +66,8 @@ class ConnectionGate:
         except TimeoutError:
             raise self._refuse() from None
         try:
+            self.holding += 1
             yield
         finally:
+            self.holding -= 1
             self._tasks.release()

@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, ExitStack
+from types import MappingProxyType
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
@@ -129,6 +130,16 @@ class RedisStore(Store):
             gate = ConnectionGate(int(self._options["max_connections"]), self.pool_wait_seconds)
             pair = self._async[loop] = (self._make_client(asyncio_client=True), gate)
         return pair
+
+    @property
+    def client_options(self) -> Mapping[str, Any]:
+        """The options every client of this store is made with (read-only)."""
+        return MappingProxyType(self._options)
+
+    @property
+    def holding(self) -> int:
+        """Calls holding one of this store's connections now, all clients together."""
+        return self._gate.holding + sum(gate.holding for _, gate in list(self._async.values()))
 
     @property
     def busy(self) -> int:

@@ -280,7 +280,7 @@ def submit_together(engine: MLXEngine, requests: list[GenerationRequest],
         if event.finish_reason:
             finished.release()
 
-    with engine._wake:  # the engine thread cannot drain its inbox until all are in
+    with engine.together():  # the engine thread cannot drain its inbox until all are in
         for r in requests:
             engine.submit(r, deliver)
         if cancel is not None:

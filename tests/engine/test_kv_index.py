@@ -33,12 +33,12 @@ def scan(store: KVSnapshotStore, namespace: str, model: str, ids: list[int], max
         return None
     packed = pack_ids(ids[:max_tokens])
     best, best_n = None, min_tokens
-    for key, entry in reversed(list(store._entries.items())):
-        if key[:2] != (namespace, model):
+    for entry_ns, entry_model, entry_ids, snapshot in reversed(store.entries()):
+        if (entry_ns, entry_model) != (namespace, model):
             continue
-        n = packed_prefix_len(packed, entry.packed_ids)
+        n = packed_prefix_len(packed, entry_ids)
         if n > best_n:
-            best, best_n = entry.snapshot, n
+            best, best_n = snapshot, n
     return None if best is None else (best_n, best)
 
 
@@ -69,7 +69,7 @@ def test_the_index_answers_as_the_scan_of_every_entry(ops):
             assert store.longest_common_prefix(ns, model, ids, max_tokens, min_tokens) == want
         else:
             store.purge(op[1])
-        assert len(store._entries.index) == len(store)
+        assert store.indexed == len(store)
 
 
 def test_a_tie_goes_to_the_most_recently_used_and_removal_hands_it_on():

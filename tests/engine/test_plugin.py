@@ -168,7 +168,7 @@ def test_vision_language_boundary_renders_with_tools_and_kwargs(vl_tokenizer):
     truth = user_turn_start(vl_tokenizer, ids)
     static_text = vl_tokenizer.decode(ids[:truth])
     assert "tool_0_7" in static_text and "Reasoning: high" in static_text
-    assert ids.count(engine._image_pad) == 2 * IMAGE_TOKENS
+    assert ids.count(vl_tokenizer.convert_tokens_to_ids("<|image_pad|>")) == 2 * IMAGE_TOKENS
     # The upstream helper comes out a constant short: its second render gets the template's
     # default system turn (no tools, no kwargs) subtracted, and the user header is missed.
     default_turn = vl_tokenizer.encode("<|im_start|>system\nYou are a helpful assistant."
@@ -331,7 +331,8 @@ def test_namespaces_get_their_own_entries(vl_tokenizer):
 
 def test_off_given_or_failing_requests_keep_their_kwargs(vl_tokenizer):
     engine = VisionLanguageEngine(vl_tokenizer)
-    install(engine, SpecPrefillBoundary(StaticPrefixCache()))
+    boundary = SpecPrefillBoundary(StaticPrefixCache())
+    install(engine, boundary)
     messages = [SYSTEM, image_turn("Hi.")]
     _, off = engine.chat(messages, specprefill=False)
     assert "specprefill_system_end" not in off
@@ -339,8 +340,8 @@ def test_off_given_or_failing_requests_keep_their_kwargs(vl_tokenizer):
     assert given["specprefill_system_end"] == 7             # a sidecar in front already sent it
     bad = [SYSTEM, {"role": "narrator", "content": "?"}]
     kwargs: dict[str, Any] = {}
-    engine._inject_specprefill_system_end(bad, [1, 2, 3], None, None, kwargs)
-    assert kwargs == {}                                     # no boundary, no exception
+    boundary(bad, [1, 2, 3], None, None, kwargs, tokenizer=vl_tokenizer)  # a render that fails
+    assert kwargs == {} and boundary.last is None           # no boundary, no exception
 
 
 def test_no_static_part_sets_no_boundary(vl_tokenizer):
@@ -355,7 +356,7 @@ def test_async_injection_gives_the_same_boundary(vl_tokenizer):
     engine = VisionLanguageEngine(vl_tokenizer)
     tools = make_tools(4)
     messages = [SYSTEM, image_turn("Async?")]
-    ids = engine._prepare_vision_inputs(messages, tools, KWARGS)
+    ids, _ = engine.chat(messages, tools, chat_template_kwargs=KWARGS)  # its own boundary
     boundary = SpecPrefillBoundary(StaticPrefixCache(), tokenizer=vl_tokenizer)
     kwargs: dict[str, Any] = {}
     asyncio.run(boundary.ainject(messages, ids, tools, KWARGS, kwargs))

@@ -387,7 +387,7 @@ def engine_server(tiny_model_dir: Path) -> Iterator[tuple[str, MLXBackend]]:
     chat_engine = MLXBackend.load(tiny_model_dir, name="tiny-engine")
     with ServerThread(create_engine_app(chat_engine, trust_namespace=True)) as url:
         yield url, chat_engine
-    assert chat_engine._closed
+    assert chat_engine.closed
 
 
 def rendered(tokenizer: Any, messages: list[dict[str, Any]],
@@ -501,7 +501,7 @@ def test_serve_engine_api_key(engine_server: tuple[str, MLXBackend]) -> None:
         assert [m.id for m in openai_client(url, "sk-engine").models.list()] == ["tiny-engine"]
         with local_client(base_url=url) as http:
             assert http.get("/health").status_code == 200  # the probe needs no key
-    assert not chat_engine._closed
+    assert not chat_engine.closed
 
 
 def test_serve_engine_metrics_are_its_own_counters(engine_server: tuple[str, MLXBackend]) -> None:

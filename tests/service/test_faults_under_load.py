@@ -110,7 +110,7 @@ def test_redis_killed_hung_and_restarted_under_load(redis: RedisServer, recorder
         assert remote.breaker.times_opened >= 2         # both outages were seen as outages
         assert tasks <= idle + SLACK_TASKS
         # The sync pool and this loop's async pool, each within its bound.
-        assert connections <= 2 * remote._options["max_connections"]
+        assert connections <= 2 * remote.client_options["max_connections"]
     assert recorder.streams_open == 0
 
 

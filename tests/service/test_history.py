@@ -69,7 +69,7 @@ def test_the_ring_is_bounded_and_seconds_cut_it() -> None:
     for _ in range(20):
         history.lookup("acme", "demo", "hit")
         clock.advance(10)
-    assert len(history._intervals) <= 6
+    assert len(history.merged()[0]) <= 6  # the ring itself, not only what a document shows
     assert len(history_document(history, 10_000)["series"]["hit_rate"]) == 6
     assert len(history_document(history, 30)["series"]["hit_rate"]) == 3
 

@@ -133,20 +133,19 @@ def test_waiters_are_served_in_turn_and_a_full_line_is_refused(app: Any, base: s
     limits = app.state.service.limits
     with local_client(base_url=base) as http, held_slot(base, INITECH) as held:
         # initech: one slot, one place in line. The held request takes the slot ...
-        assert wait_until(lambda: "initech" in limits._gates and limits._gates["initech"].active == 1)
+        assert wait_until(lambda: limits.active("initech") == 1)
         waiting: list[Any] = []
         thread = threading.Thread(target=lambda: waiting.append(http.post(
             "/v1/prefix/boundary", json=chat(), headers=bearer(INITECH))))
         thread.start()
         # ... a second request waits in line, and a third finds the line full.
-        assert wait_until(lambda: len(limits._gates["initech"].waiters) == 1)
+        assert wait_until(lambda: limits.waiting("initech") == 1)
         third = http.post("/v1/prefix/boundary", json=chat(), headers=bearer(INITECH))
         assert third.status_code == 429 and "1 are waiting" in third.json()["error"]["message"]
         assert finish(held).startswith(b"HTTP/1.1 200")
         thread.join(timeout=EVENT_TIMEOUT_S)
         assert waiting and waiting[0].status_code == 200   # served once the slot passed on
-    gate = limits._gates["initech"]
-    assert wait_until(lambda: gate.active == 0 and not gate.waiters)
+    assert wait_until(lambda: limits.active("initech") == 0 and limits.waiting("initech") == 0)
 
 
 def test_a_prompt_over_the_text_limit_is_a_413_before_any_render(base: str) -> None:
@@ -245,8 +244,7 @@ async def test_a_cancelled_waiter_leaves_the_line_and_slots_are_never_lost() -> 
     release.set()
     results = await asyncio.gather(*tasks, return_exceptions=True)
     assert entered == 5 and isinstance(results[3], asyncio.CancelledError)
-    gate = lim._gates["t"]
-    assert gate.active == 0 and not gate.waiters   # every slot came back
+    assert lim.active("t") == 0 and lim.waiting("t") == 0   # every slot came back
 
 
 def test_keys_file_limits_are_checked(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ class TestRedisStore(StoreContract):
 
     def test_purge_uses_scan_over_many_keys(self) -> None:
         store = self.make_store()
-        client = store._client()
+        client = self.server.client()
         client.mset({f"spc:t:m:{i}": b"v" for i in range(2500)})
         client.set("other:t:m:1", b"v")
         assert store.purge("spc:t:*:*") == 2500

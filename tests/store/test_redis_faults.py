@@ -132,7 +132,7 @@ def test_damaged_entry_is_detected_recomputed_and_replaced(qwen3, redis, damage)
     cache = StaticPrefixCache(store)
     messages, tools = request(1)
     good = cache.resolve(qwen3, messages, tools, chat_template=TEMPLATE)
-    client = store._client()
+    client = redis.client()
     value = client.get(good.key)
     bad = {
         "random": random.Random(7).randbytes(len(value)),
@@ -154,7 +154,7 @@ def test_maxmemory_noeviction_puts_fail_quietly(qwen3, redis) -> None:
     used = int(redis.cli("info", "memory").split("used_memory:")[1].split()[0])
     redis.cli("config", "set", "maxmemory-policy", "noeviction")
     redis.cli("config", "set", "maxmemory", str(used + 1024))
-    client = store._client()
+    client = redis.client()
     try:
         client.set("filler", b"x" * 4096)
     except Exception:

@@ -69,16 +69,20 @@ async def test_a_wait_that_runs_out_is_busy_not_an_outage(redis) -> None:
 
     store = RedisStore(redis.url, max_connections=1, timeout_seconds=SLOW_OK_S,
                        pool_wait_seconds=0.05)
-    # One call holds the only connection (a blocking pop that waits on the server)...
-    holder = asyncio.ensure_future(store._acall(lambda r: r.blpop([key("t", 0)], timeout=1)))
-    _, gate = store._aclient()
-    while gate._tasks is None or not gate._tasks.locked():
-        await asyncio.sleep(0.005)
-    # ...so the next one gives up after its wait: a recompute for that caller, nothing more.
-    with pytest.raises(StoreBusyError):
-        await store.aget(key("t", 1))
-    assert await store.aping()          # the server answers, busy or not
-    await holder
+    assert await store.aget(key("t", 1)) is None  # the one connection is open
+    # One call holds the only connection (the server, stopped, has not answered it yet)...
+    redis.pause()
+    try:
+        holder = asyncio.ensure_future(store.aget(key("t", 0)))
+        while store.holding == 0:
+            await asyncio.sleep(0.005)
+        # ...so the next one gives up after its wait: a recompute for that caller, nothing more.
+        with pytest.raises(StoreBusyError):
+            await store.aget(key("t", 1))
+        assert await store.aping()      # busy is not down: the breaker's closed state is trusted
+    finally:
+        redis.resume()
+    assert await holder is None         # the server answers the held call once it runs again
     assert store.breaker.state == CLOSED and store.breaker.times_opened == 0
     assert store.busy >= 1 and store.errors == 0
     assert store.stats().remote.busy == store.busy
@@ -105,7 +109,7 @@ async def test_a_burst_on_a_cold_pool_of_a_healthy_server_is_all_hits(redis, sta
 def test_setting_up_a_connection_has_its_own_longer_timeout() -> None:
     store = RedisStore("redis://127.0.0.1:1/0")
     assert store.timeout_seconds == 0.05 and store.connect_timeout_seconds == 1.0
-    assert store._options["socket_connect_timeout"] == 1.0 == store.pool_wait_seconds
+    assert store.client_options["socket_connect_timeout"] == 1.0 == store.pool_wait_seconds
     assert RedisStore("redis://127.0.0.1:1/0", timeout_seconds=3).connect_timeout_seconds == 3
 
 

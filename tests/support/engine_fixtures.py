@@ -66,7 +66,7 @@ def engines(target: tuple[Any, Any]) -> Any:
 
     yield make
     for engine in made:
-        if not engine._closed:  # a test may close some itself (a restart)
+        if not engine.closed:  # a test may close some itself (a restart)
             engine.close()
 
 

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from redis import Redis
 
 from .loopback import free_port
 from .waits import wait_until
@@ -66,6 +67,10 @@ class RedisServer:
     def restart(self) -> None:
         self.kill()
         self.start()
+
+    def client(self) -> Redis:
+        """A redis-py client of the test's own (not a store's), to read and write keys directly."""
+        return Redis.from_url(self.url)
 
     def cli(self, *args: str) -> str:
         return subprocess.run([REDIS_CLI, "-p", str(self.port), *args], capture_output=True,

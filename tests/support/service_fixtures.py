@@ -105,7 +105,7 @@ def engine_sidecar(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactor
     assert isinstance(engine, MLXBackend)
     with ServerThread(app) as url:
         yield url, engine
-    assert engine._closed  # the app's shutdown closed the engine
+    assert engine.closed  # the app's shutdown closed the engine
 
 
 def _mlx_env() -> dict[str, str]:
