@@ -11,7 +11,6 @@ folder. Each rep times, for each dtype in turn (the order alternating), a prefil
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -19,15 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BENCH))
+from engine_doc import DocBlock, command, machine, whole_run
 
-from engine import machine, update_docs  # noqa: E402
-
-DOCS = ROOT / "docs" / "engine.md"
-MARK_START, MARK_END = "<!-- bench:dtype:start -->", "<!-- bench:dtype:end -->"
+DOC = DocBlock("dtype")
 
 
 def time_model(model: Any, ids: list[int], decode: int) -> tuple[float, float]:
@@ -49,11 +42,10 @@ def time_model(model: Any, ids: list[int], decode: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = DOC.parser(__doc__)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--decode-tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
 
     from mlx_lm import load
@@ -79,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[name].append(time_model(models[name], ids, args.decode_tokens))
     base = statistics.median(p for p, _ in runs["float32"])
     base_decode = statistics.median(d for _, d in runs["float32"])
-    command = "bash bench/demo_dtype.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     lines = [f"Machine: {machine()}.",
-             f"Command: `{command}`. Prefill of {args.prompt_tokens} tokens in one chunk, then "
+             f"Command: `{command('bash bench/demo_dtype.sh', argv)}`. Prefill of {args.prompt_tokens} tokens in one chunk, then "
              f"{args.decode_tokens} decode steps; median of {args.reps} interleaved reps.", "",
              "| dtype | weights | prefill | vs float32 | decode, per token | vs float32 |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -90,12 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         decode = statistics.median(d for _, d in runs[name])
         lines.append(f"| {name} | {sizes[name] / 1e6:.0f} MB | {prefill * 1000:.0f} ms | "
                      f"{base / prefill:.2f}x | {decode * 1000:.0f} ms | {base_decode / decode:.2f}x |")
-    lines += ["", f"Whole run: {time.perf_counter() - started:.0f} s.", ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.update_docs:
-        update_docs(text, MARK_START, MARK_END, DOCS)
-    return 0
+    return DOC.publish("\n".join([*lines, "", whole_run(started), ""]), args)
 
 
 if __name__ == "__main__":

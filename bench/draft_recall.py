@@ -17,24 +17,16 @@ draft's top choice), and the median scoring time.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BENCH))
+from agent_workload import agent_prompt
+from engine_doc import DocBlock, command, machine, whole_run
 
-from agent_workload import agent_prompt  # noqa: E402
-from engine import machine, update_docs  # noqa: E402
-
-DOCS = ROOT / "docs" / "engine.md"
-MARK_START, MARK_END = "<!-- bench:recall:start -->", "<!-- bench:recall:end -->"
+DOC = DocBlock("recall")
 CHUNK, TAIL, KEEP = 32, 64, 0.2
 
 
@@ -73,11 +65,10 @@ def layer_view(target: Any, indices: list[int]) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = DOC.parser(__doc__)
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--layers", default="4,6,10,16,24,30",
                         help="draft depths (30: the whole model)")
-    parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
 
     import mlx.core as mx
@@ -124,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
             means = [statistics.mean(scores[c:c + CHUNK]) for c in range(0, len(scores), CHUNK)]
             ranks[n].append(1 + sum(m > means[needle // CHUNK] for m in means))
         mx.clear_cache()
-    command = "bash bench/draft_recall.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
     lines = [f"Machine: {machine()}.",
-             f"Command: `{command}`. {args.prompts} turns, ~{len(means)} chunks of {CHUNK} "
+             f"Command: `{command('bash bench/draft_recall.sh', argv)}`. {args.prompts} turns, "
+             f"~{len(means)} chunks of {CHUNK} "
              f"scored per turn, {KEEP:.0%} kept (the last {TAIL} tokens always).", "",
              "| draft | answer kept | answer chunk's rank (median; each turn) | scoring time "
              "(median) |", "|---|---:|---|---:|"]
@@ -136,12 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {name} | {kept[n]}/{args.prompts} | {statistics.median(ranks[n]):.0f} "
                      f"({', '.join(map(str, ranks[n]))}) | "
                      f"{statistics.median(seconds[n]) * 1000:.0f} ms |")
-    lines += ["", f"Whole run: {time.perf_counter() - started:.0f} s.", ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.update_docs:
-        update_docs(text, MARK_START, MARK_END, DOCS)
-    return 0
+    return DOC.publish("\n".join([*lines, "", whole_run(started), ""]), args)
 
 
 if __name__ == "__main__":

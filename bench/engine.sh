@@ -4,8 +4,5 @@
 # ~36x on 2 cores); the machine line of the report says whether it was.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ "$(uname -s)" = Linux ] && [ -z "${LD_PRELOAD:-}" ]; then
-  blas=$(ldconfig -p 2>/dev/null | awk '/libopenblas\.so\.0 .*x86-64/ {print $NF; exit}')
-  [ -n "$blas" ] && export LD_PRELOAD="$blas"
-fi
+. bench/openblas.sh
 exec python3 bench/engine.py "$@"

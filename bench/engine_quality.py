@@ -46,16 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BENCH))
+from agent_workload import agent_prompt
+from engine import naive_boundary, start_server, timed
+from engine_doc import DocBlock, command, machine
 
-from agent_workload import agent_prompt  # noqa: E402
-from engine import machine, naive_boundary, start_server, timed, update_docs  # noqa: E402
-
-DOCS = ROOT / "docs" / "engine.md"
-MARK_START, MARK_END = "<!-- bench:quality:start -->", "<!-- bench:quality:end -->"
+DOC = DocBlock("quality")
 VARIANTS = "abcde"
 LABELS = {
     "a": "(a) mlx_lm.server, dense + its prompt cache",
@@ -278,7 +273,7 @@ def _describe(path: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = DOC.parser(__doc__)
     parser.add_argument("--prompts", type=int, default=20, help="agent turns (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="first turn's seed")
     parser.add_argument("--draft-layers", type=int, default=6)
@@ -286,22 +281,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
-    parser.add_argument("--update-docs", action="store_true",
-                        help=f"write the table into {DOCS.relative_to(ROOT)}")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     started = time.perf_counter()
     report = run(args)
     report["seconds"] = time.perf_counter() - started
-    command = "bash bench/engine_quality.sh" + "".join(f" {a}" for a in (argv or sys.argv[1:]))
-    text = table(report, command) + f"Whole run: {report['seconds']:.0f} s.\n"
-    print(text)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
-    if args.update_docs:
-        update_docs(text, MARK_START, MARK_END, DOCS)
-    return 0
+    text = table(report, command("bash bench/engine_quality.sh", argv))
+    return DOC.publish(text + f"Whole run: {report['seconds']:.0f} s.\n", args, report)
 
 
 if __name__ == "__main__":

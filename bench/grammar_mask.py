@@ -12,24 +12,16 @@ Each request decodes ``--tokens`` tokens with no stop token: its grammar (an arr
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BENCH))
+from engine_doc import DocBlock, command, machine, whole_run
 
-from engine import machine, update_docs  # noqa: E402
-
-DOCS = ROOT / "docs" / "engine.md"
-MARK_START, MARK_END = "<!-- bench:grammar:start -->", "<!-- bench:grammar:end -->"
+DOC = DocBlock("grammar")
 SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 10000}
 PROMPT = "List as many fruit names as you can, as a JSON array of strings."
 
@@ -78,10 +70,9 @@ def mask_parts_us(cache: Any, grammar: Any, vocab: int, tokens: list[int]) -> tu
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = DOC.parser(__doc__)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--update-docs", action="store_true")
     args = parser.parse_args(argv)
 
     from engine_adapter.backend import MLXBackend
@@ -126,20 +117,17 @@ def main(argv: list[str] | None = None) -> int:
         free = ms[(size, 0)]
         rows.append(f"| {size} | {constrained} | {ms[(size, constrained)]:.1f} | "
                     f"{ms[(size, constrained)] / free:.2f}x |")
-    command = "bash bench/grammar_mask.sh " + " ".join(argv or sys.argv[1:])
     text = "\n".join([
         *rows, "",
         f"The mask's parts alone, per step: llguidance's bitmask {bitmask_us:.0f} us, the "
         f"bitmask as an mlx boolean row of {engine.vocab_size} {row_us:.0f} us.", "",
         f"Machine: {machine()}; shared with other jobs (8 engineers on 2 cores: the load "
-        f"varies during the run). Command: `{command.strip()}`; {args.tokens} tokens a "
-        f"request; whole run {time.perf_counter() - started:.0f} s.",
+        f"varies during the run). Command: `{command('bash bench/grammar_mask.sh', argv)}`; "
+        f"{args.tokens} tokens a request. {whole_run(started)}",
     ])
-    print(text)
+    done = DOC.publish(text, args)
     print(json.dumps({f"{s}x{c}": v for (s, c), v in ms.items()}))
-    if args.update_docs:
-        update_docs(text, MARK_START, MARK_END, DOCS)
-    return 0
+    return done
 
 
 if __name__ == "__main__":

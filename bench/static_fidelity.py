@@ -32,17 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(BENCH))
+from agent_workload import static_prompt
+from engine import naive_boundary
+from engine_doc import DocBlock, command, machine
+from engine_quality import close_all, engine_answer, load_models, make_engines
 
-from agent_workload import static_prompt  # noqa: E402
-from engine import machine, naive_boundary, update_docs  # noqa: E402
-from engine_quality import close_all, engine_answer, load_models, make_engines  # noqa: E402
-
-DOCS = ROOT / "docs" / "engine.md"
-MARK_START, MARK_END = "<!-- bench:fidelity:start -->", "<!-- bench:fidelity:end -->"
+DOC = DocBlock("fidelity")
 LABELS = {"b": "(b) no boundary", "c": "(c) naive boundary", "d": "(d) cached boundary"}
 
 
@@ -140,7 +135,7 @@ def table(report: dict[str, Any], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = DOC.parser(__doc__)
     parser.add_argument("--prompts", type=int, default=12, help="turns (default 12)")
     parser.add_argument("--seed", type=int, default=0, help="first turn's seed")
     parser.add_argument("--draft-layers", type=int, default=6)
@@ -151,15 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--from-json", type=Path, help="the table of an earlier (or cut) run")
-    parser.add_argument("--update-docs", action="store_true",
-                        help=f"write the table into {DOCS.relative_to(ROOT)}")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     if set(args.variants) - set(LABELS):
         parser.error(f"--variants takes b, c and d, got {args.variants!r}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args.command = "bash bench/static_fidelity.sh" + "".join(
-        f" {a}" for a in (argv or sys.argv[1:]))
+    args.command = command("bash bench/static_fidelity.sh", argv)
     if args.from_json:
         report = json.loads(args.from_json.read_text(encoding="utf-8"))
         text = table(report, report["command"])
@@ -168,12 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run(args)
         report["seconds"] = time.perf_counter() - started
         text = table(report, args.command) + f"Whole run: {report['seconds']:.0f} s.\n"
-    print(text)
-    if args.json and not args.from_json:
-        args.json.write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
-    if args.update_docs:
-        update_docs(text, MARK_START, MARK_END, DOCS)
-    return 0
+    return DOC.publish(text, args, None if args.from_json else report)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from prefix_cache.service import ServiceSettings
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder, agent_upstream
+from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES, AgentRecorder
 from tests.support.loopback import anthropic_client, local_client, openai_client
 from tests.support.redis_server import needs_redis
 from tests.support.server_thread import ServerThread
@@ -28,28 +27,8 @@ openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client unde
 
 
 @pytest.fixture(scope="module")
-def rec_server() -> Iterator[tuple[AgentRecorder, str]]:
-    rec = AgentRecorder()
-    with ServerThread(agent_upstream(rec), log_level="critical") as url:
-        yield rec, url
-
-
-@pytest.fixture
-def rec(rec_server: tuple[AgentRecorder, str]) -> AgentRecorder:
-    rec_server[0].reset()
-    return rec_server[0]
-
-
-@pytest.fixture(scope="module")
-def app(rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> Any:
-    url = rec_server[1]
-    return sidecar_app(
-        served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
-        served("native-spec", demo_tokenizer, Upstream(url, "specprefill")),
-        served("chat-only", demo_tokenizer, Upstream(url)),
-        served("chat-only-spec", demo_tokenizer, Upstream(url, "specprefill", apis=())),
-        served("boundary-only", demo_tokenizer),
-        api_keys=TENANT_KEYS)
+def app(agent_app: Any) -> Any:
+    return agent_app  # the sidecar the module's ``base`` serves (tests/support/service_fixtures)
 
 
 def chat_boundary(base: str, body: dict[str, Any], key: str = "sk-acme") -> dict[str, Any]:

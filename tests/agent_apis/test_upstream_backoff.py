@@ -5,16 +5,12 @@ Anthropic SDKs then wait as long as the upstream said."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from prefix_cache.service.upstream import Upstream
-from tests.support.agent_upstream import AgentRecorder, agent_upstream
+from tests.support.agent_upstream import AgentRecorder
 from tests.support.loopback import anthropic_client, local_client, openai_client
-from tests.support.server_thread import ServerThread
-from tests.support.sidecar import TENANT_KEYS, served, sidecar_app
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
@@ -30,25 +26,8 @@ SDK_WAIT_S = 1.5   # what the upstream asks for below; the SDKs' own first backo
 
 
 @pytest.fixture(scope="module")
-def rec_server() -> Iterator[tuple[AgentRecorder, str]]:
-    rec = AgentRecorder()
-    with ServerThread(agent_upstream(rec), log_level="critical") as url:
-        yield rec, url
-
-
-@pytest.fixture
-def rec(rec_server: tuple[AgentRecorder, str]) -> AgentRecorder:
-    rec_server[0].reset()
-    return rec_server[0]
-
-
-@pytest.fixture(scope="module")
-def app(rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> Any:
-    url = rec_server[1]
-    return sidecar_app(
-        served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
-        served("chat-only", demo_tokenizer, Upstream(url)),
-        api_keys=TENANT_KEYS)
+def app(agent_app: Any) -> Any:
+    return agent_app  # the sidecar the module's ``base`` serves (tests/support/service_fixtures)
 
 
 def request_of(api: str, model: str, stream: bool) -> tuple[str, dict[str, Any]]:

@@ -18,11 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
+from prefix_cache.service.upstream import Upstream
+
+from .agent_upstream import AgentRecorder, agent_upstream
 from .loopback import free_port, local_client
 from .paths import openblas
 from .recording_upstream import Recorder, recording_upstream
 from .server_thread import ServerThread
-from .sidecar import TENANT_KEYS, engine_sidecar_app
+from .sidecar import TENANT_KEYS, engine_sidecar_app, served, sidecar_app
 
 MLX_STARTUP_TIMEOUT_S = 120.0
 TINY_MODEL = "tiny-qwen3"   # the tiny model's folder name: the name the sidecar serves it by
@@ -42,6 +45,35 @@ def recorder(recorder_server: tuple[Recorder, str]) -> Recorder:
     rec = recorder_server[0]
     rec.reset()
     return rec
+
+
+# The agent APIs' recording upstream: it serves Messages and Responses as well as chat.
+@pytest.fixture(scope="module")
+def rec_server() -> Iterator[tuple[AgentRecorder, str]]:
+    rec = AgentRecorder()
+    with ServerThread(agent_upstream(rec), log_level="critical") as url:
+        yield rec, url
+
+
+@pytest.fixture
+def rec(rec_server: tuple[AgentRecorder, str]) -> AgentRecorder:
+    rec_server[0].reset()
+    return rec_server[0]
+
+
+@pytest.fixture(scope="module")
+def agent_app(rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> Any:
+    """A sidecar in front of ``rec_server``, a model for each kind of upstream: one serving the
+    agent APIs itself (native), one serving chat only, each plain and ``specprefill``, and a
+    model with no upstream (boundary-only)."""
+    url = rec_server[1]
+    return sidecar_app(
+        served("native", demo_tokenizer, Upstream(url, apis=("messages", "responses"))),
+        served("native-spec", demo_tokenizer, Upstream(url, "specprefill")),
+        served("chat-only", demo_tokenizer, Upstream(url)),
+        served("chat-only-spec", demo_tokenizer, Upstream(url, "specprefill", apis=())),
+        served("boundary-only", demo_tokenizer),
+        api_keys=TENANT_KEYS)
 
 
 # -- the test module's sidecar ------------------------------------------------------------------
