@@ -22,6 +22,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
+from ..folder_cli import print_folder, read_template
 from .llama import llama_config, llama_weights
 from .tokenizer import write_tokenizer_files
 
@@ -84,15 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chat-template", type=Path, metavar="FILE",
                         help="chat template (default: the GGUF's)")
     args = parser.parse_args(argv)
-    template = args.chat_template.read_text("utf-8") if args.chat_template else None
-    try:
-        folder = convert_gguf(args.source, args.dest, dtype=args.dtype, layers=args.layers,
-                              chat_template=template)
-    except (ValueError, OSError) as exc:
-        print(f"convert: {exc}", file=sys.stderr)
-        return 2
-    print(folder)
-    return 0
+    return print_folder("convert", lambda: convert_gguf(
+        args.source, args.dest, dtype=args.dtype, layers=args.layers,
+        chat_template=read_template(args.chat_template)))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..folder_cli import print_folder, read_template
+
 ARCHES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gemma3_text", "gpt_oss", "qwen3_next",
           "qwen3_5")
 # The families whose mlx-lm caches go beyond plain KV, and the MoE control (plain KV).
@@ -175,17 +177,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="MLP width (default: 2 * hidden)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    template = args.chat_template.read_text("utf-8") if args.chat_template else None
-    try:
-        folder = make_tiny_model(args.dest, args.arch, tokenizer=args.tokenizer,
-                                 chat_template=template, hidden=args.hidden, layers=args.layers,
-                                 seed=args.seed, heads=args.heads, kv_heads=args.kv_heads,
-                                 intermediate=args.intermediate)
-    except (ValueError, KeyError) as exc:
-        print(f"tiny_model: {exc}", file=sys.stderr)
-        return 2
-    print(folder)
-    return 0
+    return print_folder("tiny_model", lambda: make_tiny_model(
+        args.dest, args.arch, tokenizer=args.tokenizer,
+        chat_template=read_template(args.chat_template), hidden=args.hidden,
+        layers=args.layers, seed=args.seed, heads=args.heads, kv_heads=args.kv_heads,
+        intermediate=args.intermediate), errors=(ValueError, KeyError))
 
 
 if __name__ == "__main__":

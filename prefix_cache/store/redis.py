@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import AsyncExitStack, ExitStack
+from itertools import islice
 from types import MappingProxyType
 from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit, urlunsplit
@@ -264,50 +265,27 @@ class RedisStore(Store):
 
     def purge(self, pattern: str) -> int:
         def run(r: Any) -> int:
-            removed, batch = 0, []
-            for key in r.scan_iter(match=pattern, count=SCAN_COUNT):  # SCAN, never KEYS
-                batch.append(key)
-                if len(batch) >= DELETE_BATCH:
-                    removed += r.delete(*batch)
-                    batch = []
-            if batch:
-                removed += r.delete(*batch)
-            return removed
+            keys = r.scan_iter(match=pattern, count=SCAN_COUNT)  # SCAN, never KEYS
+            return sum(int(r.delete(*batch)) for batch in _batches(keys))
         return self._call(run)
 
     async def apurge(self, pattern: str) -> int:
         """``purge`` on the event loop's client: each SCAN page and each DEL batch is its own
         round trip, so the loop serves other requests between them, however many keys match."""
         async def run(r: Any) -> int:
-            removed, batch = 0, []
-            async for key in r.scan_iter(match=pattern, count=SCAN_COUNT):
-                batch.append(key)
-                if len(batch) >= DELETE_BATCH:
-                    removed += await r.delete(*batch)
-                    batch = []
-            if batch:
-                removed += await r.delete(*batch)
-            return int(removed)
+            keys = r.scan_iter(match=pattern, count=SCAN_COUNT)
+            return sum([int(await r.delete(*batch)) async for batch in _abatches(keys)])
         return await self._acall(run)
 
     def scan(self, pattern: str) -> Iterator[tuple[str, int]]:
         def run(r: Any) -> list[tuple[str, int]]:
             out: list[tuple[str, int]] = []
-            batch: list[bytes] = []
-
-            def flush() -> None:
+            for batch in _batches(r.scan_iter(match=pattern, count=SCAN_COUNT)):
                 pipe = r.pipeline(transaction=False)
                 for key in batch:
                     pipe.strlen(key)
-                out.extend((k.decode(errors="replace"), n) for k, n in zip(batch, pipe.execute(), strict=True))
-                batch.clear()
-
-            for key in r.scan_iter(match=pattern, count=SCAN_COUNT):
-                batch.append(key)
-                if len(batch) >= DELETE_BATCH:
-                    flush()
-            if batch:
-                flush()
+                out.extend((k.decode(errors="replace"), n)
+                           for k, n in zip(batch, pipe.execute(), strict=True))
             return out
         return iter(self._call(run))
 
@@ -327,10 +305,8 @@ class RedisStore(Store):
         try:
             with self._gate.hold():
                 return bool(self._client().ping())
-        except StoreBusyError:
-            return self.breaker.state != OPEN  # every connection busy: trust the last calls
-        except Exception:
-            return False
+        except Exception as exc:
+            return self._unanswered(exc)
 
     async def aping(self) -> bool:
         """``ping`` on the event loop's client."""
@@ -338,10 +314,12 @@ class RedisStore(Store):
             client, gate = self._aclient()
             async with gate.ahold():
                 return bool(await client.ping())
-        except StoreBusyError:
-            return self.breaker.state != OPEN
-        except Exception:
-            return False
+        except Exception as exc:
+            return self._unanswered(exc)
+
+    def _unanswered(self, exc: Exception) -> bool:
+        """A ping's answer when it failed: every connection busy trusts the last calls."""
+        return isinstance(exc, StoreBusyError) and self.breaker.state != OPEN
 
     def stats(self) -> StoreStats:
         remote = RemoteStats(url=_redact(self.url), breaker=self.breaker.state,
@@ -360,6 +338,25 @@ class RedisStore(Store):
         if self._sync is not None:
             self._sync.close()
         self._async.clear()
+
+
+def _batches(keys: Iterable[T]) -> Iterator[list[T]]:
+    """``keys`` in lists of at most DELETE_BATCH: one DEL or one pipeline each."""
+    it = iter(keys)
+    while batch := list(islice(it, DELETE_BATCH)):
+        yield batch
+
+
+async def _abatches(keys: AsyncIterator[T]) -> AsyncIterator[list[T]]:
+    """``_batches`` of an asyncio SCAN, each batch as soon as its keys came."""
+    batch: list[T] = []
+    async for key in keys:
+        batch.append(key)
+        if len(batch) == DELETE_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def _set_up(connection: Any) -> None:

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from .base import Store, StoreStats
 from .memory import MemoryStore
+from .steps import Steps, twins
 
 DEFAULT_LOCAL_TTL_SECONDS = 10.0
 
@@ -38,41 +39,36 @@ class TieredStore(Store):
     def _local_ttl(self, ttl_seconds: float | None) -> float:
         return self.local_ttl_seconds if ttl_seconds is None else min(ttl_seconds, self.local_ttl_seconds)
 
-    def get(self, key: str) -> bytes | None:
-        value = self.local.get(key)
-        if value is None:
-            value = self.remote.get(key)
-            if value is not None:
-                self.local.put(key, value, self.local_ttl_seconds)
-        return value
-
-    async def aget(self, key: str) -> bytes | None:
-        value = self.local.get(key)
-        if value is None:
-            value = await self.remote.aget(key)
-            if value is not None:
-                self.local.put(key, value, self.local_ttl_seconds)
-        return value
-
     def put(self, key: str, value: bytes, ttl_seconds: float | None = None) -> None:
         self.local.put(key, value, self._local_ttl(ttl_seconds))
         self.remote.put(key, value, ttl_seconds)
 
-    def delete(self, key: str) -> bool:
-        in_remote = self.remote.delete(key)
-        return self.local.delete(key) or in_remote
+    # get is every hit's call: written out twice, as steps cost a hit ~2x (a generator run).
+    def get(self, key: str) -> bytes | None:
+        value = self.local.get(key)
+        return self._filled(key, self.remote.get(key)) if value is None else value
 
-    async def adelete(self, key: str) -> bool:
-        in_remote = await self.remote.adelete(key)
-        return self.local.delete(key) or in_remote
+    async def aget(self, key: str) -> bytes | None:
+        value = self.local.get(key)
+        return self._filled(key, await self.remote.aget(key)) if value is None else value
 
-    def purge(self, pattern: str) -> int:
-        remote = self.remote.purge(pattern)
+    def _filled(self, key: str, value: bytes | None) -> bytes | None:
+        """A remote hit fills memory."""
+        if value is not None:
+            self.local.put(key, value, self.local_ttl_seconds)
+        return value
+
+    # delete and purge: each written once as steps (steps.py), paired sync and async.
+    def _delete(self, key: str) -> Steps[bool]:
+        in_remote = yield "delete", (key,)   # Redis first: memory cleared once Redis answered
+        return self.local.delete(key) or bool(in_remote)
+
+    def _purge(self, pattern: str) -> Steps[int]:
+        remote = yield "purge", (pattern,)
         return max(remote, self.local.purge(pattern))
 
-    async def apurge(self, pattern: str) -> int:
-        remote = await self.remote.apurge(pattern)
-        return max(remote, self.local.purge(pattern))
+    delete, adelete = twins(_delete, "remote")
+    purge, apurge = twins(_purge, "remote")
 
     def ping(self) -> bool:
         return self.remote.ping()
