@@ -122,10 +122,10 @@ class SpecPrefillBoundary:
             else:  # the vision-language shape: the engine's own ids, placeholders expanded
                 ids = [int(t) for t in prompt]
             namespace = self.namespace(kwargs) if callable(self.namespace) else self.namespace
+            args = (tok, list(messages), _listed(tools), _dict(chat_template_kwargs))
         except Exception as exc:
             log.warning("specprefill_system_end not computed, dense prefill: %s", exc)
             return None
-        args = (tok, list(messages), _listed(tools), _dict(chat_template_kwargs))
         options = {"prompt_ids": ids[lead:], "chat_template": self.chat_template,
                    "namespace": namespace, "model": self.model}
         return _Call(args, options, lead)

@@ -342,6 +342,11 @@ def test_off_given_or_failing_requests_keep_their_kwargs(vl_tokenizer):
     kwargs: dict[str, Any] = {}
     boundary(bad, [1, 2, 3], None, None, kwargs, tokenizer=vl_tokenizer)  # a render that fails
     assert kwargs == {} and boundary.last is None           # no boundary, no exception
+    for bad_tools in ([1, 2], "tools"):                     # not tool objects: no copy made
+        boundary(messages, [1, 2, 3], bad_tools, None, kwargs, tokenizer=vl_tokenizer)
+        asyncio.run(boundary.ainject(messages, [1, 2, 3], bad_tools, None, kwargs,
+                                     tokenizer=vl_tokenizer))
+    assert kwargs == {} and boundary.last is None
 
 
 def test_no_static_part_sets_no_boundary(vl_tokenizer):
