@@ -1,11 +1,22 @@
-"""The end of a command that writes a model folder (``gguf.convert``, ``testing.tiny_model``):
-the folder's path printed (exit 0), or what was wrong with the input (exit 2)."""
+"""What the commands that write a model folder share (``gguf.convert``, ``testing.tiny_model``):
+their parser's common part, and their end: the folder's path printed (exit 0), or what was
+wrong with the input (exit 2)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+
+def folder_parser(module: str, doc: str, template_default: str) -> argparse.ArgumentParser:
+    """A parser for ``python -m <module>``, described by the first line of ``doc``, with
+    ``--chat-template FILE`` (``template_default``: what is used without it)."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
+    parser.add_argument("--chat-template", type=Path, metavar="FILE",
+                        help=f"chat template (default: {template_default})")
+    return parser
 
 
 def read_template(path: Path | None) -> str | None:

@@ -12,7 +12,6 @@ is written next to DEST and renamed into place, so a reader never sees half of o
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -22,7 +21,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from ..folder_cli import print_folder, read_template
+from ..folder_cli import folder_parser, print_folder, read_template
 from .llama import llama_config, llama_weights
 from .tokenizer import write_tokenizer_files
 
@@ -73,8 +72,7 @@ def _replace(staging: Path, dest: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_adapter.gguf.convert",
-                                     description=__doc__.splitlines()[0])
+    parser = folder_parser("engine_adapter.gguf.convert", __doc__, "the GGUF's")
     parser.add_argument("source", type=Path, help="the .gguf file")
     parser.add_argument("dest", type=Path, help="the model folder to write (replaced)")
     parser.add_argument("--dtype", default="float32",
@@ -82,8 +80,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="float32 dequantizes (the fast dtype on CPU); quantized keeps the "
                              "GGUF's 4/8-bit blocks")
     parser.add_argument("--layers", type=int, help="keep only the first N layers")
-    parser.add_argument("--chat-template", type=Path, metavar="FILE",
-                        help="chat template (default: the GGUF's)")
     args = parser.parse_args(argv)
     return print_folder("convert", lambda: convert_gguf(
         args.source, args.dest, dtype=args.dtype, layers=args.layers,

@@ -19,14 +19,13 @@ produce has an embedding row.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
-from ..folder_cli import print_folder, read_template
+from ..folder_cli import folder_parser, print_folder, read_template
 
 ARCHES = ("qwen3", "llama", "qwen2", "qwen3_moe", "gemma3_text", "gpt_oss", "qwen3_next",
           "qwen3_5")
@@ -161,14 +160,12 @@ def tiny_model_folder(dest: Path, arch: str = "qwen3", **options: Any) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_adapter.testing.tiny_model",
-                                     description=__doc__.splitlines()[0])
+    parser = folder_parser("engine_adapter.testing.tiny_model", __doc__,
+                           "the demo template, which renders tools")
     parser.add_argument("dest", type=Path, help="folder to write (created or overwritten)")
     parser.add_argument("--arch", choices=ARCHES, default="qwen3")
     parser.add_argument("--tokenizer", default="qwen3",
                         help="offline tokenizer name (prefix_cache.testing.offline_tokenizers.NAMES)")
-    parser.add_argument("--chat-template", type=Path, metavar="FILE",
-                        help="chat template (default: the demo template, which renders tools)")
     parser.add_argument("--hidden", type=int, default=64, help="hidden size")
     parser.add_argument("--layers", type=int, default=2, help="transformer layers")
     parser.add_argument("--heads", type=int, default=4, help="attention heads")

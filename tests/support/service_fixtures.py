@@ -11,9 +11,9 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import httpx
 import pytest
@@ -33,32 +33,43 @@ TINY_MODEL = "tiny-qwen3"   # the tiny model's folder name: the name the sidecar
 ENGINE_ADMIN, ENGINE_METRICS = "sk-engine-admin", "sk-engine-metrics"
 
 
+class _Resettable(Protocol):
+    def reset(self) -> None: ...
+
+
+R = TypeVar("R", bound=_Resettable)
+
+
+def _on_uvicorn(rec: R, upstream: Callable[[R], Any]) -> Iterator[tuple[R, str]]:
+    """A recording upstream app on a real uvicorn: its recorder and base URL."""
+    with ServerThread(upstream(rec), log_level="critical") as url:
+        yield rec, url
+
+
+def _emptied(server: tuple[R, str]) -> R:
+    server[0].reset()
+    return server[0]
+
+
 @pytest.fixture(scope="session")
 def recorder_server() -> Iterator[tuple[Recorder, str]]:
-    rec = Recorder()
-    with ServerThread(recording_upstream(rec), log_level="critical") as url:
-        yield rec, url
+    yield from _on_uvicorn(Recorder(), recording_upstream)
 
 
 @pytest.fixture
 def recorder(recorder_server: tuple[Recorder, str]) -> Recorder:
-    rec = recorder_server[0]
-    rec.reset()
-    return rec
+    return _emptied(recorder_server)
 
 
 # The agent APIs' recording upstream: it serves Messages and Responses as well as chat.
 @pytest.fixture(scope="module")
 def rec_server() -> Iterator[tuple[AgentRecorder, str]]:
-    rec = AgentRecorder()
-    with ServerThread(agent_upstream(rec), log_level="critical") as url:
-        yield rec, url
+    yield from _on_uvicorn(AgentRecorder(), agent_upstream)
 
 
 @pytest.fixture
 def rec(rec_server: tuple[AgentRecorder, str]) -> AgentRecorder:
-    rec_server[0].reset()
-    return rec_server[0]
+    return _emptied(rec_server)
 
 
 @pytest.fixture(scope="module")
