@@ -1,7 +1,7 @@
 """Downstream engines that use the static-prefix boundary.
 
 - ``engine_adapter.mlx_engine``: the in-process batched MLX engine (imports mlx).
-- ``engine_adapter.backend``: that engine as a ``prefix_cache.engine_protocol.ChatBackend``
+- ``engine_adapter.backend``: that engine as a ``prefix_cache.engine.protocol.ChatBackend``
   (token ids in, text deltas out); ``engine_adapter.registry``: engines by name for
   ``--engine``; ``engine_adapter.server``: ``prefix-cache serve-engine``.
 - ``engine_adapter.plugin``: routes an engine's own ``specprefill_system_end`` computation

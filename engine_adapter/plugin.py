@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from prefix_cache import StaticPrefixCache
-from prefix_cache.cache import PrefixResult
+from prefix_cache.cache.cache import PrefixResult
 
 log = logging.getLogger("engine_adapter.plugin")
 

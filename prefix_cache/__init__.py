@@ -1,8 +1,8 @@
 """Static-prefix cache: ``specprefill_system_end`` for SpecPrefill engines, computed once per
 static system/tool prefix instead of with two extra chat-template renders on every request."""
 
-from .boundary import PROBE_A, PROBE_B, common_prefix_len
-from .cache import PrefixResult, StaticPrefixCache
+from .cache.boundary import PROBE_A, PROBE_B, common_prefix_len
+from .cache.cache import PrefixResult, StaticPrefixCache
 from .errors import (
     EntryError,
     InvalidRequestError,

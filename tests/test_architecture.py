@@ -16,7 +16,7 @@ PACKAGES = ("prefix_cache", "engine_adapter")
 FASTPATH = "prefix_cache.fastpath"
 MAX_FASTPATH_IMPORTERS = 3
 # The one place prefix_cache reaches engine_adapter: the engine lookup by name.
-ENGINE_LOOKUP = "prefix_cache.engines"
+ENGINE_LOOKUP = "prefix_cache.engine.lookup"
 # The module table and the tests table (moved out of the README, which is for a newcomer).
 LAYOUT_PAGE = REPO / "docs" / "layout.md"
 
@@ -107,7 +107,7 @@ def test_the_lower_layers_never_import_the_higher_ones() -> None:
 
 
 # The engine server and its host mount the API layer; the engine itself knows only the
-# engine protocol (prefix_cache.engine_protocol) and the core.
+# engine protocol (prefix_cache.engine.protocol) and the core.
 ENGINE_SERVER = ("engine_adapter.server", "engine_adapter.engine_host")
 API_LAYERS = ("prefix_cache.api", "prefix_cache.chat", "prefix_cache.http",
               "prefix_cache.service")
@@ -199,7 +199,7 @@ def test_the_fast_path_is_reached_only_through_its_seam() -> None:
 
 def test_the_fast_path_imports_nothing_above_the_core() -> None:
     """The accelerators sit under the cache: no layer above it (nor the engine) below them."""
-    above = ("prefix_cache.store", *API_LAYERS, "prefix_cache.cache", "engine_adapter")
+    above = ("prefix_cache.store", *API_LAYERS, "prefix_cache.cache.cache", "engine_adapter")
     bad = {(i.module, i.target) for i in _all_imports()
            if _under(i.module, FASTPATH) and any(_under(i.target, a) for a in above)}
     assert bad == set()

@@ -32,9 +32,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from .. import engine_protocol as wire
-from .. import json_io
-from ..cache import PrefixResult
+from ..cache.cache import PrefixResult
+from ..engine import protocol as wire
 from ..http.errors import (
     UpstreamBadStatus,
     UpstreamStatusError,
@@ -44,6 +43,7 @@ from ..http.errors import (
 from ..http.relay import client_headers, relays_status
 from ..http.request_id import HEADER as REQUEST_ID_HEADER
 from ..http.request_id import current_request_id
+from ..util import json_io
 from .settings import UpstreamKind
 
 log = logging.getLogger("prefix_cache.service")
