@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `serve` sets it
 
 from prefix_cache import direct_render  # noqa: E402
-from prefix_cache.cache import _plan as plan
+from prefix_cache.cache import _plan as plan  # noqa: E402
 from prefix_cache.cache import cache as cache_module  # noqa: E402
 from prefix_cache.cache import keys  # noqa: E402
 from prefix_cache.render import render  # noqa: E402
