@@ -21,8 +21,8 @@ from typing import Any
 from prefix_cache import StaticPrefixCache
 from prefix_cache.chat.anthropic_params import parse_messages_body
 from prefix_cache.chat.responses_params import parse_responses_body
-from prefix_cache.demo import demo_model_dir
-from prefix_cache.model_dir import load_tokenizer
+from prefix_cache.model_folders.demo import demo_model_dir
+from prefix_cache.model_folders.model_dir import load_tokenizer
 
 SYSTEM = "You are a careful coding agent. " * 40
 

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine_adapter.demo_model import demo_chat_model_dir
     from engine_adapter.mlx_engine.specprefill import score_tokens, select_chunks
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.render import unwrap_tokenizer
+    from prefix_cache.render.render import unwrap_tokenizer
 
     started = time.perf_counter()
     target, wrapper = load(str(demo_chat_model_dir()))[:2]

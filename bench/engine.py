@@ -194,7 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine_adapter.testing.reference import kl_divergence
     from engine_adapter.testing.tiny_model import tiny_model_folder
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.render import get_renderer, unwrap_tokenizer
+    from prefix_cache.render.render import get_renderer, unwrap_tokenizer
     from prefix_cache.testing.benchmark import bench_tools
 
     root = Path(args.models_dir)

@@ -37,7 +37,7 @@ def measure_family(arch: str, root: Path, tools_counts: list[int], reps: int,
     from engine_adapter.mlx_engine import MLXEngine
     from engine_adapter.testing.tiny_model import tiny_model_folder
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.render import get_renderer, unwrap_tokenizer
+    from prefix_cache.render.render import get_renderer, unwrap_tokenizer
     from prefix_cache.testing.benchmark import bench_tools
 
     folder = tiny_model_folder(root / f"family-{arch}", arch, **SHAPE)

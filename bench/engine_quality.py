@@ -104,7 +104,7 @@ def load_models(draft_layers: int) -> Models:
     from mlx_lm.utils import load_model
 
     from engine_adapter.demo_model import demo_chat_model_dir
-    from prefix_cache.render import get_renderer, unwrap_tokenizer
+    from prefix_cache.render.render import get_renderer, unwrap_tokenizer
 
     target_dir = demo_chat_model_dir()
     target, wrapper = load(str(target_dir))[:2]

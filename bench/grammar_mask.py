@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine_adapter.demo_model import demo_chat_model_dir
     from engine_adapter.grammar import output_grammar
     from engine_adapter.mlx_engine import GenerationRequest
-    from prefix_cache.engine_protocol import OutputConstraints
+    from prefix_cache.engine.protocol import OutputConstraints
 
     started = time.perf_counter()
     backend = MLXBackend.load(demo_chat_model_dir(), kv_disk_bytes=0, max_batch_size=8,

@@ -289,7 +289,7 @@ def in_process(requests: int) -> dict[str, float]:
 
     template = TEMPLATE.read_text() if TEMPLATE.is_file() else None
     if template is None:
-        from prefix_cache.demo import DEMO_TEMPLATE
+        from prefix_cache.model_folders.demo import DEMO_TEMPLATE
         template = DEMO_TEMPLATE
     tokenizer = load_offline_tokenizer("qwen3.5")
     row = run_case(tokenizer, template, TOOLS, requests)
@@ -305,7 +305,7 @@ def hot_hits(tokenizer: Any, template: str, requests: int) -> dict[str, float]:
     import numpy as np
 
     from prefix_cache import FrozenTools, StaticPrefixCache
-    from prefix_cache.render import get_renderer
+    from prefix_cache.render.render import get_renderer
 
     tools = bench_tools(TOOLS)
     frozen = FrozenTools(tools)

@@ -29,8 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `serve` sets it
 
-from prefix_cache import cache as cache_module  # noqa: E402
-from prefix_cache import direct_render, keys, plan, render  # noqa: E402
+from prefix_cache import direct_render  # noqa: E402
+from prefix_cache.cache import _plan as plan  # noqa: E402
+from prefix_cache.cache import cache as cache_module  # noqa: E402
+from prefix_cache.cache import keys  # noqa: E402
+from prefix_cache.render import render  # noqa: E402
 
 try:  # steps of this tree that older trees (run with a copy of this file) do not have
     from prefix_cache import tail_pieces

@@ -85,7 +85,7 @@ class Agent:
 
     def __init__(self, folder: Path) -> None:
         from prefix_cache import StaticPrefixCache
-        from prefix_cache.model_dir import load_tokenizer
+        from prefix_cache.model_folders.model_dir import load_tokenizer
 
         self.tok = load_tokenizer(folder)
         self.tools = agent_tools()

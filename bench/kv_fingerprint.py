@@ -96,7 +96,7 @@ def measure(name: str, folder: Path, repeat: int, work: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    from prefix_cache.demo import cache_home
+    from prefix_cache.model_folders.demo import cache_home
 
     parser.add_argument("--model", type=Path,
                         default=cache_home() / "smollm2-135m-instruct")

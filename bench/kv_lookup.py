@@ -35,8 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine_adapter.mlx_engine.kv_store import KVSnapshotStore  # noqa: E402
-from prefix_cache.boundary import packed_prefix_len  # noqa: E402
-from prefix_cache.token_ids import pack_ids  # noqa: E402
+from prefix_cache.cache.boundary import packed_prefix_len  # noqa: E402
+from prefix_cache.util.token_ids import pack_ids  # noqa: E402
 
 DOCS = ROOT / "docs" / "benchmarks.md"
 MARK_START, MARK_END = "<!-- bench:kv-lookup:start -->", "<!-- bench:kv-lookup:end -->"

@@ -62,7 +62,7 @@ def fmt(seconds: float) -> str:
 def run_case(base: Any, label: str, tok_name: str, n_tools: int, n_requests: int,
              passes: int) -> tuple[str, str]:
     import prefix_cache
-    from prefix_cache import boundary
+    from prefix_cache.cache import boundary
     from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools
     from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer
 
@@ -135,9 +135,9 @@ def breakdown(label: str, tok: Any, template: str, tools: list[dict[str, Any]],
     """Where a hit's time goes: the render's parts and the tokenization, medians of 30."""
     from transformers.utils.chat_template_utils import _plain_template_data
 
-    from prefix_cache.entry import decode_entry
-    from prefix_cache.plan import make_plan
-    from prefix_cache.render import get_renderer
+    from prefix_cache.cache._plan import make_plan
+    from prefix_cache.cache.entry import decode_entry
+    from prefix_cache.render.render import get_renderer
 
     renderer = get_renderer(tok, template, tools)
     plan = make_plan(tok, messages, tools, None, template, "default", None, prefix=cache.prefix,

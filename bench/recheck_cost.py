@@ -41,8 +41,8 @@ def median_us(calls: dict[str, Callable[[], Any]], reps: int, batch: int = 50) -
 
 
 def recheck_rows(reps: int) -> list[str]:
+    from prefix_cache.render.tokenizer_identity import current_fingerprint, encode_settings
     from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer
-    from prefix_cache.tokenizer_identity import current_fingerprint, encode_settings
 
     rows = ["| tokenizer | added tokens | before issue 23 (no table) | the whole table "
             "(issue 23) | the re-check now (issue 30) |", "|---|---:|---:|---:|---:|"]
@@ -61,7 +61,7 @@ def recheck_rows(reps: int) -> list[str]:
 def canonical_rows(reps: int) -> list[str]:
     import msgpack
 
-    from prefix_cache.keys import canonical_bytes
+    from prefix_cache.cache.keys import canonical_bytes
     from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools
 
     rows = ["| tools | packed bytes | pack alone | canonical_bytes | ratio |",

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from load import free_port, wait_ready  # noqa: E402
 from soak import start_redis  # noqa: E402
 
-from prefix_cache.demo import DEMO_NAME  # noqa: E402
+from prefix_cache.model_folders.demo import DEMO_NAME  # noqa: E402
 from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools  # noqa: E402
 
 MAIN_LIKE = {"PREFIX_CACHE_REDIS_CONNECT_TIMEOUT_S": "0.05",

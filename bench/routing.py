@@ -224,7 +224,7 @@ def kv_budget(model: Path, args: argparse.Namespace, tokens: int) -> int | None:
 
 def static_tokens(model: Path, args: argparse.Namespace) -> int:
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
 
     tokenizer = load_tokenizer(model)
     messages = [system_message(0), {"role": "user", "content": "Turn 0."}]

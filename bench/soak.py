@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from load import UPSTREAM_APP, free_port, pct, wait_ready  # noqa: E402
 
-from prefix_cache.demo import DEMO_NAME  # noqa: E402
+from prefix_cache.model_folders.demo import DEMO_NAME  # noqa: E402
 from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, cpu_name  # noqa: E402
 
 RSS_SAMPLE_S = 5.0

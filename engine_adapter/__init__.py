@@ -1,12 +1,18 @@
 """Downstream engines that use the static-prefix boundary.
 
-- ``engine_adapter.mlx_engine``: the in-process batched MLX engine (imports mlx).
-- ``engine_adapter.backend``: that engine as a ``prefix_cache.engine_protocol.ChatBackend``
-  (token ids in, text deltas out); ``engine_adapter.registry``: engines by name for
-  ``--engine``; ``engine_adapter.server``: ``prefix-cache serve-engine``.
-- ``engine_adapter.plugin``: routes an engine's own ``specprefill_system_end`` computation
-  through ``StaticPrefixCache`` (no mlx).
-- ``engine_adapter.testing.tiny_model``: tiny random-weights model folders for tests and demos.
+- ``mlx_engine/``: the in-process batched MLX engine (imports mlx).
+- ``backend.py``: that engine as a ``prefix_cache.engine.protocol.ChatBackend`` (token ids in,
+  text deltas out), with ``decoding.py`` (incremental decoding, stop strings), ``tool_calls.py``
+  (tool calls cut out of the text) and ``call_stream.py`` (tool calls streamed as written);
+  ``grammar/``: constrained decoding.
+- ``registry.py``: engines by name for ``--engine``; ``options.py`` and ``defaults.py``: their
+  options and defaults; ``server.py``: ``prefix-cache serve-engine``, with ``engine_host.py``
+  (the engine server as the API layer's host).
+- ``plugin.py``: routes an engine's own ``specprefill_system_end`` computation through
+  ``StaticPrefixCache`` (no mlx).
+- ``demo_model.py``: the demo chat model folder, converted from a GGUF (``gguf/``);
+  ``folder_cli.py``: the end of a command that writes a model folder.
+- ``testing/``: tiny random-weights model folders and reference computations for tests.
 
 Nothing here is imported eagerly: ``import engine_adapter`` stays cheap and mlx-free, and names
 resolve on first use (``engine_adapter.MLXEngine`` imports mlx then).

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.engine_protocol import (
+from prefix_cache.engine.protocol import (
     BackendError,
     BackendOutput,
     BackendRequest,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import re
 
-from prefix_cache.engine_protocol import ToolCallChunk
+from prefix_cache.engine.protocol import ToolCallChunk
 
 from .grammar.build import Envelope
 from .tool_calls import _partial_suffix, new_call_id

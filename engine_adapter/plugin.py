@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefix_cache import StaticPrefixCache
-from prefix_cache.cache import PrefixResult
+from prefix_cache.cache.cache import PrefixResult
 
 log = logging.getLogger("engine_adapter.plugin")
 

@@ -1,6 +1,6 @@
 """The engines ``prefix-cache serve --engine NAME`` can run in-process, by name.
 
-``prefix_cache.engines`` reads ``FACTORIES`` when it is asked for an engine; importing this
+``prefix_cache.engine.lookup`` reads ``FACTORIES`` when it is asked for an engine; importing this
 module imports no mlx (each factory imports its engine when it loads one).
 """
 
@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.engine_protocol import BackendFactory, ChatBackend
+from prefix_cache.engine.protocol import BackendFactory, ChatBackend
 
 from .options import EngineOptions
 

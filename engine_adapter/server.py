@@ -47,9 +47,9 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from prefix_cache import engine_protocol as wire
 from prefix_cache.api import mount
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT
+from prefix_cache.engine import protocol as wire
 from prefix_cache.http.errors import install_error_handlers
 from prefix_cache.http.request_id import RequestIdMiddleware
 from prefix_cache.http.shutdown import Drain, DrainMiddleware, drain_on_signals

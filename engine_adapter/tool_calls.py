@@ -22,8 +22,8 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prefix_cache.engine_protocol import ToolCall
-from prefix_cache.render import unwrap_tokenizer
+from prefix_cache.engine.protocol import ToolCall
+from prefix_cache.render.render import unwrap_tokenizer
 
 from .grammar.build import ENGINE_ENVELOPE, Envelope
 

@@ -1,8 +1,17 @@
 """Static-prefix cache: ``specprefill_system_end`` for SpecPrefill engines, computed once per
-static system/tool prefix instead of with two extra chat-template renders on every request."""
+static system/tool prefix instead of with two extra chat-template renders on every request.
 
-from .boundary import PROBE_A, PROBE_B, common_prefix_len
-from .cache import PrefixResult, StaticPrefixCache
+The core: ``cache/`` (``StaticPrefixCache``, keys, entries, the boundary), ``render/`` (the
+caller's tokenizer and template), ``fastpath/`` (the accelerators' switch), ``util/``,
+``model_folders/``, ``engine/`` (the engine protocol), ``errors.py``; the hit path's accelerators
+``body_parts.py``, ``known_parts.py``, ``frozen_tools.py``, ``direct_render.py``,
+``tail_pieces.py``, ``tokenizer_watch.py``. Above it: ``store/`` < ``http/`` < ``chat/`` <
+``api/`` < ``service/`` (the sidecar), with ``metrics/``; ``cli.py`` (the ``prefix-cache``
+command); ``testing/`` (test and benchmark tooling).
+"""
+
+from .cache.boundary import PROBE_A, PROBE_B, common_prefix_len
+from .cache.cache import PrefixResult, StaticPrefixCache
 from .errors import (
     EntryError,
     InvalidRequestError,

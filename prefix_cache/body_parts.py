@@ -34,11 +34,11 @@ import numpy as np
 import orjson
 import xxhash
 
-from . import json_io
-from .keys import packed_part
+from .cache.keys import packed_part
 from .known_parts import KnownParts
-from .lru import ByteLRU
-from .token_ids import TokenIds, pack_ids
+from .util import json_io
+from .util.lru import ByteLRU
+from .util.token_ids import TokenIds, pack_ids
 
 REMEMBERED_BYTES = 1024   # parts at least this long are remembered
 MEMO_BYTES = 32 << 20     # all remembered parts' bytes, per worker

@@ -16,8 +16,8 @@ from typing import Any
 
 import orjson
 
-from . import json_io
 from .errors import NoChatTemplateError, PrefixCacheError
+from .util import json_io
 
 log = logging.getLogger("prefix_cache.cli")
 
@@ -65,9 +65,9 @@ def _emit(obj: dict[str, Any]) -> None:
 
 
 def cmd_boundary(args: argparse.Namespace) -> int:
-    from .cache import StaticPrefixCache
+    from .cache.cache import StaticPrefixCache
     from .chat.bodies import conversation_of
-    from .model_dir import load_tokenizer
+    from .model_folders.model_dir import load_tokenizer
     from .service.settings import setting_from_env
 
     try:
@@ -134,8 +134,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from .errors import StoreUnavailableError
-    from .inventory import inventory
     from .store.factory import open_store
+    from .store.inventory import inventory
 
     if not args.redis:
         print("prefix-cache stats: give --redis URL (a memory store lives only inside its process)",
@@ -161,7 +161,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_serve_engine(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from .engines import engine_factory
+    from .engine.lookup import engine_factory
     from .service.flags import flag_overrides
     from .service.settings import EngineServerSettings
 
@@ -180,7 +180,7 @@ def cmd_serve_engine(args: argparse.Namespace) -> int:
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
     if args.chat:
-        from .engines import engine_factory
+        from .engine.lookup import engine_factory
 
         try:
             print(engine_factory("mlx").default_model())
@@ -188,14 +188,14 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
             print(f"prefix-cache demo-model: {exc}", file=sys.stderr)
             return EXIT_FAILED
         return EXIT_OK
-    from .demo import demo_model_dir
+    from .model_folders.demo import demo_model_dir
 
     print(demo_model_dir())
     return EXIT_OK
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .prompt_tokens import DEFAULT_CHECK_RATE
+    from .cache.prompt_tokens import DEFAULT_CHECK_RATE
     from .service.flags import add_flags, add_serve_flags
     from .service.settings import EngineServerSettings, env_name
 

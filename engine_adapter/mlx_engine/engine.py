@@ -26,7 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from prefix_cache.engine_protocol import EngineCounts, EngineHealth, EngineStats, counted
+from prefix_cache.engine.protocol import EngineCounts, EngineHealth, EngineStats, counted
 
 from ..defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
 from . import kv_cache

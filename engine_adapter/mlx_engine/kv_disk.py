@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.engine_protocol import DiskKVCounts, DiskKVStats, counted
-from prefix_cache.token_ids import pack_ids, unpack_ids
+from prefix_cache.engine.protocol import DiskKVCounts, DiskKVStats, counted
+from prefix_cache.util.token_ids import pack_ids, unpack_ids
 
 from ..defaults import DEFAULT_KV_DISK_QUEUE
 from . import kv_file

@@ -19,7 +19,7 @@ def kv_disk_folder(model_dir: str | Path, base: str | Path | None = None) -> Pat
     """The disk tier's folder of a model: ``<base>/<model folder name>-<hash of its path>``,
     ``base`` defaulting to ``engine-kv`` under the cache folder. One folder per model: the
     files of another model in it would be deleted as foreign."""
-    from prefix_cache.demo import cache_home
+    from prefix_cache.model_folders.demo import cache_home
 
     folder = Path(model_dir).resolve()
     root = Path(base) if base is not None else cache_home() / "engine-kv"

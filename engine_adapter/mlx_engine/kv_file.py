@@ -25,7 +25,7 @@ from typing import Any, BinaryIO, cast
 import mlx.core as mx
 import xxhash
 
-from prefix_cache.token_ids import pack_ids, unpack_ids
+from prefix_cache.util.token_ids import pack_ids, unpack_ids
 
 from .kv_cache import KVSnapshot
 from .kv_folder import TierFolder

@@ -25,10 +25,10 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import xxhash
 
-from prefix_cache.boundary import packed_prefix_len
-from prefix_cache.engine_protocol import KVStoreCounts, KVStoreStats, counted
-from prefix_cache.lru import ByteLRU
-from prefix_cache.token_ids import pack_ids
+from prefix_cache.cache.boundary import packed_prefix_len
+from prefix_cache.engine.protocol import KVStoreCounts, KVStoreStats, counted
+from prefix_cache.util.lru import ByteLRU
+from prefix_cache.util.token_ids import pack_ids
 
 from ..defaults import DEFAULT_KV_BYTES
 

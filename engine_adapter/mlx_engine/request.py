@@ -7,9 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefix_cache.engine_protocol import BackendError, EngineCounts
+from prefix_cache.engine.protocol import BackendError, EngineCounts
 from prefix_cache.errors import ContextLengthError, InvalidRequestError
-from prefix_cache.token_ids import validate_token_ids
+from prefix_cache.util.token_ids import validate_token_ids
 
 from ..defaults import DEFAULT_MAX_TOKENS, GREEDY
 

@@ -1,2 +1,4 @@
-"""Test and benchmark tooling of the engine: tiny random-weights model folders
-(``python -m engine_adapter.testing.tiny_model DEST``) and uncached reference computations."""
+"""Test and benchmark tooling of the engine: tiny random-weights model folders (``tiny_model.py``;
+``python -m engine_adapter.testing.tiny_model DEST``) and uncached reference computations
+(``reference.py``).
+"""

@@ -129,8 +129,8 @@ def make_tiny_model(dest: Path, arch: str = "qwen3", *, tokenizer: str = "qwen3"
                     seed: int = 0, heads: int = 4, kv_heads: int = 2,
                     intermediate: int | None = None) -> Path:
     """Lay out the tiny model folder at ``dest`` and return it."""
-    from prefix_cache.demo import DEMO_TEMPLATE
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.demo import DEMO_TEMPLATE
+    from prefix_cache.model_folders.model_dir import load_tokenizer
     from prefix_cache.testing.offline_tokenizers import make_model_dir
 
     dest = Path(dest)

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from ..chat.agent_call import AgentCall
 from ..chat.events import backend_events
 from ..chat.fields import UNSUPPORTED
-from ..engine_protocol import ChatBackend
+from ..engine.protocol import ChatBackend
 from ..errors import InvalidRequestError
 from .host import Api, Turn
 from .pipeline import recorded

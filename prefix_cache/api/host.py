@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..cache import PrefixResult
+from ..cache.cache import PrefixResult
 from ..chat.agent_call import AgentCall
 from ..chat.conversation import Conversation
 from ..chat.events import Events

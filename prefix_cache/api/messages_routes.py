@@ -6,7 +6,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from .. import json_io
 from ..chat.anthropic_encode import (
     AnthropicMessage,
     MessageMeta,
@@ -18,9 +17,10 @@ from ..chat.anthropic_params import MessagesRequest, messages_conversation, pars
 from ..chat.events import Events
 from ..chat.respond import json_response, stream_response
 from ..chat.responses_encode import new_id
-from ..engine_protocol import Usage
+from ..engine.protocol import Usage
 from ..http.errors import anthropic_error_body
 from ..http.sse import sse_event
+from ..util import json_io
 from . import openapi_docs as docs
 from .deps import Caller, HostDep
 from .host import Turn

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import Request
 
-from ..cache import PrefixResult
+from ..cache.cache import PrefixResult
 from ..chat.agent_call import AgentCall
 from ..chat.events import Finish, OutputEvent, Prefilled
 from ..http.body import JSONBody

@@ -3,7 +3,7 @@
 Request models check the types of the fields the sidecar reads and let every other field
 through (``extra="allow"``): OpenAI bodies grow new fields all the time, and the upstream, not
 the sidecar, is the judge of those. Roles and content parts are checked by
-``prefix_cache.messages`` (the same rules as the library's), so their messages say which one.
+``prefix_cache.cache.messages`` (the same rules as the library's), so their messages say which one.
 """
 
 from __future__ import annotations

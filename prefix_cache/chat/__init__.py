@@ -1,10 +1,12 @@
-"""Chat generation through an engine, below the HTTP servers that expose it.
+"""The APIs' bodies and answers, neutral of any server and of any engine.
 
-``backend`` is the seam (a neutral request in, text deltas and tool calls out, typed engine
-figures); ``engines`` finds an engine by name; ``openai_params`` and ``openai_encode`` are the
-OpenAI chat-completions layer over any backend. The agent APIs (Anthropic Messages, OpenAI
-Responses) convert their bodies to the chat-template ``conversation`` (``anthropic_params``,
-``responses_params``) and format a turn's neutral ``events`` -- from an engine, or from an
-upstream's chat completion (``openai_decode``) -- in their own shape (``anthropic_encode``,
-``responses_encode``). Importing this package imports no engine.
+Parsers, body -> a neutral call (``agent_call.py``: ``AgentCall``): ``openai_params.py``,
+``anthropic_params.py``, ``responses_params.py``, over the checked fields every API reads
+(``fields.py``), the fields that bind the output (``output_fields.py``) and those that change the
+render (``render_fields.py``), all converted to the chat-template conversation
+(``conversation.py``). A turn's neutral ``events.py`` -- from an engine, or from an upstream's chat
+completion (``openai_decode.py``) -- written in each API's shape by ``openai_encode.py``,
+``anthropic_encode.py``, ``responses_encode.py``, as JSON or SSE (``respond.py``). Beside them:
+stored responses (``responses_store.py``) and a body's API detected (``bodies.py``). Importing
+this package imports no engine.
 """

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import engine_protocol as wire
-from ..engine_protocol import BackendRequest, OutputConstraints, SamplingParams, SpecPrefillParams
+from ..engine import protocol as wire
+from ..engine.protocol import BackendRequest, OutputConstraints, SamplingParams, SpecPrefillParams
 from ..errors import InvalidRequestError
 from .conversation import Conversation, chat_wire_messages
 from .fields import UNSUPPORTED

@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from .. import json_io
-from ..engine_protocol import BackendError, Usage
+from ..engine.protocol import BackendError, Usage
 from ..http.errors import anthropic_error_body
 from ..http.sse import sse_event
+from ..util import json_io
 from .events import (
     Collected,
     CollectedCall,

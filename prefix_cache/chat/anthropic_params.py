@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ..engine_protocol import SamplingParams
+from ..engine.protocol import SamplingParams
 from ..errors import InvalidRequestError
 from .agent_call import AgentCall, sent_fields, sent_options
 from .conversation import (

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .. import json_io
+from ..util import json_io
 
 MessageDict = dict[str, Any]
 

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from ..engine_protocol import BackendRequest, ChatBackend, Usage
+from ..engine.protocol import BackendRequest, ChatBackend, Usage
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .. import engine_protocol as wire
-from ..engine_protocol import SpecPrefillParams
+from ..engine import protocol as wire
+from ..engine.protocol import SpecPrefillParams
 from ..errors import InvalidRequestError
 
 INVALID, UNSUPPORTED = "invalid_value", "unsupported_parameter"

@@ -15,9 +15,9 @@ from typing import Any
 
 import httpx
 
-from .. import json_io
-from ..engine_protocol import BackendError, Usage
+from ..engine.protocol import BackendError, Usage
 from ..http.sse import EventStreamError, SSEDecoder
+from ..util import json_io
 from .events import Finish, OutputEvent, TextDelta, ToolCallDelta
 
 MAX_COMPLETION_BYTES = 64 << 20

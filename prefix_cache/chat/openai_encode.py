@@ -16,9 +16,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import json_io
-from ..engine_protocol import BackendError, Usage
+from ..engine.protocol import BackendError, Usage
 from ..http.errors import error_body
+from ..util import json_io
 from .events import Events, Finish, TextDelta, ToolCallDelta, collect
 
 

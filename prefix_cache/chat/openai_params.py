@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine_protocol import SamplingParams
+from ..engine.protocol import SamplingParams
 from ..errors import InvalidRequestError
 from .agent_call import AgentCall
 from .fields import (

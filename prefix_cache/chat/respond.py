@@ -14,10 +14,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from .. import json_io
-from ..engine_protocol import BackendError
+from ..engine.protocol import BackendError
 from ..http.errors import ClientDisconnected, EngineFailed
 from ..http.relay import until_disconnect
+from ..util import json_io
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

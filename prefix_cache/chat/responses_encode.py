@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from .. import json_io
-from ..engine_protocol import BackendError, Usage
+from ..engine.protocol import BackendError, Usage
 from ..http.sse import SSEDecoder, sse_event
+from ..util import json_io
 from .events import (
     Collected,
     Finish,

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from ..engine_protocol import SamplingParams
+from ..engine.protocol import SamplingParams
 from ..errors import InvalidRequestError
 from ..http.errors import BadRequest
 from .agent_call import AgentCall, sent_fields, sent_options

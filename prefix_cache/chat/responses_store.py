@@ -24,11 +24,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .. import json_io
+from ..cache.keys import validate_label
 from ..errors import StoreUnavailableError
-from ..keys import validate_label
-from ..lru import ByteLRU
 from ..store.base import Store
+from ..util import json_io
+from ..util.lru import ByteLRU
 
 log = logging.getLogger("prefix_cache.service")
 

@@ -1,4 +1,10 @@
 """The HTTP layer both servers stand on (the sidecar in ``prefix_cache.service`` and the engine's
-own server in ``engine_adapter.server``): errors as responses, body limits, relaying with
-disconnects, auth headers, uvicorn logging. Neither server's modules are imported here.
+own server in ``engine_adapter.server``). Neither server's modules are imported here.
+
+``errors.py`` (every error -> a response, in its API's shape), ``body.py`` (JSON bodies: type,
+size, nesting), ``relay.py`` (an upstream's answer relayed, disconnects), ``sse.py`` (server-sent
+events out and in), ``auth.py`` (credentials from the headers), ``logs.py`` (uvicorn's logging with
+the project's loggers), ``request_id.py``, ``shutdown.py`` (graceful shutdown, idle and slow
+connections), ``request_record.py`` (what a request cost, noted as it goes), ``usage_tap.py``
+(usage and the first byte read from a relayed answer).
 """

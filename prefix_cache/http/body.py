@@ -8,9 +8,9 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from .. import json_io
 from ..body_parts import PartMemo, parse_body
 from ..known_parts import KnownParts
+from ..util import json_io
 from .errors import BadRequest, ClientDisconnected, PayloadTooLarge, UnsupportedMediaType
 
 JSON_MEDIA_TYPE = "application/json"

@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import (
     SummaryMetricFamily,
 )
 
-from ..engine_protocol import EngineStats, KVStoreStats
+from ..engine.protocol import EngineStats, KVStoreStats
 
 NS = "prefix_cache_engine"
 

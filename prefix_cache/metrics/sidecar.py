@@ -29,8 +29,8 @@ from prometheus_client import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from ..cache.observer import CacheObserver
 from ..http.request_record import RequestRecord
-from ..observer import CacheObserver
 from ..store.base import StoreStats
 from .children import LabelledChildren
 from .history import History

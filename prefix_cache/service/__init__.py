@@ -1,13 +1,17 @@
 """The sidecar service: an OpenAI-compatible proxy that attaches the cached boundary.
 
 ``create_app(settings)`` builds the FastAPI app; ``prefix-cache serve`` runs it on uvicorn.
-Modules, one concept each: ``settings`` (the one settings model) and ``flags`` (serve's flags
-from it), ``models`` (configured models, each served by an upstream or an in-process
-``ChatBackend``), ``tenants`` (API keys -> namespaces), ``quota`` (per-tenant entry quotas),
-``upstream`` (upstream kinds and calls), ``schemas`` (request bodies), ``config_files``,
-``api``/``admin``/``health``/``dashboard`` (routes), ``state``/``deps``/``app`` (wiring),
-``server`` (uvicorn). The HTTP plumbing it shares with the engine's server is in
-``prefix_cache.http``; the engine seam and the OpenAI layer in ``prefix_cache.chat``.
+Modules, one concept each: ``settings.py`` (the one settings model of both servers) and
+``flags.py`` (their flags from it), ``config_files.py`` (the YAML/JSON files), ``served_models.py``
+(configured models: tokenizer, template, where completions go), ``sidecar_host.py`` (the API
+layer's host: callers by key, boundaries from the cache), ``proxy_target.py`` (an upstream as a
+model's target), ``upstream.py`` (upstream kinds and calls), ``pool.py`` (a model's replicas:
+health, ejection, one retry), ``routing.py`` (the routing policies, pure), ``pool_metrics.py``,
+``tenants.py`` (API keys -> namespaces), ``limits.py`` (per-tenant concurrency and prompt size),
+``rate_limits.py`` (requests and tokens per minute), ``keys_reload.py`` (the keys file re-read on
+SIGHUP), its own routes ``boundary_route.py`` ``admin.py`` ``health.py`` ``dashboard.py``, wiring
+``state.py`` ``deps.py`` ``app.py``, and ``server.py`` (uvicorn). The HTTP plumbing it shares with
+the engine's server is in ``prefix_cache.http``, the routes both mount in ``prefix_cache.api``.
 """
 
 from .app import create_app

@@ -10,9 +10,9 @@ from fastapi import APIRouter, Depends, Request
 
 from ..api import openapi_docs as docs
 from ..api.schemas import AdminStats, PurgeRequest, PurgeResponse
+from ..cache.keys import key_pattern, validate_label
 from ..errors import StoreUnavailableError
 from ..http.errors import BadRequest, ServiceUnavailable
-from ..keys import key_pattern, validate_label
 from .deps import Sidecar, State, require_admin
 from .state import ServiceState
 

@@ -17,7 +17,7 @@ from ..api.schemas import (
     PrefixBoundaryRequest,
     PurgeRequest,
 )
-from ..cache import StaticPrefixCache
+from ..cache.cache import StaticPrefixCache
 from ..chat.anthropic_params import MessagesRequest
 from ..chat.responses_params import ResponsesRequest
 from ..chat.responses_store import MemoryResponses, ResponseStore, SharedResponses
@@ -28,7 +28,7 @@ from ..http.shutdown import Drain, DrainMiddleware, drain_on_signals
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
 from ..metrics.multiprocess import mark_process_dead
-from ..render import get_renderer
+from ..render.render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
 from ..store.quota import TenantQuotaStore

@@ -18,7 +18,7 @@ from starlette.routing import Route
 from ..api import openapi_docs as docs
 from ..api.schemas import BoundaryResponse, PrefixBoundaryRequest, boundary_fields
 from ..chat.render_fields import chat_conversation
-from ..token_ids import json_token_ids
+from ..util.token_ids import json_token_ids
 from .sidecar_host import SidecarHost, cache_headers
 
 router = APIRouter()

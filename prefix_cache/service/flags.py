@@ -12,8 +12,8 @@ from typing import Any
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
-from ..demo import HOME_ENV
-from ..tokenizer_folders import CACHE_ENV
+from ..model_folders.demo import HOME_ENV
+from ..model_folders.tokenizer_folders import CACHE_ENV
 from .settings import ServiceSettings, env_name
 
 

@@ -31,8 +31,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .. import json_io
 from ..http.errors import PayloadTooLarge, TooManyRequests
+from ..util import json_io
 from .rate_limits import LocalCounts, RateLimits, RedisCounts
 from .settings import ServiceSettings
 

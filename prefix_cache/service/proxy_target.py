@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import httpx
 from fastapi.responses import Response
 
-from .. import json_io
 from ..api.host import Api, Turn
 from ..api.pipeline import recorded
 from ..chat.agent_call import AgentCall
@@ -26,6 +25,7 @@ from ..http.errors import ClientDisconnected
 from ..http.relay import RelayResponse, RelayTap, until_disconnect
 from ..http.request_record import current_record
 from ..http.usage_tap import UsageTap
+from ..util import json_io
 from .served_models import ServedModel
 
 

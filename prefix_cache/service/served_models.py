@@ -31,7 +31,7 @@ has an upstream or an engine, not both. With no model at all the demo model fold
 
 The engine (``engine: mlx``) is a ``ChatBackend`` loaded from the model's folder (mlx-lm
 weights next to the tokenizer files) by the factory registered under its name
-(``prefix_cache.engines``), imported only then: a sidecar without engines never imports
+(``prefix_cache.engine.lookup``), imported only then: a sidecar without engines never imports
 mlx. It is fed the sidecar's own prompt ids and boundary, and the tenant as its KV namespace;
 it runs in the worker process, so it needs ``--workers 1``.
 """
@@ -46,11 +46,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine_protocol import ChatBackend
-from ..engines import EngineUnavailableError, engine_factory
+from ..cache.keys import model_label
+from ..engine.lookup import EngineUnavailableError, engine_factory
+from ..engine.protocol import ChatBackend
 from ..errors import NoChatTemplateError, validation_problems
 from ..http.errors import BadRequest, NotFound
-from ..keys import model_label
 from .config_files import read_config_file
 from .pool import UpstreamPool
 from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, Policy
@@ -118,7 +118,7 @@ def load_model_specs(settings: ServiceSettings,
             # The engine's own default: the real demo chat model, converted on first use.
             demo_dir = engine_factory(settings.engine).default_model
         if demo_dir is None:
-            from ..demo import demo_model_dir
+            from ..model_folders.demo import demo_model_dir
 
             demo_dir = demo_model_dir
         folder = demo_dir()
@@ -250,7 +250,7 @@ class ServedModel:
 
 def load_model(spec: ModelSpec, loader: Callable[..., Any] | None = None) -> ServedModel:
     """Load one model's tokenizer; ValueError naming the model if it cannot serve."""
-    from ..model_dir import load_tokenizer
+    from ..model_folders.model_dir import load_tokenizer
 
     try:
         tokenizer = (loader or load_tokenizer)(spec.folder, spec.template)

@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from ..cache.prompt_tokens import DEFAULT_CHECK_RATE
 from ..errors import validation_problems
-from ..prompt_tokens import DEFAULT_CHECK_RATE
 from .routing import DEFAULT_LOAD_FACTOR, DEFAULT_LOAD_FLOOR, Policy
 
 ENV_PREFIX = "PREFIX_CACHE_"

@@ -14,7 +14,7 @@ from ..api.engine_target import EngineTarget
 from ..api.host import Api, Target
 from ..api.schemas import ChatRequest
 from ..body_parts import PartMemo
-from ..cache import PrefixResult
+from ..cache.cache import PrefixResult
 from ..chat.conversation import Conversation
 from ..chat.responses_store import ResponseStore
 from ..http.auth import client_authorization, key_hint

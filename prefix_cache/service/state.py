@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from ..cache import StaticPrefixCache
+from ..cache.cache import StaticPrefixCache
 from ..chat.responses_store import MemoryResponses, ResponseStore
 from ..http.shutdown import Drain
 from ..metrics import Metrics

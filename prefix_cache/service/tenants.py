@@ -20,10 +20,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from ..cache.keys import validate_label
 from ..errors import validation_problems
 from ..http.auth import BEARER_HINT, basic_password, bearer_key
 from ..http.errors import Forbidden, Unauthorized
-from ..keys import validate_label
 from .config_files import read_config_file
 from .limits import TenantLimitOverride
 from .settings import ServiceSettings

@@ -11,7 +11,7 @@ What is attached to the forwarded body depends on the upstream's kind:
   fields (mlx_lm.server drops them), so the client's bytes go out unchanged -- unless
   ``upstream_model`` renames the model, the one field then rewritten.
 
-Whatever the kind, the fields the sidecar owns (``engine_protocol.is_owned_field``: the
+Whatever the kind, the fields the sidecar owns (``engine.protocol.is_owned_field``: the
 boundary, the prompt ids, the namespace, any other ``specprefill*`` name but the client's
 SpecPrefill knobs) are removed from a client's body first: a client never names a tenant.
 - ``specprefill``: our engines, which take the boundary instead of recomputing it: the body
@@ -32,9 +32,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from .. import engine_protocol as wire
-from .. import json_io
-from ..cache import PrefixResult
+from ..cache.cache import PrefixResult
+from ..engine import protocol as wire
 from ..http.errors import (
     UpstreamBadStatus,
     UpstreamStatusError,
@@ -44,6 +43,7 @@ from ..http.errors import (
 from ..http.relay import client_headers, relays_status
 from ..http.request_id import HEADER as REQUEST_ID_HEADER
 from ..http.request_id import current_request_id
+from ..util import json_io
 from .settings import UpstreamKind
 
 log = logging.getLogger("prefix_cache.service")

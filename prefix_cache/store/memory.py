@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from ..lru import ByteLRU
+from ..util.lru import ByteLRU
 from .base import MemoryStats, Store, StoreStats
 
 # Per-entry bookkeeping (dict slot, tuple, str and bytes headers), so a store of tiny values is

@@ -26,8 +26,8 @@ import re
 import threading
 from dataclasses import replace
 
-from ..keys import parse_key
-from ..lru import ByteLRU
+from ..cache.keys import parse_key
+from ..util.lru import ByteLRU
 from .base import QuotaStats, Store, StoreStats
 from .memory import entry_size
 from .steps import Steps, twins

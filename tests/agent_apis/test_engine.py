@@ -19,8 +19,8 @@ from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.server import create_engine_app  # noqa: E402
 from prefix_cache.chat.anthropic_encode import MessageMeta, message_json  # noqa: E402
 from prefix_cache.chat.events import backend_events  # noqa: E402
-from prefix_cache.engine_protocol import BackendRequest, SamplingParams, Usage  # noqa: E402
-from prefix_cache.model_dir import load_tokenizer  # noqa: E402
+from prefix_cache.engine.protocol import BackendRequest, SamplingParams, Usage  # noqa: E402
+from prefix_cache.model_folders.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
 from tests.support.loopback import anthropic_client, openai_client  # noqa: E402

@@ -13,11 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import body_parts, json_io, keys
+from prefix_cache import body_parts
 from prefix_cache.body_parts import REMEMBERED_BYTES, PartMemo, parse_body
+from prefix_cache.cache import keys
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.known_parts import KnownParts
-from prefix_cache.token_ids import TokenIds, checked_token_ids
+from prefix_cache.util import json_io
+from prefix_cache.util.token_ids import TokenIds, checked_token_ids
 
 PAD = "x" * REMEMBERED_BYTES  # makes a part large enough to be remembered
 TOOLS = [{"type": "function", "function": {"name": f"tool_{i}", "description": PAD,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from prefix_cache import StaticPrefixCache, TemplateRenderError, common_prefix_len
-from prefix_cache.boundary import PROBE_A, PROBE_B, static_prefix_ids, system_end
+from prefix_cache.cache.boundary import PROBE_A, PROBE_B, static_prefix_ids, system_end
 
 from tests.support import reference
 from tests.support.templates import BEHAVIOURS, NO_SYSTEM_ROLE
@@ -41,8 +41,8 @@ def test_common_prefix_len(a: list[int], b: list[int], n: int) -> None:
     (list(range(999)), list(range(600)) + [0] * 400), ([7] * 65, [7] * 64 + [8]),
 ])
 def test_packed_prefix_len_agrees_with_list_version(a: list[int], b: list[int]) -> None:
-    from prefix_cache.boundary import packed_prefix_len
-    from prefix_cache.entry import pack_ids
+    from prefix_cache.cache.boundary import packed_prefix_len
+    from prefix_cache.cache.entry import pack_ids
 
     assert packed_prefix_len(pack_ids(a), pack_ids(b)) == common_prefix_len(a, b)
 

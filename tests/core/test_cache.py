@@ -18,7 +18,7 @@ from prefix_cache import (
     Store,
     StoreUnavailableError,
 )
-from prefix_cache.entry import encode_entry
+from prefix_cache.cache.entry import encode_entry
 
 from tests.support import reference
 from tests.support.templates import BEHAVIOURS
@@ -205,7 +205,7 @@ def test_bad_entry_is_recomputed_and_replaced(qwen3, damage: str) -> None:
 def test_date_change_is_a_miss_with_the_new_date(qwen3, monkeypatch) -> None:
     import transformers.utils.chat_template_utils as ctu
 
-    import prefix_cache.template_clock as render  # where the key reads the clock
+    import prefix_cache.render._template_clock as render  # where the key reads the clock
 
     template = BEHAVIOURS["todays_date"]
 

@@ -7,9 +7,9 @@ import struct
 import pytest
 import xxhash
 
-from prefix_cache.entry import VERSION, decode_entry, encode_entry
+from prefix_cache.cache.entry import VERSION, decode_entry, encode_entry
 from prefix_cache.errors import EntryError
-from prefix_cache.split import StaticSplit
+from prefix_cache.render.split import StaticSplit
 
 KEY, CHECK = "spc:default:m:00ff", 0x1234_5678_9ABC_DEF0
 IDS = [0, 1, 151643, 2**32 - 1, 42] * 100
@@ -116,7 +116,7 @@ def test_split_damage_is_detected(name: str) -> None:
 def test_decoded_entries_answer_as_decode_entry() -> None:
     """The decoded-entry memo gives back its entry only for the bytes it came from, under the
     same key and check value; anything else is decoded (and refused) as ``decode_entry`` would."""
-    from prefix_cache.entry import DecodedEntries
+    from prefix_cache.cache.entry import DecodedEntries
 
     memo = DecodedEntries()
     split = StaticSplit("<|im_start|>system\nHi", 3, 2)

@@ -325,7 +325,7 @@ def test_prompt_and_probes_that_need_different_tools_are_refused(qwen3) -> None:
 def test_probes_that_cross_midnight_store_nothing(qwen3, monkeypatch) -> None:
     import transformers.utils.chat_template_utils as ctu
 
-    import prefix_cache.template_clock as render  # where the key reads the clock
+    import prefix_cache.render._template_clock as render  # where the key reads the clock
 
     clock = {"day": 2}
 
@@ -378,7 +378,7 @@ async def test_bad_prompt_ids_are_refused_by_aresolve(qwen3) -> None:
 
 
 def test_validate_token_ids() -> None:
-    from prefix_cache.token_ids import validate_token_ids
+    from prefix_cache.util.token_ids import validate_token_ids
 
     assert validate_token_ids([0, 5, 2**32 - 1]) == [0, 5, 2**32 - 1]
     assert validate_token_ids((3, 4)) == [3, 4]

@@ -16,15 +16,16 @@ from typing import Any
 
 import pytest
 
-from prefix_cache import MemoryStore, StaticPrefixCache, cli, prompt_tokens
-from prefix_cache.entry import decode_entry, encode_entry
+from prefix_cache import MemoryStore, StaticPrefixCache, cli
+from prefix_cache.cache import prompt_tokens
+from prefix_cache.cache._plan import make_plan
+from prefix_cache.cache.entry import decode_entry, encode_entry
+from prefix_cache.cache.observer import CacheObserver
 from prefix_cache.metrics import Metrics
-from prefix_cache.observer import CacheObserver
-from prefix_cache.plan import make_plan
-from prefix_cache.render import get_renderer
-from prefix_cache.split import SplitRule, StaticSplit, split_rule
+from prefix_cache.render.render import get_renderer
+from prefix_cache.render.split import SplitRule, StaticSplit, split_rule
+from prefix_cache.render.tokenizer_identity import current_fingerprint
 from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make_model_dir
-from prefix_cache.tokenizer_identity import current_fingerprint
 from tests.support import reference
 from tests.support.templates import BEFORE_LAST_USER, DEFAULT_SYSTEM, TOOLS_IN_FIRST_USER
 from tests.support.tokenizers import fresh
@@ -171,7 +172,7 @@ def _check_of(cache: StaticPrefixCache, tok: Any, tools: Any) -> int:
 def test_line_splits_are_off_where_the_pipeline_acts_across_a_cut(normalizer: Any,
                                                                  pre_tokenizer: Any,
                                                                  reason: str) -> None:
-    from prefix_cache.split import _normalizer_off, _pre_tokenizer_off
+    from prefix_cache.render.split import _normalizer_off, _pre_tokenizer_off
 
     split_like = {"type": "Split", "pattern": {"Regex": r"\p{L}+|\s+(?!\S)|\s+|[^\s\p{L}]+"},
                   "behavior": "Isolated", "invert": False}

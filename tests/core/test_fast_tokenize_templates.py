@@ -17,9 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import StaticPrefixCache, TemplateRenderError, boundary
-from prefix_cache.probes import probe
-from prefix_cache.render import get_renderer
+from prefix_cache import StaticPrefixCache, TemplateRenderError
+from prefix_cache.cache import boundary
+from prefix_cache.cache._probes import probe
+from prefix_cache.render.render import get_renderer
 from prefix_cache.testing.offline_tokenizers import (
     NAMES,
     TEMPLATE_TOKENIZER,

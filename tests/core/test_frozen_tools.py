@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from prefix_cache import FrozenTools, InvalidRequestError, StaticPrefixCache
-from prefix_cache.render import get_renderer
+from prefix_cache.render.render import get_renderer
 from tests.support.templates import TOOLS_FIRST, TOOLS_IN_FIRST_USER, TOOLS_NOT_NONE
 from tests.support.tools import make_tools
 

@@ -11,10 +11,11 @@ from typing import Any
 
 import pytest
 
-from prefix_cache import InvalidRequestError, StaticPrefixCache, keys
-from prefix_cache.plan import make_plan
-from prefix_cache.render import get_renderer
-from prefix_cache.tokenizer_identity import tokenizer_fingerprint
+from prefix_cache import InvalidRequestError, StaticPrefixCache
+from prefix_cache.cache import keys
+from prefix_cache.cache._plan import make_plan
+from prefix_cache.render.render import get_renderer
+from prefix_cache.render.tokenizer_identity import tokenizer_fingerprint
 
 from tests.support.templates import BEHAVIOURS
 from tests.support.tools import make_tools
@@ -166,7 +167,7 @@ def test_fingerprint_is_stable_across_processes(qwen3) -> None:
     """Replicas on other machines must compute the same key: no per-process randomness."""
     code = (
         "from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer;"
-        "from prefix_cache.tokenizer_identity import tokenizer_fingerprint;"
+        "from prefix_cache.render.tokenizer_identity import tokenizer_fingerprint;"
         "print(tokenizer_fingerprint(load_offline_tokenizer('qwen3')).hex())"
     )
     repo = str(__import__("pathlib").Path(__file__).resolve().parents[2])  # this tree's package
@@ -177,7 +178,7 @@ def test_fingerprint_is_stable_across_processes(qwen3) -> None:
 
 
 def test_fingerprint_is_computed_once_per_tokenizer(qwen3, monkeypatch) -> None:
-    import prefix_cache.tokenizer_identity as identity
+    import prefix_cache.render.tokenizer_identity as identity
 
     get_renderer(qwen3, TEMPLATE)
     calls = []

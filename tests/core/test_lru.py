@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_cache.lru import ByteLRU
+from prefix_cache.util.lru import ByteLRU
 
 
 def test_evicts_least_recently_used_until_within_bytes() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from prefix_cache import tokenizer_folders
+from prefix_cache.model_folders import tokenizer_folders
 from prefix_cache.testing import offline_tokenizers as ot
 
 from tests.support.paths import TEMPLATES_DIR

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefix_cache import tail_pieces
-from prefix_cache.render import get_renderer
+from prefix_cache.render.render import get_renderer
 from prefix_cache.tail_pieces import PieceMemo, piece_cuts, pieces
 from prefix_cache.testing.offline_tokenizers import NAMES, load_offline_tokenizer
 from tests.core.test_fast_tokenize import with_flags

@@ -14,7 +14,7 @@ import pytest
 from tokenizers import AddedToken
 
 from prefix_cache import StaticPrefixCache, tokenizer_watch
-from prefix_cache.tokenizer_identity import (
+from prefix_cache.render.tokenizer_identity import (
     current_fingerprint,
     encode_settings,
     quick_settings,

@@ -24,14 +24,14 @@ import pytest
 import yaml
 
 from prefix_cache import cli
-from prefix_cache.demo import HOME_ENV
+from prefix_cache.model_folders.demo import HOME_ENV
 from prefix_cache.service import ServiceSettings
 from prefix_cache.service.flags import flag_overrides
 from prefix_cache.service.served_models import load_model_specs
 from prefix_cache.service.settings import ENV_PREFIX, EngineServerSettings, env_name
 from prefix_cache.service.tenants import KeysConfig
 from prefix_cache.service.upstream import DEFAULT_HEALTH_PATH
-from prefix_cache.tokenizer_folders import CACHE_ENV
+from prefix_cache.model_folders.tokenizer_folders import CACHE_ENV
 
 from tests.support.loopback import local_client
 from tests.support.paths import DEPLOY, REPO
@@ -255,7 +255,7 @@ def test_the_launchd_job_runs_serve_with_valid_settings(settings_of: Any) -> Non
     assert (settings.host, settings.port) == ("127.0.0.1", 8000)   # loopback, the documented port
     assert settings.engine == "mlx" and settings.workers == 1      # in-process MLX: one worker
     assert settings.engine_options == json.loads(env["PREFIX_CACHE_ENGINE_OPTIONS"])
-    from prefix_cache.engines import engine_factory
+    from prefix_cache.engine.lookup import engine_factory
 
     engine_factory("mlx").check_options(settings.engine_options)   # no mlx needed to check
     assert job["StandardOutPath"] and job["StandardErrorPath"]

@@ -63,7 +63,7 @@ def demo(demo_target_dir: Path, demo_chat_2l_dir: Path) -> dict[str, Any]:
     from mlx_lm.utils import load_model
 
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.render import unwrap_tokenizer
+    from prefix_cache.render.render import unwrap_tokenizer
 
     target, wrapper = load(str(demo_target_dir))[:2]
     draft = load_model(demo_chat_2l_dir)[0]

@@ -9,7 +9,7 @@ import pytest
 
 from engine_adapter.call_stream import StreamedCalls
 from engine_adapter.grammar.build import ENGINE_ENVELOPE, Envelope
-from prefix_cache.engine_protocol import ToolCallChunk
+from prefix_cache.engine.protocol import ToolCallChunk
 
 CALLS = [("add_numbers", {"a": 2, "b": {"c": [1, "}"]}}), ("get_weather", {"city": "Zürich"})]
 

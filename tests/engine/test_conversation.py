@@ -15,7 +15,7 @@ pytest.importorskip("mlx_lm")
 
 from engine_adapter.mlx_engine import GenerationRequest, KVSnapshotStore, MLXEngine  # noqa: E402
 from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
-from prefix_cache.boundary import common_prefix_len  # noqa: E402
+from prefix_cache.cache.boundary import common_prefix_len  # noqa: E402
 from tests.support.engine_fixtures import (  # noqa: E402
     assert_close,
     assert_matches_dense,

@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
-from prefix_cache.demo import cache_home  # noqa: E402
+from prefix_cache.model_folders.demo import cache_home  # noqa: E402
 
 from tests.support.loopback import free_port, local_client, openai_client  # noqa: E402
 from tests.support.paths import REPO  # noqa: E402
@@ -127,7 +127,7 @@ def test_template_without_tools_renders_as_the_gguf_template(
         gguf_path: Path, demo_chat_dir: Path, messages: list[dict[str, str]],
         generation_prompt: bool) -> None:
     from engine_adapter.gguf.convert import read_gguf
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
 
     gguf_template = read_gguf(gguf_path)[1]["tokenizer.chat_template"]
     tok = load_tokenizer(demo_chat_dir)
@@ -140,7 +140,7 @@ def test_template_without_tools_renders_as_the_gguf_template(
 
 def test_tools_are_part_of_the_static_prefix(demo_chat_dir: Path) -> None:
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
 
     from tests.support.tools import make_tools
 

@@ -193,7 +193,7 @@ def test_real_template_and_tokenizer_turn_two_reuses_and_matches_dense(arch, tmp
 
     from engine_adapter.testing.tiny_model import make_tiny_model
     from prefix_cache import StaticPrefixCache
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
     from tests.support.paths import TEMPLATES_DIR
     from tests.support.tools import make_tools
 

@@ -68,7 +68,7 @@ class Command:
 
 def local_gguf() -> Path:
     """The GGUF the session's cache folder already has (fetched once for every test)."""
-    from prefix_cache.demo import cache_home
+    from prefix_cache.model_folders.demo import cache_home
 
     return fetch.installed_gguf() or fetch.fetched_gguf(cache_home())
 

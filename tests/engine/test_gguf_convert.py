@@ -32,7 +32,7 @@ def reference(gguf_path: Path) -> GGUFLlama:
 
 @pytest.fixture(scope="module")
 def prompt_ids(demo_chat_dir: Path) -> list[int]:
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
 
     tok = load_tokenizer(demo_chat_dir)
     text = tok.apply_chat_template([{"role": "user", "content": "Name a red fruit."}],
@@ -117,7 +117,7 @@ TEXTS = [
 def test_tokenizer_equals_llama_cpp(gguf_path: Path, demo_chat_dir: Path) -> None:
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama.cpp's tokenizer is the reference")
 
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
 
     ours = load_tokenizer(demo_chat_dir)
     theirs = llama_cpp.Llama(str(gguf_path), vocab_only=True, verbose=False)

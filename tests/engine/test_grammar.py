@@ -21,7 +21,7 @@ from engine_adapter.mlx_engine import GenerationRequest  # noqa: E402
 from engine_adapter.mlx_engine.model_info import vocab_size  # noqa: E402
 from engine_adapter.mlx_engine.sampling import allowed_tokens  # noqa: E402
 from engine_adapter.tool_calls import json_envelope  # noqa: E402
-from prefix_cache.engine_protocol import OutputConstraints  # noqa: E402
+from prefix_cache.engine.protocol import OutputConstraints  # noqa: E402
 from prefix_cache.errors import InvalidRequestError  # noqa: E402
 from tests.support.engine_fixtures import assert_matches_dense, turn  # noqa: E402
 
@@ -164,7 +164,7 @@ def test_a_model_with_no_tool_call_format_gets_calls_through_the_engines_envelop
     import asyncio
 
     from engine_adapter.backend import MLXBackend
-    from prefix_cache.engine_protocol import BackendRequest, SamplingParams
+    from prefix_cache.engine.protocol import BackendRequest, SamplingParams
 
     model, tok = target  # a transformers tokenizer: no mlx-lm tool parser, no format named
     backend = MLXBackend(engines(stop_token_ids=end_of_turn(tok)), tok)

@@ -26,7 +26,7 @@ from engine_adapter.mlx_engine import MLXEngine, kv_file  # noqa: E402
 from engine_adapter.mlx_engine.kv_disk_setup import kv_disk_folder  # noqa: E402
 from engine_adapter.mlx_engine.kv_fingerprint import folder_fingerprint  # noqa: E402
 from engine_adapter.options import EngineOptions  # noqa: E402
-from prefix_cache.engine_protocol import BackendRequest, SamplingParams  # noqa: E402
+from prefix_cache.engine.protocol import BackendRequest, SamplingParams  # noqa: E402
 from tests.support.engine_fixtures import (  # noqa: E402  # noqa: E402
     assert_matches_dense,
     files,

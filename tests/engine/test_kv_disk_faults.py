@@ -27,7 +27,7 @@ pytest.importorskip("mlx_lm")
 from engine_adapter.mlx_engine import kv_cache, kv_file  # noqa: E402
 from engine_adapter.mlx_engine.kv_folder import KVFolderError, TierFolder  # noqa: E402
 from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig  # noqa: E402
-from prefix_cache.token_ids import pack_ids  # noqa: E402
+from prefix_cache.util.token_ids import pack_ids  # noqa: E402
 from tests.support.engine_fixtures import (  # noqa: E402  # noqa: E402
     GIB,
     assert_close,

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 pytest.importorskip("mlx.core")
 
 from engine_adapter.mlx_engine.kv_store import KVSnapshotStore, PrefixIndex  # noqa: E402
-from prefix_cache.boundary import packed_prefix_len  # noqa: E402
-from prefix_cache.token_ids import pack_ids  # noqa: E402
+from prefix_cache.cache.boundary import packed_prefix_len  # noqa: E402
+from prefix_cache.util.token_ids import pack_ids  # noqa: E402
 
 
 @dataclass(frozen=True)

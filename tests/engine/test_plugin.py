@@ -127,7 +127,7 @@ def vl_tokenizer(qwen3: Any) -> Any:
 
 @pytest.fixture
 def text_tokenizer(qwen3: Any) -> Any:
-    from prefix_cache.demo import DEMO_TEMPLATE  # Qwen3's layout: tools in the system turn
+    from prefix_cache.model_folders.demo import DEMO_TEMPLATE  # Qwen3's layout: tools in the system turn
 
     return with_template(qwen3, DEMO_TEMPLATE)
 
@@ -266,7 +266,7 @@ LLAMA3_USER = "<|start_header_id|>user<|end_header_id|>\n\n"
 def test_default_encode_is_the_engines_own(family, request):
     """oMLX prefills ``tokenizer.encode(prompt)``: on Llama-3 that is two BOS (the template's and
     the tokenizer's); the boundary lands on the user's text in those ids, turn after turn."""
-    from prefix_cache.demo import DEMO_TEMPLATE
+    from prefix_cache.model_folders.demo import DEMO_TEMPLATE
 
     template, header = ((LLAMA3_TEMPLATE, LLAMA3_USER) if family == "llama3"
                         else (DEMO_TEMPLATE, "<|im_start|>user\n"))

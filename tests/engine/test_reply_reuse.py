@@ -20,7 +20,7 @@ from engine_adapter.mlx_engine import (  # noqa: E402
 )
 from engine_adapter.testing.reference import masked_logprobs  # noqa: E402
 from engine_adapter.testing.tiny_model import FAMILIES  # noqa: E402
-from prefix_cache.boundary import common_prefix_len  # noqa: E402
+from prefix_cache.cache.boundary import common_prefix_len  # noqa: E402
 from prefix_cache.metrics.engine import engine_exposition  # noqa: E402
 from tests.engine.test_specprefill import expected_kept, prompt  # noqa: E402
 from tests.support.engine_fixtures import (  # noqa: E402

@@ -29,8 +29,8 @@ from prefix_cache.chat.openai_encode import ChatMeta, completion_json  # noqa: E
 from prefix_cache.chat.openai_params import parse_chat_body  # noqa: E402
 from prefix_cache.errors import ContextLengthError, InvalidRequestError  # noqa: E402
 from prefix_cache.http.errors import BadRequest  # noqa: E402
-from prefix_cache.model_dir import load_tokenizer  # noqa: E402
-from prefix_cache.render import get_renderer  # noqa: E402
+from prefix_cache.model_folders.model_dir import load_tokenizer  # noqa: E402
+from prefix_cache.render.render import get_renderer  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
 from tests.support.browser import (  # noqa: E402

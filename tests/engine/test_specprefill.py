@@ -31,7 +31,7 @@ from engine_adapter.mlx_engine.specprefill import (  # noqa: E402
     select_chunks,
 )
 from engine_adapter.testing.reference import dense_logprobs, masked_logprobs  # noqa: E402
-from prefix_cache.boundary import common_prefix_len  # noqa: E402
+from prefix_cache.cache.boundary import common_prefix_len  # noqa: E402
 from tests.support.engine_fixtures import (  # noqa: E402
     ATOL,
     assert_close,

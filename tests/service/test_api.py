@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from prefix_cache.demo import DEMO_TEMPLATE
+from prefix_cache.model_folders.demo import DEMO_TEMPLATE
 from prefix_cache.service.upstream import Upstream
 from tests.support import reference
 from tests.support.loopback import free_port, openai_client
@@ -31,7 +31,7 @@ STRICT_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def strict_tokenizer(demo_folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
 
     path = tmp_path_factory.mktemp("strict") / "strict.jinja"
     path.write_text(STRICT_TEMPLATE)

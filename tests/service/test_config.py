@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from prefix_cache import cli
-from prefix_cache.demo import DEMO_TEMPLATE
+from prefix_cache.model_folders.demo import DEMO_TEMPLATE
 from prefix_cache.service.flags import flag_overrides
 from prefix_cache.service.served_models import load_model_specs
 from prefix_cache.service.server import make_settings, startup_warnings

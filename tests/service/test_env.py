@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from prefix_cache import cli
-from prefix_cache.demo import DEMO_TEMPLATE
+from prefix_cache.model_folders.demo import DEMO_TEMPLATE
 from prefix_cache.service.settings import ServiceSettings, env_name
 from prefix_cache.testing.offline_tokenizers import make_model_dir
 

@@ -17,11 +17,11 @@ import orjson
 import pytest
 
 from prefix_cache import StaticPrefixCache
-from prefix_cache.cache import INLINE_HIT_CHARS
+from prefix_cache.cache.cache import INLINE_HIT_CHARS
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.served_models import ModelRegistry
-from prefix_cache.token_ids import checked_token_ids, unpack_ids
+from prefix_cache.util.token_ids import checked_token_ids, unpack_ids
 from tests.support import reference
 from tests.support.loopback import local_client
 from tests.support.server_thread import ServerThread

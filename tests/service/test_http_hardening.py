@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from prefix_cache import json_io
+from prefix_cache.util import json_io
 from prefix_cache.service.upstream import Upstream
 
 from tests.support.paths import REPO

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
-from prefix_cache.model_dir import load_tokenizer  # noqa: E402
+from prefix_cache.model_folders.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
 
 from tests.support.loopback import (  # noqa: E402

@@ -18,10 +18,10 @@ pytest.importorskip("mlx_lm")
 
 from engine_adapter.backend import MLXBackend  # noqa: E402
 from engine_adapter.server import create_engine_app  # noqa: E402
-from prefix_cache.engine_protocol import BackendRequest, SamplingParams  # noqa: E402
+from prefix_cache.cache.keys import model_label  # noqa: E402
+from prefix_cache.engine.protocol import BackendRequest, SamplingParams  # noqa: E402
 from prefix_cache.errors import InvalidRequestError  # noqa: E402
-from prefix_cache.keys import model_label  # noqa: E402
-from prefix_cache.model_dir import load_tokenizer  # noqa: E402
+from prefix_cache.model_folders.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service.pool import UpstreamPool  # noqa: E402
 from prefix_cache.service.served_models import ServedModel  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402

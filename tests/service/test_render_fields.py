@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from prefix_cache.demo import DEMO_TEMPLATE
+from prefix_cache.model_folders.demo import DEMO_TEMPLATE
 from prefix_cache.service.upstream import Upstream
 
 from tests.support import reference

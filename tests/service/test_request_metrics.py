@@ -15,7 +15,7 @@ from prefix_cache.chat.anthropic_encode import MessageMeta, message_stream
 from prefix_cache.chat.events import Finish, OutputEvent, Prefilled, TextDelta
 from prefix_cache.chat.openai_encode import ChatMeta, completion_stream
 from prefix_cache.chat.responses_encode import ResponseMeta, response_stream
-from prefix_cache.engine_protocol import Usage
+from prefix_cache.engine.protocol import Usage
 from prefix_cache.http.request_record import RequestRecord
 from prefix_cache.http.usage_tap import UsageTap
 from prefix_cache.service.upstream import Upstream

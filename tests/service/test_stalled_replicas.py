@@ -16,8 +16,8 @@ import pytest
 
 pytest.importorskip("mlx_lm")
 
-from prefix_cache.keys import model_label  # noqa: E402
-from prefix_cache.model_dir import load_tokenizer  # noqa: E402
+from prefix_cache.cache.keys import model_label  # noqa: E402
+from prefix_cache.model_folders.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service.pool import UpstreamPool  # noqa: E402
 from prefix_cache.service.served_models import ServedModel  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402

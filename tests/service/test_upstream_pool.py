@@ -18,7 +18,7 @@ import pytest
 from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_cache.keys import model_label
+from prefix_cache.cache.keys import model_label
 from prefix_cache.service import ServiceSettings
 from prefix_cache.service.flags import add_serve_flags, flag_overrides
 from prefix_cache.service.served_models import ServedModel, load_model_specs

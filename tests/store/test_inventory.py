@@ -7,7 +7,7 @@ import json
 import pytest
 
 from prefix_cache import StaticPrefixCache, cli
-from prefix_cache.inventory import inventory, summarize
+from prefix_cache.store.inventory import inventory, summarize
 from prefix_cache.store import MemoryStore
 
 from tests.support.redis_server import RedisServer, needs_redis
@@ -36,7 +36,7 @@ def test_inventory_of_a_real_cache(qwen3) -> None:
 
 @needs_redis
 def test_stats_command(tmp_path, capsysbinary) -> None:
-    from prefix_cache.demo import demo_model_dir
+    from prefix_cache.model_folders.demo import demo_model_dir
 
     server = RedisServer(tmp_path / "redis").start()
     try:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from prefix_cache import StaticPrefixCache
-from prefix_cache.entry import VERSION
+from prefix_cache.cache.entry import VERSION
 from prefix_cache.store.breaker import CLOSED, OPEN, CircuitBreaker, ExponentialBackoff
 from prefix_cache.store.redis import RedisStore
 
@@ -170,7 +170,7 @@ def test_maxmemory_noeviction_puts_fail_quietly(qwen3, redis) -> None:
 
 
 def test_second_process_hits_what_the_first_computed(redis, tmp_path) -> None:
-    from prefix_cache.demo import demo_model_dir
+    from prefix_cache.model_folders.demo import demo_model_dir
 
     model = demo_model_dir(tmp_path / "models")
     req = tmp_path / "req.json"
@@ -188,7 +188,7 @@ def test_second_process_hits_what_the_first_computed(redis, tmp_path) -> None:
 
 
 def test_cli_with_dead_redis_still_answers(tmp_path) -> None:
-    from prefix_cache.demo import demo_model_dir
+    from prefix_cache.model_folders.demo import demo_model_dir
 
     from tests.support.loopback import free_port
 

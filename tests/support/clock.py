@@ -41,7 +41,7 @@ def fake_template_clock(monkeypatch: Any) -> FakeClock:
     """A FakeClock in place of ``datetime`` for transformers' strftime_now and the time tag."""
     import transformers.utils.chat_template_utils as ctu
 
-    from prefix_cache import template_clock
+    from prefix_cache.render import _template_clock as template_clock
 
     fake = FakeClock()
     monkeypatch.setattr(ctu, "datetime", fake.fake)

@@ -97,7 +97,7 @@ def run(engine: Any, ids: list[int], end: int, **fields: Any) -> list[Any]:
 def restored_from(previous: list[int], events: list[Any], ids: list[int]) -> int:
     """What ``ids`` restores from a finished request (prompt ``previous``, its ``events``): the
     prompt and the generated tokens it shares, up to all but its own last token."""
-    from prefix_cache.boundary import common_prefix_len
+    from prefix_cache.cache.boundary import common_prefix_len
 
     return min(common_prefix_len(previous + [e.token for e in events], ids), len(ids) - 1)
 

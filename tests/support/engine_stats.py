@@ -3,7 +3,7 @@ that only reports stats: what the metrics layer reads at scrape time."""
 
 from __future__ import annotations
 
-from prefix_cache.engine_protocol import DiskKVStats, EngineStats, KVStoreStats
+from prefix_cache.engine.protocol import DiskKVStats, EngineStats, KVStoreStats
 
 ENGINE_STATS = EngineStats(
     requests=5, completed=4, cancelled=1, failed=0, specprefill=2, fallbacks=1,

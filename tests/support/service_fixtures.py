@@ -109,14 +109,14 @@ def http(base: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="session")
 def demo_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from prefix_cache.demo import demo_model_dir
+    from prefix_cache.model_folders.demo import demo_model_dir
 
     return demo_model_dir(tmp_path_factory.mktemp("home"))
 
 
 @pytest.fixture(scope="session")
 def demo_tokenizer(demo_folder: Path) -> Any:
-    from prefix_cache.model_dir import load_tokenizer
+    from prefix_cache.model_folders.model_dir import load_tokenizer
 
     return load_tokenizer(demo_folder)
 

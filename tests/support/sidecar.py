@@ -8,7 +8,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from prefix_cache.keys import model_label
+from prefix_cache.cache.keys import model_label
 from prefix_cache.service import ServiceSettings, create_app
 from prefix_cache.service.served_models import ModelRegistry, ServedModel
 from prefix_cache.service.upstream import Upstream

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from . import tokenizer_watch
+from .. import tokenizer_watch
 
 __all__ = ["TokenizerState", "current_fingerprint", "current_state", "encode_settings",
            "quick_settings", "tokenizer_fingerprint"]

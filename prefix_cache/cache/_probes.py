@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import TemplateRenderError
+from ..render.render import TemplateRenderer, tool_choices
+from ..render.split import StaticSplit, find_split, split_rule, tail_from_split
 from . import boundary
-from .errors import TemplateRenderError
-from .render import TemplateRenderer, tool_choices
-from .split import StaticSplit, find_split, split_rule, tail_from_split
 
 NO_SPLIT_HERE = "no safe split in this static text"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .token_ids import TokenIds
+from ..util.token_ids import TokenIds
 
 HIT, MISS, NONE = "hit", "miss", "none"
 

@@ -13,7 +13,7 @@
     API layer ── formats the outputs in its own shape (JSON or SSE)
 
 An engine is anything with these calls (``ChatBackend``); the sidecar finds one by name through
-``prefix_cache.engines`` and never sees its internals. The stats types are what an engine
+``prefix_cache.engine.lookup`` and never sees its internals. The stats types are what an engine
 reports (``snapshot_stats``), read by the metrics layer. The wire field names are the extension
 fields a sidecar sends an engine server over HTTP (``WIRE_FIELDS``).
 """

@@ -7,9 +7,9 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
-from .known_parts import KnownParts
-from .render import DEFAULT_OPTIONS, RenderOptions
-from .token_ids import TokenIds
+from ..known_parts import KnownParts
+from ..render.render import DEFAULT_OPTIONS, RenderOptions
+from ..util.token_ids import TokenIds
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 TOKEN_ID_LIMIT = 2**32  # ids are stored as uint32
 _U32 = next(code for code in "IL" if array(code).itemsize == 4)

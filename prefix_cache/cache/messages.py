@@ -8,8 +8,8 @@ from typing import Any
 
 import orjson
 
-from .errors import InvalidRequestError
-from .frozen_tools import FrozenTools
+from ..errors import InvalidRequestError
+from ..frozen_tools import FrozenTools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 STATIC_ROLES = frozenset(("system", "developer"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from .keys import key_pattern, parse_key
+from ..cache.keys import key_pattern, parse_key
 
 
 def summarize(entries: Iterable[tuple[str, int]]) -> dict[str, Any]:

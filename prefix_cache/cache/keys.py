@@ -18,8 +18,8 @@ from typing import Any
 import msgpack
 import xxhash
 
-from .errors import InvalidRequestError
-from .known_parts import KnownParts
+from ..errors import InvalidRequestError
+from ..known_parts import KnownParts
 
 KEY_VERSION = b"spc-key-v2"
 DEFAULT_PREFIX = "spc"

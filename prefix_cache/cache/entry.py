@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .errors import EntryError
-from .lru import ByteLRU
-from .split import StaticSplit
-from .token_ids import pack_ids, unpack_ids
+from ..errors import EntryError
+from ..render.split import StaticSplit
+from ..util.lru import ByteLRU
+from ..util.token_ids import pack_ids, unpack_ids
 
 __all__ = ["MAGIC", "VERSION", "DecodedEntries", "Entry", "decode_entry", "encode_entry",
            "pack_ids"]

@@ -33,10 +33,10 @@ from typing import Any
 import orjson
 import xxhash
 
-from . import direct_render as direct
-from . import tail_pieces
-from .errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
-from .template_clock import (
+from .. import direct_render as direct
+from .. import tail_pieces
+from ..errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
+from ._template_clock import (
     DAY_FORMAT,
     NO_CLOCK,
     ClockUse,

@@ -25,17 +25,15 @@ from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Unpack
 
+from ..errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
+from ..fastpath import fast_path_setting
+from ..store import MemoryStore, Store
+from ..util.token_ids import TokenIds, checked_token_ids, pack_ids
 from . import boundary, keys
-from .entry import DecodedEntries, Entry, decode_entry, encode_entry
-from .errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
-from .fastpath import fast_path_setting
-from .messages import dynamic_chars
-from .observer import CacheObserver, ObserverGroup
-from .plan import Plan as _Plan
-from .plan import make_plan
-from .probes import probe
-from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
-from .request import (
+from ._plan import Plan as _Plan
+from ._plan import make_plan
+from ._probes import probe
+from ._request import (
     Driven,
     Flight,
     Lookup,
@@ -45,11 +43,13 @@ from .request import (
     Work,
     prefix_request,
 )
-from .result import HIT, MISS, NONE, PrefixResult, RenderedText
-from .singleflight import SingleFlight
-from .stats import CacheStats
-from .store import MemoryStore, Store
-from .token_ids import TokenIds, checked_token_ids, pack_ids
+from ._result import HIT, MISS, NONE, PrefixResult, RenderedText
+from ._singleflight import SingleFlight
+from ._stats import CacheStats
+from .entry import DecodedEntries, Entry, decode_entry, encode_entry
+from .messages import dynamic_chars
+from .observer import CacheObserver, ObserverGroup
+from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
 
 __all__ = ["HIT", "MISS", "NONE", "PrefixResult", "StaticPrefixCache"]
 

@@ -24,12 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from ..render.render import TemplateRenderer
+from ..render.split import ANCHOR, TEXT_DIFFERS, tail_from_split
+from ..tail_pieces import PieceMemo
+from ..util.token_ids import TokenIds, pack_ids, unpack_ids
 from .entry import Entry
 from .observer import CacheObserver
-from .render import TemplateRenderer
-from .split import ANCHOR, TEXT_DIFFERS, tail_from_split
-from .tail_pieces import PieceMemo
-from .token_ids import TokenIds, pack_ids, unpack_ids
 
 log = logging.getLogger("prefix_cache")
 

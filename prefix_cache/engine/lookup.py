@@ -4,7 +4,7 @@ without engines never imports mlx)."""
 
 from __future__ import annotations
 
-from .engine_protocol import BackendFactory
+from .protocol import BackendFactory
 
 
 class EngineUnavailableError(ValueError):

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .errors import NoChatTemplateError
+from ..errors import NoChatTemplateError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

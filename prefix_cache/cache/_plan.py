@@ -7,11 +7,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from ..frozen_tools import FrozenTools
+from ..known_parts import KnownParts
+from ..render.render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
 from . import boundary, keys
-from .frozen_tools import FrozenTools
-from .known_parts import KnownParts
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
-from .render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
 
 
 @dataclass(frozen=True, slots=True)
