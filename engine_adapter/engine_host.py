@@ -28,7 +28,6 @@ from fastapi import Request
 
 from prefix_cache import engine_protocol as wire
 from prefix_cache.api.engine_target import EngineTarget
-from prefix_cache.api.host import Api
 from prefix_cache.cache import NONE, PrefixResult
 from prefix_cache.chat.conversation import Conversation
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
@@ -171,9 +170,6 @@ class EngineHost:
 
     async def read_body(self, request: Request, tenant: str) -> JSONBody:
         return await read_json_object(request, self.max_body_bytes)
-
-    def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
-        """Nothing beyond what the API's parser checks: a sidecar's body may carry only ids."""
 
     async def prepare(self, model: EngineModel, tenant: str, conversation: Conversation,
                       body: JSONBody) -> PrefixResult:

@@ -110,10 +110,6 @@ class Host(Protocol):
         """The caller's JSON body, within the size limit."""
         ...
 
-    def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
-        """What the host checks of every body of ``api`` before it is parsed (a 400)."""
-        ...
-
     async def prepare(self, model: ServedModel, tenant: str, conversation: Conversation,
                       body: JSONBody) -> PrefixResult:
         """The conversation's prompt ids and boundary (renders off the event loop)."""

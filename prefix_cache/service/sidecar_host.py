@@ -11,8 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from ..api.engine_target import EngineTarget
-from ..api.host import Api, Target
-from ..api.schemas import ChatRequest
+from ..api.host import Target
 from ..body_parts import PartMemo
 from ..cache import PrefixResult
 from ..chat.conversation import Conversation
@@ -86,10 +85,6 @@ class SidecarHost:
         """``share``: the caller changes nothing in the body (``body_parts.parse_body``)."""
         return await read_json_object(request, self.state.settings.max_body_bytes,
                                       MAX_BODY_SETTING, self._parts, tenant, share)
-
-    def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
-        if api == "chat":
-            ChatRequest.model_validate(body)
 
     async def prepare(self, model: Routed, tenant: str, conversation: Conversation,
                       body: JSONBody) -> PrefixResult:
