@@ -5,10 +5,11 @@ Importing this package imports mlx; ``import engine_adapter`` alone does not.
 
 from .engine import MLXEngine
 from .kv_store import KVSnapshotStore
-from .request import EngineError, GenerationRequest, PrefillInfo, TokenEvent
+from .request import CheckedRequest, EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .specprefill import SpecPrefillConfig
 
 __all__ = [
+    "CheckedRequest",
     "EngineError",
     "GenerationRequest",
     "MLXEngine",

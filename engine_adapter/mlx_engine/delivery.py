@@ -9,14 +9,15 @@ import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from .request import GenerationRequest, TokenEvent
+from .request import CheckedRequest, GenerationRequest, TokenEvent
 
-Submit = Callable[[GenerationRequest, Callable[[Any], None]], None]
+Request = GenerationRequest | CheckedRequest
+Submit = Callable[[Request, Callable[[Any], None]], None]
 Cancel = Callable[[str], None]
 
 
 def blocking_events(submit: Submit, cancel: Cancel,
-                    request: GenerationRequest) -> Iterator[TokenEvent]:
+                    request: Request) -> Iterator[TokenEvent]:
     """Events as they come, blocking between them."""
     events: queue.SimpleQueue[Any] = queue.SimpleQueue()
     submit(request, events.put)
@@ -35,7 +36,7 @@ def blocking_events(submit: Submit, cancel: Cancel,
 
 
 async def async_events(submit: Submit, cancel: Cancel,
-                       request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+                       request: Request) -> AsyncIterator[TokenEvent]:
     """Events as they come, awaited on the running loop (a FastAPI streaming response)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Any] = asyncio.Queue()

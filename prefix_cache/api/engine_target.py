@@ -19,6 +19,8 @@ from ..errors import InvalidRequestError
 from .host import Api, Turn
 from .pipeline import recorded
 
+# The engine's name of the prompt's ids -> the body field a client sends them in (every API).
+_PROMPT_IDS = (r"\bprompt_ids\b", "prompt_token_ids")
 # Chat-completion field names (what the engine says) -> the client's, per API.
 _API_TERMS: dict[str, tuple[tuple[str, str], ...]] = {
     "messages": ((r"response_format\.json_schema\.schema", "output_config.format.schema"),
@@ -46,7 +48,7 @@ class EngineTarget:
                                       code=UNSUPPORTED)
 
     async def generate(self, turn: Turn) -> Response:
-        ids = turn.result.prompt_ids
+        ids = turn.result.prompt
         try:
             request = self.backend.check(turn.call.backend_request(
                 ids, turn.result.specprefill_system_end, turn.namespace))
@@ -63,6 +65,6 @@ def _formats(call: AgentCall) -> bool:
 
 def in_api_terms(message: str, api: str) -> str:
     """An engine's message with the chat-completion field names it uses in ``api``'s terms."""
-    for pattern, name in _API_TERMS.get(api, ()):
+    for pattern, name in (_PROMPT_IDS, *_API_TERMS.get(api, ())):
         message = re.sub(pattern, name, message, count=1)
     return message
