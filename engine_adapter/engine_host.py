@@ -28,7 +28,7 @@ from fastapi import Request
 
 from prefix_cache import engine_protocol as wire
 from prefix_cache.api.engine_target import EngineTarget
-from prefix_cache.cache import NONE, PrefixResult
+from prefix_cache.api.host import PreparedPrompt
 from prefix_cache.chat.conversation import Conversation
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
 from prefix_cache.errors import InvalidRequestError
@@ -171,16 +171,16 @@ class EngineHost:
         return await read_json_object(request, self.max_body_bytes)
 
     async def prepare(self, model: EngineModel, tenant: str, conversation: Conversation,
-                      body: JSONBody) -> PrefixResult:
+                      body: JSONBody) -> PreparedPrompt:
         """The ids a sidecar sent, or the conversation rendered off the event loop (a long
         template takes a while); the boundary it sent (default 0: nothing reused)."""
         ids = prompt_ids_of(body.data)
         if ids is None:
             ids = TokenIds.of_rendered(await asyncio.to_thread(
                 render_conversation, self.chat.tokenizer, conversation))
-        return PrefixResult(boundary_of(body.data, len(ids)), ids, NONE, "")
+        return PreparedPrompt(ids, boundary_of(body.data, len(ids)))
 
-    def headers(self, result: PrefixResult) -> dict[str, str]:
+    def headers(self, prompt: PreparedPrompt) -> dict[str, str]:
         return {}
 
     async def purge(self, request: Request) -> dict[str, Any]:

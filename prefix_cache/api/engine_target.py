@@ -48,15 +48,15 @@ class EngineTarget:
                                       code=UNSUPPORTED)
 
     async def generate(self, turn: Turn) -> Response:
-        ids = turn.result.prompt
+        prompt = turn.prompt
         try:
             request = self.backend.check(turn.call.backend_request(
-                ids, turn.result.specprefill_system_end, turn.namespace))
+                prompt.ids, prompt.specprefill_system_end, turn.namespace))
         except InvalidRequestError as exc:
             exc.args = (in_api_terms(str(exc), turn.api), *exc.args[1:])
             raise
         events = recorded(backend_events(self.backend, request))
-        return await turn.answer(events, len(ids), turn.headers)
+        return await turn.answer(events, prompt.prompt_tokens, turn.headers)
 
 
 def _formats(call: AgentCall) -> bool:

@@ -8,8 +8,10 @@
               sidecar sent, or renders (``engine_adapter.engine_host``)
     Target    what answers a model's turn: the in-process engine (``api.engine_target``), or
               an upstream behind a proxy (``service.proxy_target``)
-    Turn      one request on its way to a target: the API's typed call, its boundary, the
-              namespace, and how the API answers a turn's events
+    PreparedPrompt  what a host's ``prepare`` hands a target: the prompt's ids and the static
+              prefix's end in them, and where a cache produced them, its verdict and key
+    Turn      one request on its way to a target: the API's typed call, its prepared prompt,
+              the namespace, and how the API answers a turn's events
 """
 
 from __future__ import annotations
@@ -22,17 +24,47 @@ from typing import Any, Literal, Protocol
 from fastapi import Request
 from fastapi.responses import Response
 
-from ..cache import PrefixResult
+from ..cache import HIT, NONE, PrefixResult
 from ..chat.agent_call import AgentCall
 from ..chat.conversation import Conversation
 from ..chat.events import Events
 from ..chat.responses_store import ResponseStore
 from ..http.body import JSONBody
 from ..http.relay import RelayTap
+from ..token_ids import TokenIds
 
 Api = Literal["chat", "messages", "responses"]
 # Answers a turn's events in the API's shape: (events, prompt tokens, headers) -> response.
 Answer = Callable[[Events, int, dict[str, str]], Awaitable[Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedPrompt:
+    """A conversation made ready for a target: its prompt's ids (checked, packed), the static
+    prefix's end in them, and where a cache produced them its verdict and key (else "none"
+    and "": ``serve-engine`` takes the ids and boundary a sidecar sent, or renders)."""
+
+    ids: TokenIds
+    specprefill_system_end: int
+    cache: str = NONE
+    key: str = ""
+
+    @classmethod
+    def of(cls, result: PrefixResult) -> PreparedPrompt:
+        """What the static-prefix cache answered, as a target reads it."""
+        return cls(result.prompt, result.specprefill_system_end, result.cache, result.key)
+
+    @property
+    def hit(self) -> bool:
+        return self.cache == HIT
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.ids.ids
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +76,7 @@ class Turn:
     raw: bytes                 # the body as sent, and parsed
     body: dict[str, Any]
     call: AgentCall
-    result: PrefixResult       # the prompt ids and the boundary
+    prompt: PreparedPrompt     # the prompt ids and the boundary
     namespace: str             # the tenant whose engine KV the turn may reuse
     headers: dict[str, str]    # the host's headers of the answer (x-prefix-cache ...)
     answer: Answer
@@ -111,10 +143,10 @@ class Host(Protocol):
         ...
 
     async def prepare(self, model: ServedModel, tenant: str, conversation: Conversation,
-                      body: JSONBody) -> PrefixResult:
+                      body: JSONBody) -> PreparedPrompt:
         """The conversation's prompt ids and boundary (renders off the event loop)."""
         ...
 
-    def headers(self, result: PrefixResult) -> dict[str, str]:
+    def headers(self, prompt: PreparedPrompt) -> dict[str, str]:
         """The headers every answer of a prepared request carries."""
         ...

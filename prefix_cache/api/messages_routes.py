@@ -67,7 +67,7 @@ async def count_tokens(request: Request, host: HostDep, tenant: Caller) -> Respo
         conversation = messages_conversation(admitted.body)
         model = host.model(model_name(admitted.body))
         result = await host.prepare(model, tenant, conversation, admitted.json)
-    return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
+    return Response(json_io.dumps({"input_tokens": result.prompt_tokens}),
                     media_type="application/json", headers=host.headers(result))
 
 

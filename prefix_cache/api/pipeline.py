@@ -17,12 +17,11 @@ from typing import Any
 
 from fastapi import Request
 
-from ..cache import PrefixResult
 from ..chat.agent_call import AgentCall
 from ..chat.events import Finish, OutputEvent, Prefilled
 from ..http.body import JSONBody
 from ..http.request_record import current_record
-from .host import Api, Host, ServedModel
+from .host import Api, Host, PreparedPrompt, ServedModel
 from .schemas import check_chat_body
 
 
@@ -57,17 +56,17 @@ async def admit(request: Request, host: Host, tenant: str, api: Api) -> Admitted
 
 
 async def prepare(host: Host, api: Api, model: ServedModel, call: AgentCall,
-                  admitted: Admitted) -> PrefixResult:
+                  admitted: Admitted) -> PreparedPrompt:
     """The call's prompt ids and boundary, once its model's target can run it (a refused
     request caches nothing)."""
     record = current_record()
     if record is not None:
         record.model = model.name
     model.target.check(call, api)
-    result = await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
+    prompt = await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
     if record is not None:
-        record.cache, record.prompt_tokens = result.cache, len(result.prompt_ids)
-    return result
+        record.cache, record.prompt_tokens = prompt.cache, prompt.prompt_tokens
+    return prompt
 
 
 async def recorded(events: AsyncGenerator[OutputEvent, None]

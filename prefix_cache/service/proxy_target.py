@@ -42,25 +42,25 @@ class ProxyTarget:
             call.check_chat_support()
 
     async def generate(self, turn: Turn) -> Response:
-        upstream, result = self.model.require_upstream(), turn.result
+        upstream, prompt = self.model.require_upstream(), turn.prompt
         if upstream.speaks(turn.api):
-            content = upstream.forward_content(turn.raw, turn.body, result,
+            content = upstream.forward_content(turn.raw, turn.body, prompt,
                                                namespace=turn.namespace,
                                                with_prompt_ids=turn.with_prompt_ids)
             response = await self._open(turn, turn.api, content)
             return RelayResponse(response, turn.headers, _tap(turn, response), turn.error_event)
         chat = turn.call.chat_body(turn.call.model or self.model.name)
-        content = upstream.forward_content(json_io.dumps(chat), chat, result,
+        content = upstream.forward_content(json_io.dumps(chat), chat, prompt,
                                            namespace=turn.namespace)
         response = await self._open(turn, "chat", content)
-        prompt_tokens = len(result.prompt_ids)
+        prompt_tokens = prompt.prompt_tokens
         events = recorded(completion_events(response, stream=turn.call.stream,
                                             prompt_tokens=prompt_tokens))
         return await turn.answer(events, prompt_tokens, turn.headers)
 
     async def _open(self, turn: Turn, api: str, content: bytes) -> httpx.Response:
         opened = self.model.require_pool().open(self.client(), content, api,
-                                                tenant=turn.namespace, key=turn.result.key)
+                                                tenant=turn.namespace, key=turn.prompt.key)
         response, disconnected = await until_disconnect(turn.request.receive, opened)
         if disconnected or response is None:
             raise ClientDisconnected("the client disconnected before the upstream answered")

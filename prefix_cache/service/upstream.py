@@ -34,7 +34,7 @@ import httpx
 
 from .. import engine_protocol as wire
 from .. import json_io
-from ..cache import PrefixResult
+from ..api.host import PreparedPrompt
 from ..http.errors import (
     UpstreamBadStatus,
     UpstreamStatusError,
@@ -112,7 +112,7 @@ class Upstream:
         parts = urlsplit(self.base_url)
         return urlunsplit((parts.scheme, parts.netloc, self.health_path, "", ""))
 
-    def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PrefixResult,
+    def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PreparedPrompt,
                         namespace: str = "default", with_prompt_ids: bool = True) -> bytes:
         """The bytes to send upstream for a client body (``raw`` parsed is ``body``) of a
         request in tenant ``namespace`` (``with_prompt_ids`` False: the upstream renders the

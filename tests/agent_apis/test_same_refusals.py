@@ -8,6 +8,7 @@ The client is httpx against both apps on real uvicorn; the model is the tiny ran
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -129,3 +130,21 @@ def test_malformed_json_gets_the_same_400_from_both_servers(servers: tuple[str, 
                 answers.append((path, r.status_code, r.json()))
     assert answers[:3] == answers[3:]
     assert {status for _, status, _ in answers} == {400}
+
+
+def test_both_servers_prepare_the_same_prompt(servers: tuple[str, str]) -> None:
+    """The sidecar's prompt comes from its cache (a verdict, a key, a boundary in the headers);
+    serve-engine renders the same conversation itself: the same prompt length, no cache."""
+    body = {"model": TINY_MODEL, "system": f"You are agent {uuid.uuid4().hex}.",
+            "tools": [{"name": "read", "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": "Count my tokens."}]}
+    with local_client() as http:
+        sidecar, engine = (http.post(url + "/v1/messages/count_tokens", json=body)
+                           for url in servers)
+        again = http.post(servers[0] + "/v1/messages/count_tokens", json=body)
+    assert sidecar.status_code == engine.status_code == again.status_code == 200
+    assert sidecar.json() == engine.json() == again.json()
+    assert sidecar.json()["input_tokens"] > 0
+    assert [r.headers["x-prefix-cache"] for r in (sidecar, again)] == ["miss", "hit"]
+    assert 0 < int(again.headers["x-specprefill-system-end"]) < sidecar.json()["input_tokens"]
+    assert "x-prefix-cache" not in engine.headers
