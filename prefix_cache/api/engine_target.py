@@ -9,15 +9,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from fastapi.responses import Response
-
 from ..chat.agent_call import AgentCall
-from ..chat.events import backend_events
+from ..chat.events import Events, backend_events
 from ..chat.fields import UNSUPPORTED
 from ..engine_protocol import ChatBackend
 from ..errors import InvalidRequestError
-from .host import Api, Turn
-from .pipeline import recorded
+from .host import Api, Relay, Turn
 
 # The engine's name of the prompt's ids -> the body field a client sends them in (every API).
 _PROMPT_IDS = (r"\bprompt_ids\b", "prompt_token_ids")
@@ -47,7 +44,7 @@ class EngineTarget:
                                                    "(no constrained decoding)", api),
                                       code=UNSUPPORTED)
 
-    async def generate(self, turn: Turn) -> Response:
+    async def generate(self, turn: Turn, relay: Relay) -> Events:
         prompt = turn.prompt
         try:
             request = self.backend.check(turn.call.backend_request(
@@ -55,8 +52,7 @@ class EngineTarget:
         except InvalidRequestError as exc:
             exc.args = (in_api_terms(str(exc), turn.api), *exc.args[1:])
             raise
-        events = recorded(backend_events(self.backend, request))
-        return await turn.answer(events, prompt.prompt_tokens, turn.headers)
+        return backend_events(self.backend, request)
 
 
 def _formats(call: AgentCall) -> bool:

@@ -6,23 +6,26 @@
               becomes prompt ids and a boundary: the sidecar resolves it in its cache
               (``service.sidecar_host``); the engine server takes the ids and boundary a
               sidecar sent, or renders (``engine_adapter.engine_host``)
-    Target    what answers a model's turn: the in-process engine (``api.engine_target``), or
-              an upstream behind a proxy (``service.proxy_target``)
+    Target    what runs a model's turn: the in-process engine (``api.engine_target``), or
+              an upstream behind a proxy (``service.proxy_target``); it returns the turn's
+              events, or an upstream's answer in the turn's API to relay (``Relayed``), and
+              never calls back into the route: the route encodes (one way, ``api.pipeline``)
     PreparedPrompt  what a host's ``prepare`` hands a target: the prompt's ids and the static
               prefix's end in them, and where a cache produced them, its verdict and key
-    Turn      one request on its way to a target: the API's typed call, its prepared prompt,
-              the namespace, and how the API answers a turn's events
+    Turn      what every target reads of a request: the API's typed call, its prepared
+              prompt, the namespace, the client's connection
+    Relay     what only a relay reads: the body as sent, and how its relayed answer is watched
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+import httpx
 from fastapi import Request
-from fastapi.responses import Response
 
 from ..cache import HIT, NONE, PrefixResult
 from ..chat.agent_call import AgentCall
@@ -34,8 +37,6 @@ from ..http.relay import RelayTap
 from ..token_ids import TokenIds
 
 Api = Literal["chat", "messages", "responses"]
-# Answers a turn's events in the API's shape: (events, prompt tokens, headers) -> response.
-Answer = Callable[[Events, int, dict[str, str]], Awaitable[Response]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,24 +70,36 @@ class PreparedPrompt:
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    """One request, checked and resolved, on its way to its model's target."""
+    """One request, checked and prepared: what every target reads."""
 
     api: Api
-    request: Request           # the client's (its disconnect cancels the turn)
-    raw: bytes                 # the body as sent, and parsed
-    body: dict[str, Any]
     call: AgentCall
     prompt: PreparedPrompt     # the prompt ids and the boundary
     namespace: str             # the tenant whose engine KV the turn may reuse
-    headers: dict[str, str]    # the host's headers of the answer (x-prefix-cache ...)
-    answer: Answer
+    request: Request           # the client's (its disconnect cancels the turn)
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """What only a relay reads: the body as the client sent it (and parsed), and how an
+    upstream's answer in the turn's own API is watched as it is passed on."""
+
+    raw: bytes
+    body: dict[str, Any]
     tap: RelayTap | None = None                         # sees a relayed answer go by
     error_event: Callable[[str], bytes] | None = None   # ends a relayed stream that breaks
     with_prompt_ids: bool = True  # False: the upstream renders more than the ids cut here
 
 
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """An upstream's answer in the turn's own API, open (2xx), to pass on as it comes."""
+
+    response: httpx.Response
+
+
 class Target(Protocol):
-    """What answers a model's turns."""
+    """What runs a model's turns."""
 
     def relays(self, api: Api) -> bool:
         """Whether a body of ``api`` goes to the target as it came (it answers in that API)."""
@@ -96,7 +109,10 @@ class Target(Protocol):
         """A 4xx before anything is resolved when the target cannot run ``call`` as asked."""
         ...
 
-    async def generate(self, turn: Turn) -> Response: ...
+    async def generate(self, turn: Turn, relay: Relay) -> Events | Relayed:
+        """The turn's events, or an upstream's answer to relay; a 4xx before anything runs
+        when the engine refuses the request."""
+        ...
 
 
 class ServedModel(Protocol):
