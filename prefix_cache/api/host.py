@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol
 import httpx
 from fastapi import Request
 
-from ..cache import HIT, NONE, PrefixResult
+from ..cache import NONE, PrefixResult
 from ..chat.agent_call import AgentCall
 from ..chat.conversation import Conversation
 from ..chat.events import Events
@@ -54,18 +54,6 @@ class PreparedPrompt:
     def of(cls, result: PrefixResult) -> PreparedPrompt:
         """What the static-prefix cache answered, as a target reads it."""
         return cls(result.prompt, result.specprefill_system_end, result.cache, result.key)
-
-    @property
-    def hit(self) -> bool:
-        return self.cache == HIT
-
-    @property
-    def prompt_ids(self) -> list[int]:
-        return self.ids.ids
-
-    @property
-    def prompt_tokens(self) -> int:
-        return len(self.ids)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,6 +7,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from .. import json_io
+from ..cache import HIT
 from ..chat.anthropic_encode import (
     AnthropicMessage,
     MessageMeta,
@@ -46,9 +47,8 @@ async def messages(request: Request, host: HostDep, tenant: Caller) -> Response:
         return events  # the upstream's answer, relayed
     # Before generating, the prompt is known and, on a hit, its static prefix; an engine's
     # own counts replace these once it has prefilled (events.Prefilled).
-    read = prompt.specprefill_system_end if prompt.hit else 0
-    meta = MessageMeta(new_id("msg"), call.model or model.name,
-                       Usage(prompt.prompt_tokens, 0, read))
+    read = prompt.specprefill_system_end if prompt.cache == HIT else 0
+    meta = MessageMeta(new_id("msg"), call.model or model.name, Usage(len(prompt.ids), 0, read))
     if call.stream:
         return stream_response(message_stream(meta, events), headers)
     return await json_response(request, message_json(meta, events), headers)
@@ -66,7 +66,7 @@ async def count_tokens(request: Request, host: HostDep, tenant: Caller) -> Respo
         conversation = messages_conversation(admitted.body)
         model = host.model(model_name(admitted.body))
         result = await host.prepare(model, tenant, conversation, admitted.json)
-    return Response(json_io.dumps({"input_tokens": result.prompt_tokens}),
+    return Response(json_io.dumps({"input_tokens": len(result.ids)}),
                     media_type="application/json", headers=host.headers(result))
 
 

@@ -73,7 +73,7 @@ async def prepare(host: Host, api: Api, model: ServedModel, call: AgentCall,
     model.target.check(call, api)
     prompt = await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
     if record is not None:
-        record.cache, record.prompt_tokens = prompt.cache, prompt.prompt_tokens
+        record.cache, record.prompt_tokens = prompt.cache, len(prompt.ids)
     return prompt
 
 

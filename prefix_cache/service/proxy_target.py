@@ -50,7 +50,7 @@ class ProxyTarget:
                                            namespace=turn.namespace)
         response = await self._open(turn, "chat", content)
         return completion_events(response, stream=turn.call.stream,
-                                 prompt_tokens=prompt.prompt_tokens)
+                                 prompt_tokens=len(prompt.ids))
 
     async def _open(self, turn: Turn, api: str, content: bytes) -> httpx.Response:
         opened = self.model.require_pool().open(self.client(), content, api,

@@ -128,7 +128,7 @@ class Upstream:
         if self.kind == "specprefill":
             out[wire.SPECPREFILL_SYSTEM_END] = result.specprefill_system_end
             if with_prompt_ids:
-                out[wire.PROMPT_TOKEN_IDS] = result.prompt_ids
+                out[wire.PROMPT_TOKEN_IDS] = result.ids.ids
             out[wire.SPECPREFILL_NAMESPACE] = namespace
         return json_io.dumps(out)
 
