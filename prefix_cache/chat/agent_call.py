@@ -55,8 +55,9 @@ class AgentCall:
 
     def backend_request(self, prompt_ids: Sequence[int] | TokenIds, specprefill_system_end: int,
                         namespace: str) -> BackendRequest:
-        """The engine's request for this call over a prompt and its boundary."""
-        self.check_engine_support()
+        """The engine's request for this call over a prompt and its boundary (that the engine
+        can honour the call is checked once, before the prompt is prepared:
+        ``check_engine_support``, run by the engine target's ``check``)."""
         return BackendRequest(prompt_ids=prompt_ids,
                               specprefill_system_end=specprefill_system_end,
                               namespace=namespace, sampling=self.sampling,
