@@ -1,8 +1,9 @@
 """The MLX engine as a ``ChatBackend``: a neutral request in, text deltas out.
 
     BackendRequest ──> check: max_tokens filled in (the default, cut to the context left), the
-                       engine's own validation (400s: ids, boundary, lengths)
-                   ──> generate: MLXEngine.agenerate token events ──> IncrementalDecoder ──>
+                       engine's request made and checked once (400s: ids, boundary, lengths,
+                       a grammar that cannot compile)
+                   ──> generate (the checked request): MLXEngine.agenerate token events ──> IncrementalDecoder ──>
                        stop strings ──> tool calls cut out (when the request gives tools and
                        the tokenizer knows its family's format: ``tool_calls``) ──>
                        BackendOutput deltas, usage on the last one
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from prefix_cache.engine.protocol import (
     BackendError,
     BackendOutput,
     BackendRequest,
+    CheckedBackendRequest,
     EngineHealth,
     EngineStats,
     ToolCall,
@@ -39,8 +41,17 @@ from .call_stream import StreamedCalls
 from .decoding import IncrementalDecoder, StopStrings
 from .defaults import DEFAULT_MAX_TOKENS
 from .grammar import GrammarCache, OutputGrammar, output_grammar
-from .mlx_engine.request import GenerationRequest
+from .mlx_engine.request import CheckedRequest, GenerationRequest, check_request
 from .tool_calls import ToolCallSplitter, json_envelope
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What ``check`` made of a request: the engine's checked request (with its grammar's
+    run) and the grammar, which also says how tool calls are cut out of the text."""
+
+    engine_request: CheckedRequest
+    grammar: OutputGrammar | None
 
 
 class MLXBackend:
@@ -86,10 +97,12 @@ class MLXBackend:
 
     # -- the ChatBackend protocol ------------------------------------------------------------
 
-    def check(self, request: BackendRequest) -> BackendRequest:
-        """The request with its max_tokens; InvalidRequestError (ContextLengthError when the
-        lengths do not fit) otherwise. A request that names no max_tokens gets the default, cut
-        to the context left; one that names too many is refused, as OpenAI's API does."""
+    def check(self, request: BackendRequest) -> CheckedBackendRequest:
+        """The request as it will run, with its max_tokens; InvalidRequestError
+        (ContextLengthError when the lengths do not fit) otherwise. A request that names no
+        max_tokens gets the default, cut to the context left; one that names too many is
+        refused, as OpenAI's API does. The engine's request is made and checked here, once,
+        with its grammar's run (compiled once per grammar): ``generate`` runs it as it is."""
         max_tokens = request.sampling.max_tokens
         if max_tokens is None:
             max_tokens = self.default_max_tokens
@@ -97,11 +110,11 @@ class MLXBackend:
             if window is not None and len(request.prompt_ids) < window:
                 max_tokens = min(max_tokens, window - len(request.prompt_ids))
         checked = replace(request, sampling=replace(request.sampling, max_tokens=max_tokens))
-        self._engine_request(checked).validate(self.vocab_size, self.context_length)
         grammar = self._grammar(checked)
-        if grammar is not None:
-            self.grammars.matcher(grammar)  # compiles it (cached), or refuses the request
-        return checked
+        run = self.grammars.run(grammar) if grammar is not None else None  # or refused
+        engine_request = check_request(self._engine_request(checked, run), self.vocab_size,
+                                       self.context_length)
+        return CheckedBackendRequest(checked, _Prepared(engine_request, grammar))
 
     def _grammar(self, request: BackendRequest) -> OutputGrammar | None:
         return output_grammar(request.constraints, request.tools, self.envelope)
@@ -116,11 +129,11 @@ class MLXBackend:
             return None
         return ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
 
-    async def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
-        checked = self.check(request)
-        grammar = self._grammar(checked)
-        run = self.grammars.run(grammar) if grammar is not None else None
-        engine_request = replace(self._engine_request(checked), grammar=run)
+    async def generate(self, checked: CheckedBackendRequest,
+                       ) -> AsyncGenerator[BackendOutput, None]:
+        request, prepared = checked.request, checked.prepared
+        engine_request, grammar = prepared.engine_request, prepared.grammar
+        run = engine_request.request.grammar
         decoder = IncrementalDecoder(self.tokenizer)
         stops = StopStrings(request.sampling.stop)
         calls = self._splitter(request, grammar)
@@ -132,8 +145,7 @@ class MLXBackend:
                 if event.prefill is not None:
                     cached = event.prefill.reused_tokens
                     if event.finish_reason is None:  # the prompt's counts, before any text
-                        yield BackendOutput(usage=Usage(len(engine_request.prompt_ids), 0,
-                                                        cached))
+                        yield BackendOutput(usage=Usage(len(request.prompt_ids), 0, cached))
                 text = ""
                 if not (event.finish_reason == "stop" and event.token in stop_ids):
                     text = decoder.add(event.token)
@@ -159,18 +171,19 @@ class MLXBackend:
                     finish = "stop" if stopped else event.finish_reason
                     if finish == "stop" and not stopped and calls is not None and calls.calls:
                         finish = "tool_calls"  # the turn ended after its tool calls
-                    usage = Usage(len(engine_request.prompt_ids), generated, cached)
+                    usage = Usage(len(request.prompt_ids), generated, cached)
                     yield BackendOutput(last, finish, usage, stop_sequence=stops.matched)
                     return
 
-    def _engine_request(self, request: BackendRequest) -> GenerationRequest:
+    def _engine_request(self, request: BackendRequest, grammar: Any) -> GenerationRequest:
         s, sp = request.sampling, request.specprefill
         return GenerationRequest(
-            prompt_ids=list(request.prompt_ids), max_tokens=s.max_tokens or 0,
+            prompt_ids=request.prompt_ids, max_tokens=s.max_tokens or 0,
             specprefill_system_end=request.specprefill_system_end,
             namespace=request.namespace, temperature=s.temperature, top_p=s.top_p,
             seed=s.seed, specprefill=sp.enabled, specprefill_keep_pct=sp.keep_pct,
             specprefill_threshold=sp.threshold, request_id=request.request_id,
+            grammar=grammar,
         )
 
     # -- lifecycle ----------------------------------------------------------------------------

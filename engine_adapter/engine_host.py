@@ -27,8 +27,7 @@ from typing import Any
 from fastapi import Request
 
 from prefix_cache.api.engine_target import EngineTarget
-from prefix_cache.api.host import Api
-from prefix_cache.cache.cache import NONE, PrefixResult
+from prefix_cache.api.host import PreparedPrompt
 from prefix_cache.cache.keys import validate_label
 from prefix_cache.cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.chat.conversation import Conversation
@@ -39,10 +38,10 @@ from prefix_cache.http.auth import bearer_matches, client_authorization, key_hin
 from prefix_cache.http.body import JSONBody, read_json_object
 from prefix_cache.http.errors import BadRequest, Unauthorized
 from prefix_cache.render.render import RenderOptions, get_renderer
-from prefix_cache.util.token_ids import TokenIds, json_token_ids, validate_token_ids
+from prefix_cache.util.token_ids import TokenIds, checked_token_ids, json_token_ids
 
 from .backend import MLXBackend
-from .mlx_engine.request import check_vocabulary
+from .mlx_engine.request import PROMPT_IDS_CODE
 
 log = logging.getLogger("engine_adapter.server")
 
@@ -58,18 +57,17 @@ class EngineModel:
     target: EngineTarget
 
 
-def prompt_ids_of(body: Mapping[str, Any], vocab_size: int | None) -> list[int] | None:
-    """``prompt_token_ids`` checked, or None when the body has none."""
+def prompt_ids_of(body: Mapping[str, Any]) -> TokenIds | None:
+    """``prompt_token_ids`` as token ids (integers in [0, 2**32), packed once here), or None
+    when the body has none; the engine's check holds them against the model."""
     value = body.get(wire.PROMPT_TOKEN_IDS)
     if value is None:
         return None
     try:
-        ids = validate_token_ids(json_token_ids(value, wire.PROMPT_TOKEN_IDS),
+        return checked_token_ids(json_token_ids(value, wire.PROMPT_TOKEN_IDS),
                                  wire.PROMPT_TOKEN_IDS)
-        check_vocabulary(ids, vocab_size, wire.PROMPT_TOKEN_IDS)
     except InvalidRequestError as exc:  # the same check, named for this field
-        raise InvalidRequestError(str(exc), code="invalid_prompt_token_ids") from None
-    return ids
+        raise InvalidRequestError(str(exc), code=PROMPT_IDS_CODE) from None
 
 
 def boundary_of(body: Mapping[str, Any], n_ids: int) -> int:
@@ -172,19 +170,17 @@ class EngineHost:
     async def read_body(self, request: Request, tenant: str) -> JSONBody:
         return await read_json_object(request, self.max_body_bytes)
 
-    def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
-        """Nothing beyond what the API's parser checks: a sidecar's body may carry only ids."""
-
     async def prepare(self, model: EngineModel, tenant: str, conversation: Conversation,
-                      body: JSONBody) -> PrefixResult:
+                      body: JSONBody) -> PreparedPrompt:
         """The ids a sidecar sent, or the conversation rendered off the event loop (a long
         template takes a while); the boundary it sent (default 0: nothing reused)."""
-        ids = prompt_ids_of(body.data, self.chat.vocab_size)
+        ids = prompt_ids_of(body.data)
         if ids is None:
-            ids = await asyncio.to_thread(render_conversation, self.chat.tokenizer, conversation)
-        return PrefixResult(boundary_of(body.data, len(ids)), TokenIds.of_rendered(ids), NONE, "")
+            ids = TokenIds.of_rendered(await asyncio.to_thread(
+                render_conversation, self.chat.tokenizer, conversation))
+        return PreparedPrompt(ids, boundary_of(body.data, len(ids)))
 
-    def headers(self, result: PrefixResult) -> dict[str, str]:
+    def headers(self, prompt: PreparedPrompt) -> dict[str, str]:
         return {}
 
     async def purge(self, request: Request) -> dict[str, Any]:

@@ -256,19 +256,21 @@ def test_the_tests_table_matches_the_tests_tree() -> None:
 
 
 # The core's packages, lowest first: utilities, rendering, the cache. (The engine protocol and
-# the model folders sit beside them and import none of them.)
+# the model folders sit beside them; the engine protocol imports only the utilities: the
+# packed token ids it carries.)
 CORE_ORDER = ["prefix_cache.util", "prefix_cache.render", "prefix_cache.cache"]
 CORE_PACKAGES = (*CORE_ORDER, "prefix_cache.engine", "prefix_cache.model_folders")
 ENGINE_PROTOCOL = "prefix_cache.engine.protocol"
 
 
 def test_the_core_packages_import_one_way() -> None:
-    """util < render < cache; the engine protocol imports nothing of the project."""
+    """util < render < cache; the engine protocol imports nothing of the project but util."""
     below = {lower: tuple(CORE_ORDER[i + 1:]) for i, lower in enumerate(CORE_ORDER)}
     bad = {(i.module, i.target) for i in _all_imports() for lower, higher in below.items()
            if _under(i.module, lower) and any(_under(i.target, h) for h in higher)}
     bad |= {(i.module, i.target) for i in _all_imports() if i.module == ENGINE_PROTOCOL
-            and any(_under(i.target, p) for p in PACKAGES)}
+            and any(_under(i.target, p) for p in PACKAGES)
+            and not _under(i.target, "prefix_cache.util")}
     assert bad == set()
 
 

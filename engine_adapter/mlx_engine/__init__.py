@@ -20,10 +20,11 @@ model fingerprint (``kv_fingerprint.py``).
 
 from .engine import MLXEngine
 from .kv_store import KVSnapshotStore
-from .request import EngineError, GenerationRequest, PrefillInfo, TokenEvent
+from .request import CheckedRequest, EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .specprefill import SpecPrefillConfig
 
 __all__ = [
+    "CheckedRequest",
     "EngineError",
     "GenerationRequest",
     "MLXEngine",

@@ -37,7 +37,16 @@ from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
 from .model_info import BatchGenerator, context_length, vocab_size
 from .prefill import PrefillQueue, insert_sequence, new_batch_generator
-from .request import DENSE, SPECPREFILL, EngineError, GenerationRequest, PrefillInfo, TokenEvent
+from .request import (
+    DENSE,
+    SPECPREFILL,
+    CheckedRequest,
+    EngineError,
+    GenerationRequest,
+    PrefillInfo,
+    TokenEvent,
+    check_request,
+)
 from .reuse import ConversationHit, KVReuse, ReusePlan
 from .sampling import request_sampler
 from .sequence import Deliver, EngineSequence
@@ -149,11 +158,21 @@ class MLXEngine:
 
     # -- the caller's side ------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, deliver: Deliver) -> None:
-        """Queue a request; ``deliver`` gets its events (or an exception) on the engine thread."""
-        request.validate(self.vocab_size, self.context_length)
-        sampler = request_sampler(request)  # a grammar's mask is per sequence: batch shared
-        seq = EngineSequence(request, deliver, time.perf_counter(), sampler)
+    def check(self, request: GenerationRequest) -> CheckedRequest:
+        """``request`` checked for this engine (InvalidRequestError naming what is wrong), so
+        ``submit`` and ``generate`` run it without checking it again."""
+        return check_request(request, self.vocab_size, self.context_length)
+
+    def submit(self, request: GenerationRequest | CheckedRequest, deliver: Deliver) -> None:
+        """Queue a request (checked first unless ``check`` made it for this engine's limits);
+        ``deliver`` gets its events (or an exception) on the engine thread."""
+        if not (isinstance(request, CheckedRequest)
+                and request.limits == (self.vocab_size, self.context_length)):
+            request = self.check(request if isinstance(request, GenerationRequest)
+                                 else request.request)
+        run = request.request
+        sampler = request_sampler(run)  # a grammar's mask is per sequence: batch shared
+        seq = EngineSequence(run, deliver, time.perf_counter(), sampler)
         self._post("submit", seq)
 
     def cancel(self, request_id: str) -> None:
@@ -167,11 +186,12 @@ class MLXEngine:
         with self._wake:
             yield
 
-    def generate(self, request: GenerationRequest) -> Iterator[TokenEvent]:
+    def generate(self, request: GenerationRequest | CheckedRequest) -> Iterator[TokenEvent]:
         """Tokens of one request as they come (blocking); closing the iterator cancels it."""
         return blocking_events(self.submit, self.cancel, request)
 
-    def agenerate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+    def agenerate(self, request: GenerationRequest | CheckedRequest,
+                  ) -> AsyncIterator[TokenEvent]:
         """Tokens of one request as they come, for asyncio; closing the iterator cancels it."""
         return async_events(self.submit, self.cancel, request)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prefix_cache.engine.protocol import BackendError, EngineCounts
@@ -14,6 +14,7 @@ from prefix_cache.util.token_ids import validate_token_ids
 from ..defaults import DEFAULT_MAX_TOKENS, GREEDY
 
 SEED_MAX = 2**64 - 1
+PROMPT_IDS_CODE = "invalid_prompt_token_ids"  # a 400's code: the prompt's ids are to blame
 
 
 def _new_id() -> str:
@@ -48,9 +49,10 @@ class GenerationRequest:
     # (None: free text); the engine's sampler advances it, so one serves one request.
     grammar: Any | None = None
 
-    def validate(self, vocab_size: int | None = None, context_length: int | None = None) -> None:
-        """Raise InvalidRequestError (a ValueError) naming the first bad field; the prompt plus ``max_tokens`` must fit
-        in ``context_length`` when it is given."""
+    def validate(self, vocab_size: int | None = None,
+                 context_length: int | None = None) -> list[int]:
+        """The prompt ids as a list; InvalidRequestError (a ValueError) naming the first bad
+        field. The prompt plus ``max_tokens`` must fit in ``context_length`` when it is given."""
         ids = validate_token_ids(self.prompt_ids, "prompt_ids")
         check_vocabulary(ids, vocab_size, "prompt_ids")
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
@@ -74,15 +76,40 @@ class GenerationRequest:
             raise InvalidRequestError(f"specprefill_keep_pct must be in (0, 1], got {self.specprefill_keep_pct}")
         if self.specprefill_threshold is not None and self.specprefill_threshold < 0:
             raise InvalidRequestError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
+        return ids
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedRequest:
+    """A ``GenerationRequest`` checked once against an engine's vocabulary and context
+    (``check_request``; its prompt ids a list): ``MLXEngine.submit``, ``generate`` and
+    ``agenerate`` run it as it is, where a plain request is checked first."""
+
+    request: GenerationRequest
+    limits: tuple[int | None, int | None]  # (vocab_size, context_length) it was checked for
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+
+def check_request(request: GenerationRequest, vocab_size: int | None,
+                  context_length: int | None) -> CheckedRequest:
+    """``request`` checked for an engine (``GenerationRequest.validate``), once."""
+    ids = request.validate(vocab_size, context_length)
+    if ids is not request.prompt_ids:  # ids given packed or as an array: the list runs
+        request = replace(request, prompt_ids=ids)
+    return CheckedRequest(request, (vocab_size, context_length))
 
 
 def check_vocabulary(ids: list[int], vocab_size: int | None, what: str) -> None:
     """InvalidRequestError unless there are ids and every one has an embedding row."""
     if not ids:
-        raise InvalidRequestError(f"{what} must be a non-empty list of token ids")
+        raise InvalidRequestError(f"{what} must be a non-empty list of token ids",
+                                  code=PROMPT_IDS_CODE)
     if vocab_size is not None and max(ids) >= vocab_size:
         raise InvalidRequestError(f"{what} has id {max(ids)}, outside the model's vocabulary "
-                                  f"({vocab_size})")
+                                  f"({vocab_size})", code=PROMPT_IDS_CODE)
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:

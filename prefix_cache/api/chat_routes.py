@@ -7,14 +7,13 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..chat.events import Events
 from ..chat.openai_encode import ChatMeta, completion_json, completion_stream
 from ..chat.openai_params import parse_chat_body
 from ..chat.respond import json_response, stream_response
 from . import openapi_docs as docs
 from .deps import Caller, HostDep
-from .host import Turn
-from .pipeline import admit, model_name, prepare
+from .host import Relay, Turn
+from .pipeline import admit, model_name, prepare, run
 from .schemas import ChatCompletion, ChatCompletionRequest, ModelList
 
 router = APIRouter()
@@ -37,14 +36,13 @@ async def chat_completions(request: Request, host: HostDep, tenant: Caller) -> R
         model = host.model(model_name(admitted.body))
         parsed = parse_chat_body(admitted.body, run_here=not model.target.relays("chat"))
         call = parsed.call
-        result = await prepare(host, "chat", model, call, admitted)
+        prompt = await prepare(host, "chat", model, call, admitted)
+    headers = host.headers(prompt)
+    events = await run(model, Turn("chat", call, prompt, admitted.namespace, request),
+                       Relay(admitted.raw, admitted.body), headers)
+    if isinstance(events, Response):
+        return events  # the upstream's answer, relayed
     meta = ChatMeta(call.model or model.name, parsed.include_usage)
-
-    async def answer(events: Events, _: int, headers: dict[str, str]) -> Response:
-        if call.stream:
-            return stream_response(completion_stream(meta, events), headers)
-        return await json_response(request, completion_json(meta, events), headers)
-
-    return await model.target.generate(Turn(
-        "chat", request, admitted.raw, admitted.body, call, result, admitted.namespace,
-        host.headers(result), answer))
+    if call.stream:
+        return stream_response(completion_stream(meta, events), headers)
+    return await json_response(request, completion_json(meta, events), headers)

@@ -9,16 +9,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from fastapi.responses import Response
-
 from ..chat.agent_call import AgentCall
-from ..chat.events import backend_events
+from ..chat.events import Events, backend_events
 from ..chat.fields import UNSUPPORTED
 from ..engine.protocol import ChatBackend
 from ..errors import InvalidRequestError
-from .host import Api, Turn
-from .pipeline import recorded
+from .host import Api, Relay, Turn
 
+# The engine's name of the prompt's ids -> the body field a client sends them in (every API).
+_PROMPT_IDS = (r"\bprompt_ids\b", "prompt_token_ids")
 # Chat-completion field names (what the engine says) -> the client's, per API.
 _API_TERMS: dict[str, tuple[tuple[str, str], ...]] = {
     "messages": ((r"response_format\.json_schema\.schema", "output_config.format.schema"),
@@ -45,16 +44,15 @@ class EngineTarget:
                                                    "(no constrained decoding)", api),
                                       code=UNSUPPORTED)
 
-    async def generate(self, turn: Turn) -> Response:
-        ids = turn.result.prompt_ids
+    async def generate(self, turn: Turn, relay: Relay) -> Events:
+        prompt = turn.prompt
         try:
             request = self.backend.check(turn.call.backend_request(
-                ids, turn.result.specprefill_system_end, turn.namespace))
+                prompt.ids, prompt.specprefill_system_end, turn.namespace))
         except InvalidRequestError as exc:
             exc.args = (in_api_terms(str(exc), turn.api), *exc.args[1:])
             raise
-        events = recorded(backend_events(self.backend, request))
-        return await turn.answer(events, len(ids), turn.headers)
+        return backend_events(self.backend, request)
 
 
 def _formats(call: AgentCall) -> bool:
@@ -63,6 +61,6 @@ def _formats(call: AgentCall) -> bool:
 
 def in_api_terms(message: str, api: str) -> str:
     """An engine's message with the chat-completion field names it uses in ``api``'s terms."""
-    for pattern, name in _API_TERMS.get(api, ()):
+    for pattern, name in (_PROMPT_IDS, *_API_TERMS.get(api, ())):
         message = re.sub(pattern, name, message, count=1)
     return message

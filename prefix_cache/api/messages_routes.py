@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from ..cache.cache import HIT
 from ..chat.anthropic_encode import (
     AnthropicMessage,
     MessageMeta,
@@ -14,7 +15,6 @@ from ..chat.anthropic_encode import (
     message_stream,
 )
 from ..chat.anthropic_params import MessagesRequest, messages_conversation, parse_messages_body
-from ..chat.events import Events
 from ..chat.respond import json_response, stream_response
 from ..chat.responses_encode import new_id
 from ..engine.protocol import Usage
@@ -23,8 +23,8 @@ from ..http.sse import sse_event
 from ..util import json_io
 from . import openapi_docs as docs
 from .deps import Caller, HostDep
-from .host import Turn
-from .pipeline import admit, model_name, prepare
+from .host import Relay, Turn
+from .pipeline import admit, model_name, prepare, run
 from .schemas import AnthropicErrorResponse, CountTokensRequest
 
 router = APIRouter()
@@ -39,20 +39,19 @@ async def messages(request: Request, host: HostDep, tenant: Caller) -> Response:
         admitted = await admit(request, host, tenant, "messages")
         call = parse_messages_body(admitted.body)
         model = host.model(call.model)
-        result = await prepare(host, "messages", model, call, admitted)
-
-    async def answer(events: Events, prompt_tokens: int, headers: dict[str, str]) -> Response:
-        # Before generating, the prompt is known and, on a hit, its static prefix; an engine's
-        # own counts replace these once it has prefilled (events.Prefilled).
-        read = result.specprefill_system_end if result.hit else 0
-        meta = MessageMeta(new_id("msg"), call.model or model.name, Usage(prompt_tokens, 0, read))
-        if call.stream:
-            return stream_response(message_stream(meta, events), headers)
-        return await json_response(request, message_json(meta, events), headers)
-
-    return await model.target.generate(Turn(
-        "messages", request, admitted.raw, admitted.body, call, result, admitted.namespace,
-        host.headers(result), answer, error_event=_error_event))
+        prompt = await prepare(host, "messages", model, call, admitted)
+    headers = host.headers(prompt)
+    events = await run(model, Turn("messages", call, prompt, admitted.namespace, request),
+                       Relay(admitted.raw, admitted.body, error_event=_error_event), headers)
+    if isinstance(events, Response):
+        return events  # the upstream's answer, relayed
+    # Before generating, the prompt is known and, on a hit, its static prefix; an engine's
+    # own counts replace these once it has prefilled (events.Prefilled).
+    read = prompt.specprefill_system_end if prompt.cache == HIT else 0
+    meta = MessageMeta(new_id("msg"), call.model or model.name, Usage(len(prompt.ids), 0, read))
+    if call.stream:
+        return stream_response(message_stream(meta, events), headers)
+    return await json_response(request, message_json(meta, events), headers)
 
 
 @router.post("/v1/messages/count_tokens", openapi_extra=docs.json_body(CountTokensRequest),
@@ -67,7 +66,7 @@ async def count_tokens(request: Request, host: HostDep, tenant: Caller) -> Respo
         conversation = messages_conversation(admitted.body)
         model = host.model(model_name(admitted.body))
         result = await host.prepare(model, tenant, conversation, admitted.json)
-    return Response(json_io.dumps({"input_tokens": len(result.prompt_ids)}),
+    return Response(json_io.dumps({"input_tokens": len(result.ids)}),
                     media_type="application/json", headers=host.headers(result))
 
 

@@ -1,11 +1,15 @@
 """The one way from a body to an answer, for every API (chat completions, Messages,
 Responses), on both servers:
 
-    body ── the API's parser ──> AgentCall (one typed call: conversation, sampling, stream)
+    body ── checked (the same on both servers) ──> the API's parser ──> AgentCall (one typed
+            call: conversation, sampling, stream)
          ── target.check ──> refused here, before anything is resolved (nothing cached)
-         ── host.prepare ──> prompt ids and boundary (the sidecar's cache, or the engine's ids)
-         ── target.generate(Turn) ──> in-process engine events, or an upstream's answer
-         ── the API's encoder (JSON or SSE), or the upstream's bytes relayed
+         ── host.prepare ──> PreparedPrompt (the sidecar's cache, or the engine's ids)
+         ── target.generate(Turn, Relay) ──> in-process engine events, or an upstream's answer
+         ── run: the events recorded, or the upstream's bytes relayed as they come
+         ── the route encodes the events in its API (JSON or SSE)
+
+One way: no step calls back into an earlier one (a target never answers for the route).
 """
 
 from __future__ import annotations
@@ -15,14 +19,18 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 from fastapi import Request
+from fastapi.responses import Response
 
-from ..cache.cache import PrefixResult
 from ..chat.agent_call import AgentCall
-from ..chat.events import Finish, OutputEvent, Prefilled
+from ..chat.events import Events, Finish, OutputEvent, Prefilled
 from ..http.body import JSONBody
+from ..http.relay import RelayResponse, RelayTap
 from ..http.request_record import current_record
-from .host import Api, Host, ServedModel
+from ..http.usage_tap import UsageTap
+from .host import Api, Host, PreparedPrompt, Relay, Relayed, ServedModel, Turn
+from .schemas import check_chat_body
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,27 +51,50 @@ class Admitted:
 
 
 async def admit(request: Request, host: Host, tenant: str, api: Api) -> Admitted:
-    """The body read (size limit) and checked at the host's edge, and the caller's namespace."""
+    """The body read (size limit) and checked, and the caller's namespace. The check is the
+    same whichever host mounts the routes, so a bad body gets the same 400 from both servers
+    (a chat body's field types here; every API's fields in its parser)."""
     record = current_record()
     if record is not None:
         record.tenant = tenant
     body = await host.read_body(request, tenant)
-    host.check_body(api, body.data)
+    if api == "chat":
+        check_chat_body(body.data)
     return Admitted(tenant, host.namespace(tenant, body.data), body)
 
 
 async def prepare(host: Host, api: Api, model: ServedModel, call: AgentCall,
-                  admitted: Admitted) -> PrefixResult:
+                  admitted: Admitted) -> PreparedPrompt:
     """The call's prompt ids and boundary, once its model's target can run it (a refused
     request caches nothing)."""
     record = current_record()
     if record is not None:
         record.model = model.name
     model.target.check(call, api)
-    result = await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
+    prompt = await host.prepare(model, admitted.tenant, call.conversation, admitted.json)
     if record is not None:
-        record.cache, record.prompt_tokens = result.cache, len(result.prompt_ids)
-    return result
+        record.cache, record.prompt_tokens = prompt.cache, len(prompt.ids)
+    return prompt
+
+
+async def run(model: ServedModel, turn: Turn, relay: Relay,
+              headers: dict[str, str]) -> Events | Response:
+    """The turn run on its model's target: its events (noted in the request's record) for
+    the route to encode, or the upstream's answer relayed with the host's ``headers``."""
+    outcome = await model.target.generate(turn, relay)
+    if isinstance(outcome, Relayed):
+        response = outcome.response
+        return RelayResponse(response, headers, _tap(response, relay.tap), relay.error_event)
+    return recorded(outcome)
+
+
+def _tap(response: httpx.Response, inner: RelayTap | None) -> RelayTap | None:
+    """The relay's own tap, behind one that notes the relayed answer's TTFT and usage."""
+    record = current_record()
+    if record is None:
+        return inner
+    streamed = response.headers.get("content-type", "").startswith("text/event-stream")
+    return UsageTap(record, streamed, inner)
 
 
 async def recorded(events: AsyncGenerator[OutputEvent, None]

@@ -18,7 +18,6 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from ..chat.events import Events
 from ..chat.fields import UNSUPPORTED
 from ..chat.respond import json_response, stream_response
 from ..chat.responses_encode import (
@@ -36,8 +35,8 @@ from ..http.errors import NotFound
 from ..http.sse import sse_event
 from . import openapi_docs as docs
 from .deps import Caller, HostDep
-from .host import Turn
-from .pipeline import admit, model_name, prepare
+from .host import Relay, Turn
+from .pipeline import admit, model_name, prepare, run
 
 MAX_PAGE = 100
 # Where an input message's text parts come from, by role (as OpenAI lists them).
@@ -79,24 +78,25 @@ async def responses(request: Request, host: HostDep, tenant: Caller) -> Response
         parsed = parse_responses_body(body, lambda _: None if found is None else found.items,
                                       forward_unknown=relayed)
         call = parsed.call
-        result = await prepare(host, "responses", model, call, admitted)
-    meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo())
+        prompt = await prepare(host, "responses", model, call, admitted)
 
     async def keep(response: dict[str, Any]) -> None:
         if parsed.store:
             await host.responses.put(namespace, parsed.record(response))
 
-    async def answer(events: Events, _: int, headers: dict[str, str]) -> Response:
-        if call.stream:
-            return stream_response(response_stream(meta, events, keep), headers)
-        return await json_response(request, response_json(meta, events, keep), headers)
-
     # Without the history, the prompt ids cut here are not the upstream's prompt: it renders
     # the conversation it keeps itself (the boundary, the static part's end, still holds).
-    return await model.target.generate(Turn(
-        "responses", request, admitted.raw, body, call, result, namespace, host.headers(result),
-        answer, tap=RelayedResponseRecorder(call.stream, keep), error_event=_error_event,
-        with_prompt_ids=parsed.previous_known))
+    relay = Relay(admitted.raw, body, RelayedResponseRecorder(call.stream, keep), _error_event,
+                  with_prompt_ids=parsed.previous_known)
+    headers = host.headers(prompt)
+    events = await run(model, Turn("responses", call, prompt, namespace, request), relay,
+                       headers)
+    if isinstance(events, Response):
+        return events  # the upstream's answer, relayed (and recorded: ``keep``)
+    meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo())
+    if call.stream:
+        return stream_response(response_stream(meta, events, keep), headers)
+    return await json_response(request, response_json(meta, events, keep), headers)
 
 
 async def _owner(request: Request, host: HostDep, tenant: Caller) -> tuple[ResponseStore, str]:

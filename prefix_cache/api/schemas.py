@@ -33,6 +33,14 @@ class BoundaryRequest(ChatRequest):
     return_prompt_ids: StrictBool = False
 
 
+def check_chat_body(data: dict[str, Any]) -> None:
+    """A chat completion body checked as ``ChatRequest`` checks it (its errors where it fails),
+    the same on both servers (``api.pipeline.admit``); pydantic's walk skipped where it
+    certainly accepts (see ``boundary_fields``)."""
+    if not _plain_chat(data):
+        ChatRequest.model_validate(data)
+
+
 def boundary_fields(data: dict[str, Any]) -> tuple[str | None, bool]:
     """``model`` and ``return_prompt_ids`` of a boundary body checked as ``BoundaryRequest``
     checks it (its errors where it fails). A JSON body whose checked fields have the types the
@@ -45,7 +53,12 @@ def boundary_fields(data: dict[str, Any]) -> tuple[str | None, bool]:
 
 
 def _plain_boundary(data: dict[str, Any]) -> bool:
-    """Whether ``BoundaryRequest`` certainly accepts ``data`` (a JSON object, so every key is a
+    """Whether ``BoundaryRequest`` certainly accepts ``data`` (see ``_plain_chat``)."""
+    return _plain_chat(data) and type(data.get("return_prompt_ids", False)) is bool
+
+
+def _plain_chat(data: dict[str, Any]) -> bool:
+    """Whether ``ChatRequest`` certainly accepts ``data`` (a JSON object, so every key is a
     str): only exact types, no coercion to ask pydantic about."""
     get = data.get
     messages, tools, kwargs = get("messages"), get("tools"), get("chat_template_kwargs")
@@ -54,8 +67,7 @@ def _plain_boundary(data: dict[str, Any]) -> bool:
             and (tools is None or (type(tools) is list and all(type(t) is dict for t in tools)))
             and (kwargs is None or type(kwargs) is dict)
             and type(get("model")) in (str, type(None))
-            and type(get("stream")) in (bool, type(None))
-            and type(get("return_prompt_ids", False)) is bool)
+            and type(get("stream")) in (bool, type(None)))
 
 
 class PurgeRequest(BaseModel):

@@ -11,6 +11,7 @@ from typing import Any
 from ..engine import protocol as wire
 from ..engine.protocol import BackendRequest, OutputConstraints, SamplingParams, SpecPrefillParams
 from ..errors import InvalidRequestError
+from ..util.token_ids import TokenIds
 from .conversation import Conversation, chat_wire_messages
 from .fields import UNSUPPORTED
 
@@ -52,10 +53,11 @@ class AgentCall:
         """What the output must be (a format, a tool call), from the chat-completion options."""
         return OutputConstraints.from_options(self.chat_options)
 
-    def backend_request(self, prompt_ids: Sequence[int], specprefill_system_end: int,
+    def backend_request(self, prompt_ids: Sequence[int] | TokenIds, specprefill_system_end: int,
                         namespace: str) -> BackendRequest:
-        """The engine's request for this call over a prompt and its boundary."""
-        self.check_engine_support()
+        """The engine's request for this call over a prompt and its boundary (that the engine
+        can honour the call is checked once, before the prompt is prepared:
+        ``check_engine_support``, run by the engine target's ``check``)."""
         return BackendRequest(prompt_ids=prompt_ids,
                               specprefill_system_end=specprefill_system_end,
                               namespace=namespace, sampling=self.sampling,

@@ -22,7 +22,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from ..engine.protocol import BackendRequest, ChatBackend, Usage
+from ..engine.protocol import ChatBackend, CheckedBackendRequest, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +59,7 @@ def new_call_id(prefix: str = "call_") -> str:
 
 
 async def backend_events(backend: ChatBackend,
-                         request: BackendRequest) -> AsyncGenerator[OutputEvent, None]:
+                         request: CheckedBackendRequest) -> AsyncGenerator[OutputEvent, None]:
     """A checked request's generation as events: its text, and the tool calls the engine cut
     out of it (one whole call per event, or a call in pieces as it is written)."""
     finish, usage, stop = None, None, None

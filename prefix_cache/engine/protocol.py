@@ -3,9 +3,10 @@
 
     API layer (OpenAI chat, Anthropic Messages, OpenAI Responses) ── parses its body into
         BackendRequest(prompt ids, boundary, tenant, SamplingParams, SpecPrefillParams)
-    backend.check(request)            the request as it will run (max_tokens filled in), or an
-                                      InvalidRequestError (a 400) before anything runs
-    backend.generate(request)         BackendOutput text deltas (and tool calls, for engines
+    backend.check(request)            CheckedBackendRequest: the request as it will run
+                                      (max_tokens filled in), or an InvalidRequestError (a
+                                      400) before anything runs
+    backend.generate(checked)         BackendOutput text deltas (and tool calls, for engines
                                       that parse them out of the text when the request gives
                                       tools); the last one has the finish reason and the
                                       usage (one before the text may have the prompt's usage
@@ -26,6 +27,8 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Protocol, TypedDict
+
+from ..util.token_ids import TokenIds
 
 # The extension fields of a request body between a sidecar and an engine server.
 SPECPREFILL_SYSTEM_END = "specprefill_system_end"  # the static prefix's end in the prompt ids
@@ -116,7 +119,7 @@ class BackendRequest:
     """One generation: the prompt's token ids, its static-prefix boundary, the tenant whose KV
     it may reuse, and how to sample."""
 
-    prompt_ids: Sequence[int]
+    prompt_ids: Sequence[int] | TokenIds   # TokenIds: checked where they entered, packed
     specprefill_system_end: int = 0
     namespace: str = "default"
     sampling: SamplingParams = SamplingParams()
@@ -125,6 +128,16 @@ class BackendRequest:
     # The tools the prompt offers: an engine that can parse tool calls does so only then.
     tools: Sequence[Mapping[str, Any]] | None = None
     constraints: OutputConstraints = OutputConstraints()
+
+
+@dataclass(frozen=True, slots=True)
+class CheckedBackendRequest:
+    """A request as an engine will run it (``ChatBackend.check``): the request with what the
+    engine fills in (max_tokens), and the engine's own form of it, made and checked once
+    (opaque here). ``generate`` takes only this, so nothing is checked or built twice."""
+
+    request: BackendRequest
+    prepared: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,11 +297,11 @@ class ChatBackend(Protocol):
     name: str
     tokenizer: Any  # the model's tokenizer: renders prompts that come without ids
 
-    def check(self, request: BackendRequest) -> BackendRequest:
+    def check(self, request: BackendRequest) -> CheckedBackendRequest:
         """The request as it will run; InvalidRequestError (a 400) when it cannot."""
         ...
 
-    def generate(self, request: BackendRequest) -> AsyncGenerator[BackendOutput, None]:
+    def generate(self, checked: CheckedBackendRequest) -> AsyncGenerator[BackendOutput, None]:
         """The outputs of a checked request; BackendError if the engine fails meanwhile."""
         ...
 

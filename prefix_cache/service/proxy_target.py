@@ -15,16 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
-from fastapi.responses import Response
 
-from ..api.host import Api, Turn
-from ..api.pipeline import recorded
+from ..api.host import Api, Relay, Relayed, Turn
 from ..chat.agent_call import AgentCall
+from ..chat.events import Events
 from ..chat.openai_decode import completion_events
 from ..http.errors import ClientDisconnected
-from ..http.relay import RelayResponse, RelayTap, until_disconnect
-from ..http.request_record import current_record
-from ..http.usage_tap import UsageTap
+from ..http.relay import until_disconnect
 from ..util import json_io
 from .served_models import ServedModel
 
@@ -41,36 +38,25 @@ class ProxyTarget:
         if not self.model.require_upstream().speaks(api):  # a model with no upstream: a 400
             call.check_chat_support()
 
-    async def generate(self, turn: Turn) -> Response:
-        upstream, result = self.model.require_upstream(), turn.result
+    async def generate(self, turn: Turn, relay: Relay) -> Events | Relayed:
+        upstream, prompt = self.model.require_upstream(), turn.prompt
         if upstream.speaks(turn.api):
-            content = upstream.forward_content(turn.raw, turn.body, result,
+            content = upstream.forward_content(relay.raw, relay.body, prompt,
                                                namespace=turn.namespace,
-                                               with_prompt_ids=turn.with_prompt_ids)
-            response = await self._open(turn, turn.api, content)
-            return RelayResponse(response, turn.headers, _tap(turn, response), turn.error_event)
+                                               with_prompt_ids=relay.with_prompt_ids)
+            return Relayed(await self._open(turn, turn.api, content))
         chat = turn.call.chat_body(turn.call.model or self.model.name)
-        content = upstream.forward_content(json_io.dumps(chat), chat, result,
+        content = upstream.forward_content(json_io.dumps(chat), chat, prompt,
                                            namespace=turn.namespace)
         response = await self._open(turn, "chat", content)
-        prompt_tokens = len(result.prompt_ids)
-        events = recorded(completion_events(response, stream=turn.call.stream,
-                                            prompt_tokens=prompt_tokens))
-        return await turn.answer(events, prompt_tokens, turn.headers)
+        return completion_events(response, stream=turn.call.stream,
+                                 prompt_tokens=len(prompt.ids))
 
     async def _open(self, turn: Turn, api: str, content: bytes) -> httpx.Response:
         opened = self.model.require_pool().open(self.client(), content, api,
-                                                tenant=turn.namespace, key=turn.result.key)
+                                                tenant=turn.namespace, key=turn.prompt.key)
         response, disconnected = await until_disconnect(turn.request.receive, opened)
         if disconnected or response is None:
             raise ClientDisconnected("the client disconnected before the upstream answered")
         return response
 
-
-def _tap(turn: Turn, response: httpx.Response) -> RelayTap | None:
-    """The turn's own tap, behind one that notes the relayed answer's TTFT and usage."""
-    record = current_record()
-    if record is None:
-        return turn.tap
-    streamed = response.headers.get("content-type", "").startswith("text/event-stream")
-    return UsageTap(record, streamed, turn.tap)

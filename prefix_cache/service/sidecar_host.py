@@ -11,8 +11,7 @@ from typing import Any
 from fastapi import Request
 
 from ..api.engine_target import EngineTarget
-from ..api.host import Api, Target
-from ..api.schemas import ChatRequest
+from ..api.host import PreparedPrompt, Target
 from ..body_parts import PartMemo
 from ..cache.cache import PrefixResult
 from ..chat.conversation import Conversation
@@ -40,7 +39,7 @@ class Routed:
         return self.model.name
 
 
-def cache_headers(result: PrefixResult) -> dict[str, str]:
+def cache_headers(result: PrefixResult | PreparedPrompt) -> dict[str, str]:
     return {"x-prefix-cache": result.cache,
             "x-specprefill-system-end": str(result.specprefill_system_end)}
 
@@ -87,18 +86,14 @@ class SidecarHost:
         return await read_json_object(request, self.state.settings.max_body_bytes,
                                       MAX_BODY_SETTING, self._parts, tenant, share)
 
-    def check_body(self, api: Api, body: Mapping[str, Any]) -> None:
-        if api == "chat":
-            ChatRequest.model_validate(body)
-
     async def prepare(self, model: Routed, tenant: str, conversation: Conversation,
-                      body: JSONBody) -> PrefixResult:
+                      body: JSONBody) -> PreparedPrompt:
         """The conversation's boundary (of any API) in the tenant's namespace, within the
         tenant's prompt size limit."""
         result = await self.resolve(model.model, tenant, conversation, len(body.raw),
                                     known=body.known)
-        await self.state.limits.spend_tokens(tenant, len(result.prompt_ids))
-        return result
+        await self.state.limits.spend_tokens(tenant, result.prompt_tokens)
+        return PreparedPrompt.of(result)
 
     async def resolve(self, model: ServedModel, tenant: str, conversation: Conversation,
                       body_size: int, prompt_ids: Any = None,
@@ -114,5 +109,5 @@ class SidecarHost:
             continue_final_message=c.continue_final_message, prompt_ids=prompt_ids,
             known=known)
 
-    def headers(self, result: PrefixResult) -> dict[str, str]:
-        return cache_headers(result)
+    def headers(self, prompt: PreparedPrompt) -> dict[str, str]:
+        return cache_headers(prompt)

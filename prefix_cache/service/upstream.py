@@ -32,7 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from ..cache.cache import PrefixResult
+from ..api.host import PreparedPrompt
 from ..engine import protocol as wire
 from ..http.errors import (
     UpstreamBadStatus,
@@ -112,7 +112,7 @@ class Upstream:
         parts = urlsplit(self.base_url)
         return urlunsplit((parts.scheme, parts.netloc, self.health_path, "", ""))
 
-    def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PrefixResult,
+    def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PreparedPrompt,
                         namespace: str = "default", with_prompt_ids: bool = True) -> bytes:
         """The bytes to send upstream for a client body (``raw`` parsed is ``body``) of a
         request in tenant ``namespace`` (``with_prompt_ids`` False: the upstream renders the
@@ -128,7 +128,7 @@ class Upstream:
         if self.kind == "specprefill":
             out[wire.SPECPREFILL_SYSTEM_END] = result.specprefill_system_end
             if with_prompt_ids:
-                out[wire.PROMPT_TOKEN_IDS] = result.prompt_ids
+                out[wire.PROMPT_TOKEN_IDS] = result.ids.ids
             out[wire.SPECPREFILL_NAMESPACE] = namespace
         return json_io.dumps(out)
 

@@ -176,7 +176,7 @@ def test_a_model_with_no_tool_call_format_gets_calls_through_the_engines_envelop
                                  parallel_tool_calls=False))
 
     async def outputs() -> list[Any]:
-        return [out async for out in backend.generate(request)]
+        return [out async for out in backend.generate(backend.check(request))]
 
     outs = asyncio.run(outputs())
     chunks = [c for out in outs for c in out.tool_call_chunks]

@@ -137,7 +137,7 @@ def test_max_tokens_must_fit_in_the_context_and_the_default_is_cut_to_it(tokeniz
 
     def max_tokens(body: dict[str, Any], ids: list[int], namespace: str) -> int | None:
         request = parse_chat_body(body, run_here=True).call.backend_request(ids, 0, namespace)
-        return chat_engine.check(request).sampling.max_tokens
+        return chat_engine.check(request).request.sampling.max_tokens
 
     assert max_tokens({}, prompt, "default") == 7  # 10 - 3 left
     assert max_tokens({"max_tokens": 7}, prompt, "d") == 7

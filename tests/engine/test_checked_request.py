@@ -1,0 +1,90 @@
+"""A request is checked once on its way into the engine: ``MLXEngine.check`` (or
+``MLXBackend.check`` above it) makes a ``CheckedRequest`` that ``submit``, ``generate`` and
+``agenerate`` run as it is; a plain request is checked there, and a check made for other
+limits (another engine's vocabulary or context) is not trusted.
+
+Tiny random-weights model (float32); the tokens compared are the engine's own, greedy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from engine_adapter.backend import MLXBackend  # noqa: E402
+from engine_adapter.mlx_engine import CheckedRequest, GenerationRequest  # noqa: E402
+from engine_adapter.mlx_engine.request import check_request  # noqa: E402
+from prefix_cache.engine.protocol import BackendRequest, SamplingParams  # noqa: E402
+from prefix_cache.errors import ContextLengthError, InvalidRequestError  # noqa: E402
+from prefix_cache.util.token_ids import TokenIds  # noqa: E402
+from tests.support.engine_fixtures import turn  # noqa: E402
+
+
+def tokens(events: list[Any]) -> list[int]:
+    return [e.token for e in events]
+
+
+def test_a_checked_request_runs_as_the_plain_one_does(engines: Any, qwen3: Any) -> None:
+    engine = engines(reuse_conversation_kv=False, reuse_static_kv=False)
+    ids, end = turn(qwen3, 3, "Count to three.")
+    plain = GenerationRequest(ids, max_tokens=4, specprefill_system_end=end)
+    checked = engine.check(plain)
+    assert isinstance(checked, CheckedRequest) and checked.request is plain  # a list: as given
+    assert tokens(engine.generate(checked)) == tokens(engine.generate(plain))
+
+
+@pytest.mark.parametrize("given", [TokenIds.of_rendered, np.array], ids=["packed", "array"])
+def test_ids_given_packed_or_as_an_array_run_as_their_list(engines: Any, qwen3: Any,
+                                                          given: Any) -> None:
+    engine = engines(reuse_conversation_kv=False, reuse_static_kv=False)
+    ids, end = turn(qwen3, 3, "Count to three.")
+    checked = engine.check(GenerationRequest(given(ids), max_tokens=3,
+                                             specprefill_system_end=end))
+    assert checked.request.prompt_ids == ids and type(checked.request.prompt_ids) is list
+    assert tokens(engine.generate(checked)) == tokens(engine.generate(
+        GenerationRequest(ids, max_tokens=3, specprefill_system_end=end)))
+
+
+def test_a_check_made_for_other_limits_is_checked_again(engines: Any) -> None:
+    engine = engines(max_context=8)
+    unchecked = check_request(GenerationRequest([10**9], max_tokens=1), None, None)
+    with pytest.raises(InvalidRequestError, match="vocabulary") as info:
+        engine.submit(unchecked, lambda _e: None)
+    assert info.value.code == "invalid_prompt_token_ids"
+    too_long = check_request(GenerationRequest([1, 2, 3], max_tokens=6), engine.vocab_size,
+                             None)
+    with pytest.raises(ContextLengthError, match="ask for at most 5"):
+        asyncio.run(_first(engine.agenerate(too_long)))
+    with pytest.raises(ContextLengthError):
+        engine.check(GenerationRequest([1, 2, 3], max_tokens=6))
+
+
+async def _first(events: Any) -> Any:
+    async for event in events:
+        return event
+
+
+def test_the_backend_makes_the_engine_request_once(engines: Any, qwen3: Any) -> None:
+    backend = MLXBackend(engines(), qwen3)
+    ids, end = turn(qwen3, 3, "Hello.")
+    packed = TokenIds.of_rendered(ids)
+    checked = backend.check(BackendRequest(packed, end, sampling=SamplingParams(
+        max_tokens=2, temperature=0.0)))
+    engine_request = checked.prepared.engine_request
+    # The engine's request holds the list the packed ids were made from: no copy, no repack.
+    assert engine_request.request.prompt_ids is packed.ids
+    assert engine_request.limits == (backend.vocab_size, backend.context_length)
+    assert checked.request.sampling.max_tokens == 2
+
+    async def outputs() -> list[Any]:
+        return [out async for out in backend.generate(checked)]
+
+    outs = asyncio.run(outputs())
+    assert outs[-1].usage.prompt_tokens == len(ids) and outs[-1].usage.completion_tokens == 2
+    with pytest.raises(InvalidRequestError, match="vocabulary"):
+        backend.check(BackendRequest([10**9], 0))
