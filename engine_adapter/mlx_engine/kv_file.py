@@ -5,8 +5,9 @@
     metadata  format, version, tier, namespace, model_id, fingerprint (the weights and config
               the KV came from), ids (the packed prefix ids, base64), n_tokens, positions,
               span and keep_pct (sparse snapshots), layers (a layered snapshot's layer kinds:
-              full KV, sliding window with its offset, recurrent state), checksum (xxh3_128 of the metadata and
-              the tensors together, checked before anything is restored)
+              full KV, sliding window with its offset, recurrent state), reply_from (where a
+              finished sequence's generated ids start: ``reply``), checksum (xxh3_128 of the
+              metadata and the tensors together, checked before anything is restored)
 
 Everything a lookup needs before it reads any KV is in the header (``read_header`` reads only
 that), so the startup scan costs one small read per file. A file that does not check out on
@@ -19,7 +20,7 @@ import base64
 import json
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, cast
 
 import mlx.core as mx
@@ -32,7 +33,10 @@ from .kv_folder import TierFolder
 from .layered import LayeredSnapshot, layers_from_arrays, layers_to_arrays
 
 FORMAT = "prefix-cache-kv"
-VERSION = 2   # 2: the checksum covers the metadata too
+VERSION = 3   # 2: the checksum covers the metadata too; 3: reply_from
+# Versions read: a version 2 file is a version 3 one without reply_from, so its KV is restored
+# as is and none of it counts as generated (an upgrade keeps the folder's KV). Older: refused.
+READS = ("2", "3")
 SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 64 << 20  # a header beyond this is not one this module wrote
 
@@ -87,7 +91,8 @@ def encode(snap: KVSnapshot | LayeredSnapshot, *, tier: str, namespace: str, mod
             "n_tokens": str(snap.n_tokens), "dense_tokens": str(snap.dense_tokens),
             "positions": "" if snap.positions is None else _b64(pack_ids(snap.positions)),
             "span": "" if snap.span is None else str(snap.span),
-            "keep_pct": "" if snap.keep_pct is None else repr(snap.keep_pct), "layers": layers}
+            "keep_pct": "" if snap.keep_pct is None else repr(snap.keep_pct), "layers": layers,
+            "reply_from": "" if snap.reply_from is None else str(snap.reply_from)}
     meta["checksum"] = checksum(arrays, meta)
     return arrays, meta
 
@@ -122,7 +127,7 @@ def read_header(fh: BinaryIO) -> dict[str, str]:
 
 def check_header(meta: Mapping[str, Any], fingerprints: Mapping[str, str]) -> KVFileHeader:
     """The header of one of our files, for a model this engine runs; KVFileError otherwise."""
-    if meta.get("format") != FORMAT or meta.get("version") != str(VERSION):
+    if meta.get("format") != FORMAT or meta.get("version") not in READS:
         raise KVFileError(f"format {meta.get('format')!r} version {meta.get('version')!r}")
     model_id = str(meta.get("model_id"))
     if model_id not in fingerprints or meta.get("fingerprint") != fingerprints[model_id]:
@@ -164,13 +169,14 @@ def load(folder: TierFolder, rel: str, fingerprints: Mapping[str, str],
         span = int(meta["span"]) if meta["span"] else None
         # The keep share a sparse snapshot was chosen at (none: it serves only its dense part).
         keep_pct = float(meta["keep_pct"]) if meta.get("keep_pct") else None
+        reply_from = _reply_from(meta)
     except (KeyError, ValueError) as exc:
         raise KVFileError(f"bad metadata: {exc}") from None
     if (not layers or len(arrays) != 2 * len(layers)
             or any(k.shape[-2] != n_tokens or v.shape[-2] != n_tokens for k, v in layers)):
         raise KVFileError("tensors do not match the metadata")
     nbytes = sum(k.nbytes + v.nbytes for k, v in layers)
-    snap = KVSnapshot(layers, n_tokens, nbytes, positions, span, keep_pct)
+    snap = KVSnapshot(layers, n_tokens, nbytes, positions, span, keep_pct, reply_from)
     _check_fields(snap, header)
     return header, snap
 
@@ -180,12 +186,19 @@ def _layered(header: KVFileHeader, arrays: dict[str, mx.array],
     """A layered snapshot's file: every layer whole, as its description says."""
     try:
         snap = layers_from_arrays(arrays, json.loads(meta["layers"]), int(meta["n_tokens"]))
+        snap = replace(snap, reply_from=_reply_from(meta))
     except (KeyError, ValueError, TypeError) as exc:
         raise KVFileError(f"bad layers: {exc}") from None
     if meta.get("positions") or meta.get("span") or meta.get("keep_pct"):
         raise KVFileError("a layered snapshot is never sparse")
     _check_fields(snap, header)
     return snap
+
+
+def _reply_from(meta: Mapping[str, str]) -> int | None:
+    """The file's ``reply_from`` (None: no generated ids, or a version 2 file)."""
+    value = meta.get("reply_from", "")
+    return int(value) if value else None
 
 
 def _check_fields(snap: KVSnapshot | LayeredSnapshot, header: KVFileHeader) -> None:
@@ -198,7 +211,9 @@ def _check_fields(snap: KVSnapshot | LayeredSnapshot, header: KVFileHeader) -> N
         and (not p or (p[0] >= 0 and p[-1] < snap.span)))
     if (not sparse_ok or len(header.packed_ids) // 4 != snap.prompt_tokens
             or header.dense_tokens != snap.dense_tokens
-            or (snap.keep_pct is not None and not 0.0 < snap.keep_pct <= 1.0)):
+            or (snap.keep_pct is not None and not 0.0 < snap.keep_pct <= 1.0)
+            or (snap.reply_from is not None
+                and not 0 < snap.reply_from <= snap.prompt_tokens)):
         raise KVFileError("metadata does not match the tensors")
 
 

@@ -68,8 +68,8 @@ def _damage(root: Path, path: Path, how: str) -> None:
         path.write_bytes(os.urandom(len(data)))
     elif how == "wrong-model":     # another model's KV: its fingerprint differs
         rewrite(root, path, rechecksum=True, fingerprint="another model")
-    else:                          # an older format's
-        rewrite(root, path, rechecksum=True, version=str(kv_file.VERSION - 1))
+    else:                          # a format older than any this version reads
+        rewrite(root, path, rechecksum=True, version=str(int(kv_file.READS[0]) - 1))
 
 
 @pytest.mark.parametrize("how", ["bit-flip", "truncated", "garbage", "wrong-model",
