@@ -67,7 +67,8 @@ CHAT_QUESTIONS = ("Tell me about the history of tea.", "And coffee?", "Which has
 
 AGENT_SYSTEM = "You are a coding agent. You act through tools."
 FILES = {"src": "main.py util.py config.yaml", "docs": "usage.md api.md",
-         "src/main.py": "from util import load\n\nif __name__ == '__main__':\n    load('config.yaml')",
+         "src/main.py": ("from util import load\n\nif __name__ == '__main__':\n"
+                         "    load('config.yaml')"),
          "src/util.py": "import yaml\n\ndef load(path):\n    return yaml.safe_load(open(path))",
          "src/config.yaml": "retries: 3\ntimeout_s: 30", "docs/usage.md": "# Usage\nRun `make`."}
 AGENT_TOOLS = [
@@ -272,7 +273,7 @@ def cell(rows: list[dict[str, Any]]) -> str:
             + (f" ({statistics.median(generated):.0f})" if generated else "")
             + f" / {statistics.median(r['ttft_s'] for r in rows) * 1000:.0f} ms / "
             + (f"{decode:.1f}" if decode is not None else "-")
-            + (f" / {calls} call" if calls else ""))
+            + (f" / tool call {calls}/{len(rows)}" if calls else ""))
 
 
 def paired_ratio(rows: list[dict[str, Any]], other: str, loop: str, turn: int) -> str:
@@ -295,9 +296,9 @@ def table(report: dict[str, Any]) -> str:
              f"{report['repeats']} repeat(s) of {report['turns']} turns per loop, replies of at "
              f"most {report['max_tokens']} tokens, greedy; servers alternating turn by turn in a "
              f"rotating order. Cells: prompt tokens / cached tokens (ours: of them, generated "
-             f"by it) / TTFT / decode tok/s after the first token (/ replies with a tool call), "
-             f"medians over repeats. Ratios: the other server's TTFT / ours on the same turn "
-             f"of the same repeat, median (min-max): above 1, ours is faster."]
+             f"by it) / TTFT / decode tok/s after the first token (/ how many of the replies "
+             f"were a tool call), medians over repeats. Ratios: the other server's TTFT / ours "
+             f"on the same turn of the same repeat, median (min-max): above 1, ours is faster."]
     for name, why in report["failed"].items():
         lines.append(f"{LABELS[name]} did not run: {why}.")
     if "vllm_mlx" in names:
