@@ -33,18 +33,20 @@ import os
 import platform
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+import servers  # noqa: E402
+from servers import free_port  # noqa: E402,F401 (bench/routing.py imports it from here)
 
 TARGET = {"hidden": 256, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 768}
 DRAFT = {"hidden": 64, "layers": 2, "heads": 1, "kv_heads": 1, "intermediate": 320}
@@ -110,54 +112,18 @@ def conversation(user_turn: str) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 # -- the anchor: mlx_lm.server -----------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port),
-         "--host", "127.0.0.1", "--log-level", "WARNING"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(url + "/v1/models", timeout=1).read()
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError("mlx_lm.server exited") from None
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("mlx_lm.server did not start")
+    """mlx_lm.server on ``model_dir``: (its process, its URL)."""
+    server = servers.start_server("mlx_lm.server", servers.mlx_lm_argv(model_dir))
+    return server.proc, server.url
 
 
 def server_ttft(url: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[float, int]:
-    """Seconds to the first streamed token, and the prompt length the server reports."""
-    body = {"model": "default_model", "messages": messages, "tools": tools, "max_tokens": 1,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    started = time.perf_counter()
-    ttft, prompt_tokens = None, -1
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue  # keep-alive comments during prompt processing
-            if ttft is None:
-                ttft = time.perf_counter() - started
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            usage = json.loads(payload).get("usage")
-            if usage:
-                prompt_tokens = usage.get("prompt_tokens", -1)
-    assert ttft is not None
-    return ttft, prompt_tokens
+    """Seconds to the first streamed event, and the prompt length the server reports."""
+    streamed = servers.stream_chat(url, {"model": "default_model", "messages": messages,
+                                         "tools": tools, "max_tokens": 1, "temperature": 0.0})
+    assert streamed.first_event_s is not None
+    return streamed.first_event_s, streamed.usage.get("prompt_tokens", -1)
 
 
 # -- our engine --------------------------------------------------------------------------------

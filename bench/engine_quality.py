@@ -41,7 +41,6 @@ import os
 import statistics
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,8 @@ from typing import Any
 from agent_workload import agent_prompt
 from engine import naive_boundary, start_server, timed
 from engine_doc import DocBlock, command, machine
+
+from servers import stream_chat
 
 DOC = DocBlock("quality")
 VARIANTS = "abcde"
@@ -64,26 +65,9 @@ LABELS = {
 def server_answer(url: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
                   max_tokens: int) -> tuple[float, str]:
     """(seconds to the first streamed token, the greedy answer) from mlx_lm.server."""
-    body = {"model": "default_model", "messages": messages, "tools": tools,
-            "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    started = time.perf_counter()
-    ttft, parts = None, []
-    with urllib.request.urlopen(request, timeout=600) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data:"):
-                continue  # keep-alive comments while the prompt is processed
-            payload = line[5:].strip()
-            if payload == "[DONE]":
-                break
-            choices = json.loads(payload).get("choices") or []
-            text = choices[0].get("delta", {}).get("content") if choices else None
-            if text:
-                ttft = ttft if ttft is not None else time.perf_counter() - started
-                parts.append(text)
-    return (ttft if ttft is not None else time.perf_counter() - started), "".join(parts)
+    streamed = stream_chat(url, {"model": "default_model", "messages": messages, "tools": tools,
+                                 "max_tokens": max_tokens, "temperature": 0.0})
+    return (streamed.ttft_s if streamed.ttft_s is not None else streamed.total_s), streamed.text
 
 
 @dataclass(frozen=True)

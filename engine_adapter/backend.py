@@ -85,7 +85,11 @@ class MLXBackend:
         from .mlx_engine import MLXEngine
 
         engine = MLXEngine.load(model_dir, draft_dir, **options)
-        return cls(engine, name=name or Path(model_dir).resolve().name)
+        backend = cls(engine, name=name or Path(model_dir).resolve().name)
+        # A served model's first request with tools would otherwise build the grammar's
+        # tokenizer (~0.4 s for a 49k vocabulary; bench/agent_loop.py's first tool turn).
+        backend.grammars.prepare()
+        return backend
 
     @property
     def vocab_size(self) -> int | None:

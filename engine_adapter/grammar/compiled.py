@@ -50,6 +50,7 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.compiles = self.hits = 0
+        self.tokenizer_builds = 0   # llguidance tokenizers built (``prepare``, or a first grammar)
         self._lru: ByteLRU[str, Any] = ByteLRU(DEFAULT_MAX_GRAMMAR_BYTES, max_entries)
         self._ll_tokenizers: dict[bytes, Any] = {}
         self._lock = threading.Lock()  # callers are API handlers on several threads
@@ -79,6 +80,12 @@ class GrammarCache:
             self._lru.put(key, template, len(grammar.lark))
         return template.deep_copy()
 
+    def prepare(self) -> None:
+        """Build the llguidance tokenizer now, so the first request under a grammar (any
+        request with tools) does not wait for it."""
+        with self._lock:
+            self._ll_tokenizer(current_fingerprint(self.tokenizer))
+
     def _ll_tokenizer(self, fingerprint: bytes) -> Any:
         ll = self._ll_tokenizers.get(fingerprint)
         if ll is None:  # about 0.4 s for a 49k vocabulary: once per tokenizer state
@@ -86,6 +93,7 @@ class GrammarCache:
             ll = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size,
                                               eos_token=self.eos_ids or None)
             self._ll_tokenizers[fingerprint] = ll
+            self.tokenizer_builds += 1
         return ll
 
     def _compile(self, grammar: OutputGrammar, ll_tokenizer: Any) -> Any:

@@ -109,6 +109,24 @@ def test_a_grammar_compiles_once_per_schema_and_tokenizer(target, llama3, engine
     assert other.compiles == 1
 
 
+def test_a_loaded_backend_builds_its_grammar_tokenizer_before_the_first_request(
+        engine_models_dir):
+    from engine_adapter.backend import MLXBackend
+    from engine_adapter.testing.tiny_model import tiny_model_folder
+
+    backend = MLXBackend.load(tiny_model_folder(engine_models_dir / "qwen3-64x2", "qwen3"))
+    try:
+        cache = backend.grammars
+        assert cache.tokenizer_builds == 1   # at load, not on a request
+        forced = output_grammar(OutputConstraints(tool_choice="required"), TOOLS,
+                                backend.envelope)
+        cache.matcher(forced)
+        cache.prepare()                       # again: nothing to build
+        assert (cache.tokenizer_builds, cache.compiles) == (1, 1)
+    finally:
+        backend.close()
+
+
 def test_bitmask_words_are_read_little_endian_and_cut_to_the_logits():
     words = bytes([0b00000101, 0, 0, 0b10000000])  # tokens 0, 2 and 31
     assert list(allowed_tokens(words, 33).nonzero()[0]) == [0, 2, 31]
