@@ -11,7 +11,7 @@ from .errors import (
     StoreUnavailableError,
     TemplateRenderError,
 )
-from .frozen_tools import FrozenTools
+from .fastpath import FrozenTools
 from .store import MemoryStore, Store
 
 __all__ = [

@@ -19,7 +19,7 @@ import msgpack
 import xxhash
 
 from .errors import InvalidRequestError
-from .known_parts import KnownParts
+from .hints import Hints
 
 KEY_VERSION = b"spc-key-v2"
 DEFAULT_PREFIX = "spc"
@@ -48,7 +48,7 @@ def model_label(name: str) -> str:
 
 
 def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
-                    kwargs: Mapping[str, Any] | None, known: KnownParts | None = None,
+                    kwargs: Mapping[str, Any] | None, hints: Hints | None = None,
                     *, fast: bool = True) -> bytes:
     """Exact bytes of the plain data a template is given; InvalidRequestError for anything else.
 
@@ -71,15 +71,15 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     the Python walk. The one refused kind it does take -- binary and extension values -- is
     found in its output (``_has_binary``).
 
-    ``known``: parts (the tools, static messages) a body parser already packed, from bytes it
-    saw before (``body_parts``); the same bytes, without packing those parts again.
-    ``fast=False``: the Python walk alone (the reference the C pass and ``known`` must equal).
+    ``hints``: parts (the tools, static messages) a body parser (or a frozen tool list)
+    already packed; the same bytes, without packing those parts again.
+    ``fast=False``: the Python walk alone (the reference the C pass and ``hints`` must equal).
     """
     fields = [list(static), None if tools is None else list(tools), dict(kwargs) if kwargs else None]
     if not fast:
         return _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
-    if known:
-        assembled = _assembled(static, tools, kwargs, known)
+    if hints:
+        assembled = _assembled(static, tools, kwargs, hints)
         if assembled is not None:
             return assembled
     try:
@@ -118,17 +118,17 @@ def unpack_ext(code: int, data: bytes) -> Any:
 
 
 def _assembled(static: Sequence[Any], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-               known: KnownParts) -> bytes | None:
+               hints: Hints) -> bytes | None:
     """``canonical_bytes`` from its parts: a msgpack array packs as its header and then each
     element's own packing, so known parts are put in as they are; None when a part is not
     plain data as it is (the whole walk then decides, and names what it refuses)."""
     parts = [b"\x93", _array_header(len(static))]
     for message in static:
-        parts.append(known.packed(message) or packed_part(message) or b"")
+        parts.append(hints.packed(message) or packed_part(message) or b"")
     if tools is None:
         parts.append(_NIL)
     else:
-        parts.append(known.packed(tools) or packed_part(list(tools)) or b"")
+        parts.append(hints.packed(tools) or packed_part(list(tools)) or b"")
     parts.append((packed_part(dict(kwargs)) or b"") if kwargs else _NIL)
     return None if b"" in parts else b"".join(parts)  # b"": a part msgpack did not take
 
@@ -237,12 +237,12 @@ def key_material(
     tools: Sequence[Mapping[str, Any]] | None,
     kwargs: Mapping[str, Any] | None,
     date: str | None = None,
-    known: KnownParts | None = None,
+    hints: Hints | None = None,
     fast: bool = True,
 ) -> bytes:
     """Length-prefixed fields, so no field's bytes can run into the next one's."""
     fields = (KEY_VERSION, namespace.encode(), identity, (date or "").encode(),
-              canonical_bytes(static, tools, kwargs, known, fast=fast))
+              canonical_bytes(static, tools, kwargs, hints, fast=fast))
     return b"".join([len(f).to_bytes(4, "little") + f for f in fields])
 
 

@@ -1,4 +1,4 @@
-"""A hit's tail tokenized piece by piece (``tail_pieces``): exactly the whole text's ids on every
+"""A hit's tail tokenized piece by piece (``fastpath.PieceMemo``): exactly the whole text's ids on every
 offline tokenizer, pieces remembered per tenant, and encoded whole where a cut could move."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import tail_pieces
+from prefix_cache.fastpath import PieceMemo, piece_cuts, pieces
+from prefix_cache.fastpath import _tail_pieces as tail_pieces
 from prefix_cache.render import get_renderer
-from prefix_cache.tail_pieces import PieceMemo, piece_cuts, pieces
 from prefix_cache.testing.offline_tokenizers import NAMES, load_offline_tokenizer
 from tests.core.test_fast_tokenize import with_flags
 from tests.support.tokenizers import fresh
@@ -123,7 +123,7 @@ def test_split_special_tokens_or_an_unknown_pre_tokenizer_means_no_cuts(qwen3: A
     tok = fresh(qwen3)
     tok.split_special_tokens = True  # the backend's own flag follows on its next encode only
     assert piece_cuts(tok.backend_tokenizer, True) is None
-    assert get_renderer(tok, "{{ messages }}").piece_cuts() is None
+    assert PieceMemo().cuts(get_renderer(tok, "{{ messages }}")) is None
     assert tail_pieces._local({"type": "Metaspace", "prepend_scheme": "first"})
     assert tail_pieces._local({"type": "Sequence", "pretokenizers": [
         {"type": "ByteLevel"}, {"type": "Metaspace", "prepend_scheme": "always"}]})

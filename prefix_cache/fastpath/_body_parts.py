@@ -34,11 +34,11 @@ import numpy as np
 import orjson
 import xxhash
 
-from . import json_io
-from .keys import packed_part
-from .known_parts import KnownParts
-from .lru import ByteLRU
-from .token_ids import TokenIds, pack_ids
+from .. import json_io
+from ..keys import packed_part
+from ..lru import ByteLRU
+from ..token_ids import TokenIds, pack_ids
+from ._known_parts import KnownParts
 
 REMEMBERED_BYTES = 1024   # parts at least this long are remembered
 MEMO_BYTES = 32 << 20     # all remembered parts' bytes, per worker
@@ -104,6 +104,26 @@ class PartMemo:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the remembered parts are counted at (at most ``max_bytes``)."""
+        return self._lru.nbytes
+
+    @property
+    def ids_nbytes(self) -> int:
+        """The bytes the remembered token ids texts are counted at (at most ``max_ids_bytes``)."""
+        return self._ids.nbytes
+
+    def remembered(self) -> list[Remembered]:
+        """The remembered parts, most recently used last (a read-only snapshot)."""
+        with self._lock:
+            return [found for _, found in self._lru.items()]
+
+    def remembered_ids(self) -> list[Remembered]:
+        """The remembered token ids texts, one per scope and start (a read-only snapshot)."""
+        with self._lock:
+            return [found for _, found in self._ids.items()]
 
 
 def parse_body(raw: bytes, memo: PartMemo | None = None, scope: str = "",

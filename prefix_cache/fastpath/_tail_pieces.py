@@ -29,9 +29,10 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from typing import Any
 
-from .lru import ByteLRU
+from ..lru import ByteLRU
 
 MEMO_BYTES = 32 << 20      # per cache (per worker)
 _ENTRY_OVERHEAD = 120      # a key tuple, a list and the LRU's own bookkeeping, roughly
@@ -87,11 +88,26 @@ class PieceMemo:
     def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
         self._lru: ByteLRU[tuple[str, bytes, str], list[int]] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
+        # Each renderer's cuts (its backend and split flag are fixed for its life).
+        self._cuts: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = (
+            weakref.WeakKeyDictionary())
+
+    def cuts(self, renderer: Any) -> re.Pattern[str] | None:
+        """``piece_cuts`` of the renderer's backend (None: no backend, or texts are encoded
+        whole), looked at once per renderer."""
+        with self._lock:
+            if renderer in self._cuts:
+                return self._cuts[renderer]
+        backend = renderer.backend
+        found = None if backend is None else piece_cuts(backend, renderer.split_special_tokens)
+        with self._lock:
+            self._cuts[renderer] = found
+        return found
 
     def tokenize(self, renderer: Any, scope: str, text: str) -> list[int]:
         """``renderer.tokenize_tail(text)``, from remembered pieces where the renderer's
-        tokenizer allows it (``TemplateRenderer.piece_cuts``)."""
-        cuts = renderer.piece_cuts()
+        tokenizer allows it (``cuts``)."""
+        cuts = self.cuts(renderer)
         if cuts is None:
             return list(renderer.tokenize_tail(text))
         digest = renderer.tokenizer_digest
