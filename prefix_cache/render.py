@@ -43,6 +43,7 @@ from .template_clock import (
     watch_randomness,
 )
 from .tokenizer_identity import TokenizerState, current_state
+from .tokenizer_model import TokenizerModel, tokenizer_model
 
 log = logging.getLogger("prefix_cache")
 _UNCOMPILED: Any = object()  # a renderer's direct render not looked at yet
@@ -168,7 +169,10 @@ class TemplateRenderer:
         # first fast render; None: this renderer renders through apply_chat_template.
         self._direct: Any = None if self._wrapped else _UNCOMPILED
         self._direct_checked = False
-        self._backend = None if self._wrapped else _plain_backend(self.tokenizer)
+        # The tokenizer as the key read it (None for a wrapper's: it encodes its own way).
+        self.tokenizer_model: TokenizerModel | None = None if self._wrapped else \
+            tokenizer_model(self.tokenizer, tokenizer_digest, self.split_special_tokens)
+        self._backend = None if self.tokenizer_model is None else self.tokenizer_model.backend
 
     @property
     def uses_date(self) -> bool:
@@ -369,23 +373,6 @@ class TemplateRenderer:
         return self.target.apply_chat_template(
             messages, tools=tools, chat_template=self.template, tokenize=tokenize, **flags,
             **kwargs)
-
-
-def _plain_backend(tokenizer: Any) -> Any:
-    """The tokenizers backend of a transformers fast tokenizer whose call goes straight to it
-    (its class's and instance's ``__call__`` and ``_encode_plus`` are transformers' own), else
-    None."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # pragma: no cover - another transformers layout
-        return None
-    kind = type(tokenizer)
-    if not isinstance(tokenizer, TokenizersBackend) or kind.__call__ is not \
-            PreTrainedTokenizerBase.__call__ or kind._encode_plus is not \
-            TokenizersBackend._encode_plus or "_encode_plus" in vars(tokenizer):
-        return None
-    return getattr(tokenizer, "_tokenizer", None)
 
 
 def _check_text(text: str) -> None:

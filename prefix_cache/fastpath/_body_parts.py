@@ -35,6 +35,7 @@ import orjson
 import xxhash
 
 from .. import json_io
+from ..boundary import common_prefix_len
 from ..keys import packed_part
 from ..lru import ByteLRU
 from ..token_ids import TokenIds, pack_ids
@@ -276,7 +277,7 @@ def _after(last: Remembered, text: bytes) -> TokenIds | None:
     ``last.packed``: up to the last comma both have in common, the ids are the same (a JSON list
     of integers has no other commas); the rest is parsed. None when there is no such start or
     the rest is not token ids (then ``text`` is parsed whole)."""
-    cut = text.rfind(b",", 0, _common_prefix_len(text, last.part))
+    cut = text.rfind(b",", 0, common_prefix_len(text, last.part))
     if cut < 0:
         return None
     known = text.count(b",", 0, cut)  # the ids before the cut: one comma after each
@@ -288,12 +289,6 @@ def _after(last: Remembered, text: bytes) -> TokenIds | None:
     except (orjson.JSONDecodeError, OverflowError, TypeError, ValueError):
         return None
     return TokenIds(None, packed)
-
-
-def _common_prefix_len(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
-    return int(differ[0]) if differ.size else n
 
 
 def _split(decoder: msgspec.json.Decoder, raw: bytes) -> Any:

@@ -173,13 +173,13 @@ def _check_of(cache: StaticPrefixCache, tok: Any, tools: Any) -> int:
 def test_line_splits_are_off_where_the_pipeline_acts_across_a_cut(normalizer: Any,
                                                                  pre_tokenizer: Any,
                                                                  reason: str) -> None:
-    from prefix_cache.split import _normalizer_off, _pre_tokenizer_off
+    from prefix_cache.tokenizer_model import normalizer_off, pre_tokenizer_off
 
     split_like = {"type": "Split", "pattern": {"Regex": r"\p{L}+|\s+(?!\S)|\s+|[^\s\p{L}]+"},
                   "behavior": "Isolated", "invert": False}
-    found = _normalizer_off(normalizer) or _pre_tokenizer_off(pre_tokenizer or split_like)
+    found = normalizer_off(normalizer) or pre_tokenizer_off(pre_tokenizer or split_like)
     assert found is not None and reason in found
-    assert _normalizer_off({"type": "NFC"}) is None and _pre_tokenizer_off(split_like) is None
+    assert normalizer_off({"type": "NFC"}) is None and pre_tokenizer_off(split_like) is None
 
 
 def test_real_tokenizers_line_split_rules(qwen3, llama3) -> None:
