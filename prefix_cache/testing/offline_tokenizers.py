@@ -170,7 +170,7 @@ _LLAMA31_RENAMES = {
 # ----------------------------------------------------------------------------- data readers
 
 
-def _read_quicktok_vocab(path: Path) -> dict[bytes, int]:
+def read_quicktok_vocab(path: Path) -> dict[bytes, int]:
     """Read quicktok's .vocab: little-endian u32 count, then (u16 len, bytes, u32 rank) each.
 
     Little-endian was checked by inspection (o200k.vocab starts 3e 0d 03 00 = 199998 tokens) and
@@ -257,7 +257,7 @@ def _deepseek() -> Built:
 
 def _gpt_oss() -> Built:
     data = package_dir("quicktok") / "data"
-    ranks = _read_quicktok_vocab(data / "o200k.vocab")
+    ranks = read_quicktok_vocab(data / "o200k.vocab")
     seen: dict[int, str] = {}
     for token_id, content in _read_quicktok_special(data / "o200k_harmony.special"):
         # 200018 is listed twice (<|endofprompt|> from o200k_base, then <|reserved_200018|>, as in
