@@ -206,7 +206,8 @@ def line_heads(backend: Any) -> str:
 
 # -- memo: one rule per tokenizer state ----------------------------------------------------------
 
-_rules: weakref.WeakKeyDictionary[Any, tuple[bytes, SplitRule]] = weakref.WeakKeyDictionary()
+# By the tokenizer's model: a new state is a new model, and the old one's rule goes with it.
+_rules: weakref.WeakKeyDictionary[TokenizerModel, SplitRule] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -214,10 +215,10 @@ def split_rule(tokenizer: Any, digest: bytes,
                split_special_tokens: bool | None = None) -> SplitRule:
     """The rule of ``tokenizer`` in the state its fingerprint ``digest`` names (built once);
     ``split_special_tokens``: the flag as that state has it (read now when None)."""
-    memo = _rules.get(tokenizer)
-    if memo is not None and memo[0] == digest:
-        return memo[1]
-    rule = SplitRule(tokenizer_model(tokenizer, digest, split_special_tokens))
-    with _lock:
-        _rules[tokenizer] = (digest, rule)
+    model = tokenizer_model(tokenizer, digest, split_special_tokens)
+    rule = _rules.get(model)
+    if rule is None:
+        rule = SplitRule(model)
+        with _lock:
+            _rules[model] = rule
     return rule
