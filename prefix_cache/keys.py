@@ -66,11 +66,12 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     ``ExtType`` like one of our big integers, while the template sees each differently. So are
     strings that are not valid Unicode text (a lone surrogate).
 
-    The bytes are a msgpack array of the fields of ``KEY_FIELDS``, in its order, each packed
-    on its own (``_array``). msgpack with ``strict_types`` does the type check and the encoding
-    of a field in one C pass; only data it cannot take (integers beyond 64 bits, a lone
-    surrogate, a type to refuse) goes through the Python walk. The one refused kind it does
-    take -- binary and extension values -- is found in its output (``_has_binary``).
+    The bytes are a msgpack array of the fields of ``KEY_FIELDS``, in its order. msgpack with
+    ``strict_types`` does the type check and the encoding in one C pass; only data it cannot
+    take (integers beyond 64 bits, a lone surrogate, a type to refuse) goes through the Python
+    walk. The one refused kind it does take -- binary and extension values -- is found in its
+    output (``_has_binary``). Parts the hints know are put in as they are (``_array``: a
+    msgpack array is its header, then each element's own packing).
 
     ``hints``: parts (the tools, static messages) a body parser (or a frozen tool list)
     already packed; the same bytes, without packing those parts again.
@@ -78,11 +79,11 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     """
     given = (static, tools, kwargs or None)
     if fast:
-        packed = _packed_fields(given, hints)
+        packed = _hinted_fields(given, hints) if hints else packed_part(_values(given))
         if packed is not None:
             return packed
-    return _array([_pack(_plain(None if value is None else field.shape(value), field.name))
-                   for value, field in zip(given, KEY_FIELDS, strict=True)])
+    return _pack([_plain(value, field.name)
+                  for value, field in zip(_values(given), KEY_FIELDS, strict=True)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,13 @@ KEY_FIELDS = (KeyField("messages", list, by_item=True), KeyField("tools", list),
               KeyField("chat_template_kwargs", dict))
 
 
-def _packed_fields(given: tuple[Any, ...], hints: Hints | None) -> bytes | None:
+def _values(given: tuple[Any, ...]) -> list[Any]:
+    """The fields as the template gets them, in the table's shapes (None stays None)."""
+    return [None if value is None else field.shape(value)
+            for value, field in zip(given, KEY_FIELDS, strict=True)]
+
+
+def _hinted_fields(given: tuple[Any, ...], hints: Hints) -> bytes | None:
     """The fields packed in C, the parts ``hints`` know put in as they are; None when a part
     is not plain data as it is (the Python walk then decides, and names what it refuses)."""
     parts = []
@@ -109,24 +116,20 @@ def _packed_fields(given: tuple[Any, ...], hints: Hints | None) -> bytes | None:
         if value is None:
             part: bytes | None = _NIL
         elif field.by_item:
-            items = [_known(item, hints) or packed_part(item) for item in value]
+            items = [hints.packed(item) or packed_part(item) for item in value]
             part = None if None in items else _array(items)  # type: ignore[arg-type]
         else:
-            part = _known(value, hints) or packed_part(field.shape(value))
+            part = hints.packed(value) or packed_part(field.shape(value))
         if part is None:
             return None
         parts.append(part)
     return _array(parts)
 
 
-def _known(given: Any, hints: Hints | None) -> bytes | None:
-    """``given``'s packing as ``hints`` know it (the very object), if they do."""
-    return hints.packed(given) if hints else None
-
-
 def _array(parts: list[bytes]) -> bytes:
-    """A msgpack array of already packed elements: its header, then each element's bytes."""
-    return _array_header(len(parts)) + b"".join(parts)
+    """A msgpack array of already packed elements: its header, then each element's bytes
+    (what msgpack itself writes for the array of their values)."""
+    return b"".join([_array_header(len(parts)), *parts])
 
 
 def packed_part(value: Any) -> bytes | None:
