@@ -29,16 +29,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as `serve` sets it
 
-from prefix_cache import direct_render  # noqa: E402
-from prefix_cache.cache import _plan as plan  # noqa: E402
 from prefix_cache.cache import cache as cache_module  # noqa: E402
-from prefix_cache.cache import keys  # noqa: E402
+from prefix_cache.cache import keys, _plan as plan  # noqa: E402
 from prefix_cache.render import render  # noqa: E402
 
-try:  # steps of this tree that older trees (run with a copy of this file) do not have
-    from prefix_cache import tail_pieces
+try:  # the accelerators: behind the fastpath seam in this tree, at the root in older ones
+    from prefix_cache.fastpath import _direct_render as direct_render
+    from prefix_cache.fastpath import _tail_pieces as tail_pieces
 except ImportError:  # pragma: no cover
-    tail_pieces = None  # type: ignore[assignment]
+    from prefix_cache import direct_render  # type: ignore[no-redef]
+    try:
+        from prefix_cache import tail_pieces  # type: ignore[no-redef]
+    except ImportError:
+        tail_pieces = None  # type: ignore[assignment]
 from prefix_cache.api import schemas  # noqa: E402
 from prefix_cache.http import body as http_body  # noqa: E402
 from prefix_cache.service import boundary_route, sidecar_host  # noqa: E402

@@ -2,10 +2,9 @@
 static system/tool prefix instead of with two extra chat-template renders on every request.
 
 The core: ``cache/`` (``StaticPrefixCache``, keys, entries, the boundary), ``render/`` (the
-caller's tokenizer and template), ``fastpath/`` (the accelerators' switch), ``util/``,
-``model_folders/``, ``engine/`` (the engine protocol), ``errors.py``; the hit path's accelerators
-``body_parts.py``, ``known_parts.py``, ``frozen_tools.py``, ``direct_render.py``,
-``tail_pieces.py``, ``tokenizer_watch.py``. Above it: ``store/`` < ``http/`` < ``chat/`` <
+caller's tokenizer and template), ``fastpath/`` (the hit path's accelerators behind one seam, and
+the switch that turns them off), ``util/``, ``model_folders/``, ``engine/`` (the engine protocol),
+``errors.py``. Above it: ``store/`` < ``http/`` < ``chat/`` <
 ``api/`` < ``service/`` (the sidecar), with ``metrics/``; ``cli.py`` (the ``prefix-cache``
 command); ``testing/`` (test and benchmark tooling).
 """
@@ -20,7 +19,7 @@ from .errors import (
     StoreUnavailableError,
     TemplateRenderError,
 )
-from .frozen_tools import FrozenTools
+from .fastpath import FrozenTools
 from .store import MemoryStore, Store
 
 __all__ = [

@@ -198,6 +198,20 @@ def test_the_fast_path_is_reached_only_through_its_seam() -> None:
     assert len({i.module for i in outside}) <= MAX_FASTPATH_IMPORTERS
 
 
+# The accelerators (issue 37): they live in the fastpath package, none at the core's root.
+ACCELERATORS = ("body_parts", "known_parts", "tail_pieces", "direct_render", "frozen_tools",
+                "tokenizer_watch")
+
+
+def test_no_accelerator_module_is_left_in_the_core() -> None:
+    found = {module_name(p) for p in modules()}
+    outside = [m for m in found if not _under(m, FASTPATH)
+               and m.rpartition(".")[2].lstrip("_") in ACCELERATORS]
+    assert outside == []
+    inside = {m.rpartition(".")[2] for m in found if _under(m, FASTPATH)}
+    assert {f"_{name}" for name in ACCELERATORS} <= inside  # private modules of the package
+
+
 def test_the_fast_path_imports_nothing_above_the_core() -> None:
     """The accelerators sit under the cache: no layer above it (nor the engine) below them."""
     above = ("prefix_cache.store", *API_LAYERS, "prefix_cache.cache.cache", "engine_adapter")

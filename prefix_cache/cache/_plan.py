@@ -7,11 +7,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ..frozen_tools import FrozenTools
-from ..known_parts import KnownParts
-from ..render.render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
 from . import boundary, keys
+from ..util.hints import FastPath, Hints
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
+from ..render.render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,8 +30,8 @@ class Plan:
     model: str
     started: float
     options: RenderOptions = DEFAULT_OPTIONS  # how the prompt itself is rendered
-    json_messages: bool = False  # every message is JSON a body parser made (``KnownParts``)
-    fast: bool = True    # the accelerators may run (``fastpath``); off: the plain computation
+    json_messages: bool = False  # every message is JSON a body parser made (``Hints``)
+    fast: FastPath | None = None  # the accelerators; None (off): the plain computation
 
     @property
     def probe_shape(self) -> bool:
@@ -42,7 +41,7 @@ class Plan:
     def memo_key(self) -> tuple[str, int] | None:
         """What fixes the tools' content: the key and its independent check value (None when
         the fast path is off: nothing is remembered)."""
-        return (self.key, self.check) if self.key and self.fast else None
+        return (self.key, self.check) if self.key and self.fast is not None else None
 
     @property
     def cached(self) -> bool:
@@ -53,42 +52,38 @@ class Plan:
 def make_plan(tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
               chat_template: str | None, namespace: str, model: str | None,
               options: RenderOptions = DEFAULT_OPTIONS, *, prefix: str,
-              protect_default_prefix: bool, known: KnownParts | None = None,
-              fast: bool = True) -> Plan:
+              protect_default_prefix: bool, hints: Hints | None = None,
+              fast: FastPath | None = None) -> Plan:
     """Validates a request's inputs, picks its renderer and computes its key (none when there
-is nothing static to protect, or when the render cannot be reproduced). ``known``: parts of the
-key material its body's parse already packed. ``fast``: the accelerators may run; off, what
-the body parser or a ``FrozenTools`` packed is not used, and the key is packed by the plain walk."""
+is nothing static to protect, or when the render cannot be reproduced). ``hints``: parts of the
+key material its body's parse (or a frozen tool list) already packed. ``fast``: the
+accelerators; None (off): no hints are used, and the key is packed by the plain walk."""
     started = time.perf_counter()
     keys.validate_label(namespace, "namespace")
     messages = validate_messages(messages)
-    if not fast:
-        known = None
-        if isinstance(tools, FrozenTools):
-            tools = tools.unfrozen()
-    json_messages = known is not None and known.all_json(messages)
-    tools = validate_tools(tools)
-    if isinstance(tools, FrozenTools):
-        known = tools.known(known)
+    if fast is None:
+        hints = None
+    json_messages = hints is not None and hints.all_json(messages)
+    tools = validate_tools(tools, hints)
     kwargs = validate_kwargs(kwargs)
-    renderer = get_renderer(tokenizer, chat_template, tools, watch=fast)
+    renderer = get_renderer(tokenizer, chat_template, tools, fast=fast)
     n_static = count_static(messages)
     everything_static = n_static == len(messages)
     label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
     if everything_static or (n_static == 0 and not protect_default_prefix):
         # Not keyed, but refused alike: what would be refused in a key is refused here too.
-        keys.canonical_bytes(messages[:n_static], tools, kwargs, known, fast=fast)
+        keys.canonical_bytes(messages[:n_static], tools, kwargs, hints, fast=fast is not None)
         return Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
                      namespace, label, started, options, json_messages, fast)
     static = messages[:n_static]
     if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
-        keys.canonical_bytes(static, tools, kwargs, known, fast=fast)
+        keys.canonical_bytes(static, tools, kwargs, hints, fast=fast is not None)
         return Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
                      namespace, label, started, options, json_messages, fast)
     date = renderer.date_tag()
     material = keys.key_material(
         namespace=namespace, identity=renderer.identity, static=static,
-        tools=tools, kwargs=kwargs, date=date, known=known, fast=fast,
+        tools=tools, kwargs=kwargs, date=date, hints=hints, fast=fast is not None,
     )
     key = keys.format_key(prefix, namespace, label, keys.key_hash(material))
     return Plan(renderer, messages, tools, kwargs, n_static, static, key,

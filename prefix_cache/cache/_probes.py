@@ -17,10 +17,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import boundary
 from ..errors import TemplateRenderError
+from ..util.hints import FastPath
 from ..render.render import TemplateRenderer, tool_choices
 from ..render.split import StaticSplit, find_split, split_rule, tail_from_split
-from . import boundary
 
 NO_SPLIT_HERE = "no safe split in this static text"
 
@@ -39,19 +40,19 @@ class Probed:
 
 def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
           tools: list[dict[str, Any]] | None, kwargs: Mapping[str, Any],
-          memo_key: tuple[str, int] | None = None, fast: bool = True) -> Probed:
+          memo_key: tuple[str, int] | None = None, fast: FastPath | None = None) -> Probed:
     """Run the probes of ``static`` (four renders; two more tail tokenizations per split
     candidate verified). ``static``, ``tools`` and ``kwargs`` are the key's plain data;
-    ``memo_key`` names it (``direct_render``). ``fast=False``: rendered through
-    ``apply_chat_template`` and tokenized whole, no split looked for."""
+    ``memo_key`` names it (the direct render's memo). ``fast`` None (the fast path off):
+    rendered through ``apply_chat_template`` and tokenized whole, no split looked for."""
     count = 0
     choices = tool_choices(tools)
     for i, choice in enumerate(choices):
         try:
             conv_a, conv_b = boundary.probe_conversations(static)
             count += 2
-            text_a = renderer.render_text(conv_a, choice, kwargs, plain=fast, memo_key=memo_key)
-            text_b = renderer.render_text(conv_b, choice, kwargs, plain=fast, memo_key=memo_key)
+            text_a = renderer.render_text(conv_a, choice, kwargs, fast=fast, memo_key=memo_key)
+            text_b = renderer.render_text(conv_b, choice, kwargs, fast=fast, memo_key=memo_key)
         except TemplateRenderError:
             if i == len(choices) - 1:
                 raise
@@ -59,7 +60,7 @@ def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
         ids_a, ids_b = renderer.tokenize(text_a), renderer.tokenize(text_b)
         ids = ids_a[: boundary.common_prefix_len(ids_a, ids_b)]
         rule = split_rule(renderer.tokenizer, renderer.tokenizer_digest,
-                          renderer.split_special_tokens) if fast else None
+                          renderer.split_special_tokens) if fast is not None else None
         if rule is None:  # off by configuration: not a finding to report
             split, off = None, None
         else:
@@ -88,12 +89,12 @@ class _CapRender:
     memo_key: tuple[str, int] | None
     split: StaticSplit | None
     ids: list[int]
-    fast: bool = True
+    fast: FastPath | None = None
     count: int = 0
 
     def __call__(self, conv: list[boundary.Message]) -> list[int]:
         self.count += 1
-        text = self.renderer.render_text(conv, self.tools, self.kwargs, plain=self.fast,
+        text = self.renderer.render_text(conv, self.tools, self.kwargs, fast=self.fast,
                                          memo_key=self.memo_key)
         if self.split is not None:
             index = self.split.index

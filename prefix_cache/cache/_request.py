@@ -7,7 +7,7 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict, Unpack
 
-from ..known_parts import KnownParts
+from ..util.hints import Hints
 from ..render.render import DEFAULT_OPTIONS, RenderOptions
 from ..util.token_ids import TokenIds
 
@@ -25,7 +25,7 @@ class PrefixRequest:
     namespace: str = "default"
     model: str | None = None
     options: RenderOptions = DEFAULT_OPTIONS
-    known: KnownParts | None = None  # what the body's parse already packed (``body_parts``)
+    hints: Hints | None = None  # what the body's parse (or frozen tools) already packed
 
 
 class RequestOptions(TypedDict, total=False):
@@ -37,7 +37,7 @@ class RequestOptions(TypedDict, total=False):
     model: str | None
     add_generation_prompt: bool
     continue_final_message: bool
-    known: KnownParts | None
+    hints: Hints | None
 
 
 def prefix_request(tokenizer: Any, messages: Sequence[Mapping[str, Any]],

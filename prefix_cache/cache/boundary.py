@@ -24,49 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+from ..util.prefix_len import common_prefix_len, packed_prefix_len  # noqa: F401 (re-exported)
 
 PROBE_A = "Hi"
 PROBE_B = "Tell me a joke."
 
 Message = Mapping[str, Any]
 RenderIds = Callable[[list[Message]], list[int]]
-
-# Lists are compared a chunk at a time with C-level slice equality; only the chunk holding the
-# first difference is walked in Python. On a hit the whole static part matches, so this is one
-# slice compare for thousands of tokens.
-_CHUNK = 256
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    start = 0
-    while start < n:
-        stop = min(start + _CHUNK, n)
-        if a[start:stop] != b[start:stop]:
-            for i in range(start, stop):
-                if a[i] != b[i]:
-                    return i
-        start = stop
-    return n
-
-
-def packed_prefix_len(a: bytes, b: bytes, width: int = 4) -> int:
-    """Common prefix length, in items of ``width`` bytes, of two packed id arrays (memcmp only)."""
-    n = min(len(a), len(b)) // width * width
-    if a[:n] == b[:n]:
-        return n // width
-    lo, hi = 0, n // width  # invariant: first lo items equal, first hi items differ
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[: mid * width] == b[: mid * width]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
 
 def probe_conversations(static: Sequence[Message]) -> tuple[list[Message], list[Message]]:
     """The two probe conversations: the static messages followed by each probe user turn."""

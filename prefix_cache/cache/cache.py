@@ -25,14 +25,16 @@ from collections.abc import Generator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Unpack
 
-from ..errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
-from ..fastpath import fast_path_setting
-from ..store import MemoryStore, Store
-from ..util.token_ids import TokenIds, checked_token_ids, pack_ids
 from . import boundary, keys
+from .entry import DecodedEntries, Entry, decode_entry, encode_entry
+from ..errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
+from ..fastpath import Accelerators, fast_path_setting, plain_tools
+from .messages import dynamic_chars
+from .observer import CacheObserver, ObserverGroup
 from ._plan import Plan as _Plan
 from ._plan import make_plan
 from ._probes import probe
+from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
 from ._request import (
     Driven,
     Flight,
@@ -46,10 +48,8 @@ from ._request import (
 from ._result import HIT, MISS, NONE, PrefixResult, RenderedText
 from ._singleflight import SingleFlight
 from ._stats import CacheStats
-from .entry import DecodedEntries, Entry, decode_entry, encode_entry
-from .messages import dynamic_chars
-from .observer import CacheObserver, ObserverGroup
-from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
+from ..store import MemoryStore, Store
+from ..util.token_ids import TokenIds, checked_token_ids, pack_ids
 
 __all__ = ["HIT", "MISS", "NONE", "PrefixResult", "StaticPrefixCache"]
 
@@ -78,6 +78,7 @@ class StaticPrefixCache:
         # The accelerators (``fastpath``): on unless turned off here or by
         # PREFIX_CACHE_FAST_PATH=off; off gives the same answers by the plain computation.
         self.fast_path = fast_path_setting(fast_path)
+        self._fast = Accelerators() if self.fast_path else None
         self.store: Store = store if store is not None else MemoryStore()
         self.prefix = keys.validate_label(prefix, "key prefix")
         if ttl_seconds is not None and ttl_seconds <= 0:
@@ -99,6 +100,7 @@ class StaticPrefixCache:
             max_workers=max_render_threads or min(8, (os.cpu_count() or 2) + 2),
             thread_name_prefix="prefix-render",
         )
+        self._handed = 0  # calls handed to the render threads (``render_thread_calls``)
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -111,8 +113,8 @@ class StaticPrefixCache:
         Keyword-only (``RequestOptions``): ``prompt_ids``, ``chat_template``, ``namespace``,
         ``model``; ``add_generation_prompt`` and ``continue_final_message``, which are
         ``apply_chat_template``'s (they change how the prompt is rendered; the probes render
-        as the contract says, and the boundary is cut against that prompt); ``known``: what
-        the request's body parse already packed (``body_parts``)."""
+        as the contract says, and the boundary is cut against that prompt); ``hints``: what
+        the request's body parse already packed (``prefix_cache.util.hints.Hints``)."""
         run = Driven(self._steps(prefix_request(tokenizer, messages, tools,
                                                 chat_template_kwargs, **options)))
         while (step := run.next_step()) is not None:
@@ -137,6 +139,17 @@ class StaticPrefixCache:
                 run.outcome = (False, exc)
         return run.result  # type: ignore[no-any-return]
 
+    @property
+    def render_thread_calls(self) -> int:
+        """How many calls ``aresolve`` has handed to the render threads (read-only: where a
+        request's renders and tokenizations ran; a short hit runs on the event loop)."""
+        return self._handed
+
+    def _in_thread(self, loop: asyncio.AbstractEventLoop, function: Any,
+                   *args: Any) -> asyncio.Future[Any]:
+        self._handed += 1
+        return loop.run_in_executor(self._executor, function, *args)
+
     def _do(self, step: Step) -> Any:
         """One step, in this thread."""
         if isinstance(step, Lookup):
@@ -150,7 +163,7 @@ class StaticPrefixCache:
         if isinstance(step, Lookup):
             return await self._aget(step.key)
         if isinstance(step, Work):
-            return await loop.run_in_executor(self._executor, step.function, *step.args)
+            return await self._in_thread(loop, step.function, *step.args)
         return await self._await_flight(step.plan, loop)
 
     def _steps(self, request: PrefixRequest) -> Generator[Step, Any, PrefixResult]:
@@ -176,7 +189,7 @@ class StaticPrefixCache:
             elif stored is not None:
                 entry = stored
                 check = self._tokens.sampled()
-                if check or not plan.fast or \
+                if check or plan.fast is None or \
                         dynamic_chars(plan.messages, plan.n_static) > INLINE_HIT_CHARS:
                     prompt, end = yield Work(self._prepare, (plan, None, entry, check))
                 else:  # a short dynamic part: rendered and tokenized faster than a thread hop
@@ -203,17 +216,22 @@ class StaticPrefixCache:
     # -- steps --------------------------------------------------------------------------------
 
     def _plan(self, r: PrefixRequest) -> _Plan:
-        return make_plan(r.tokenizer, r.messages, r.tools, r.chat_template_kwargs,
+        if self._fast is None:  # off: a frozen tool list is read back as a plain one
+            tools, hints = plain_tools(r.tools), None
+        else:
+            tools, hints = r.tools, self._fast.with_frozen(r.tools, r.hints)
+        return make_plan(r.tokenizer, r.messages, tools, r.chat_template_kwargs,
                          r.chat_template, r.namespace, r.model, r.options, prefix=self.prefix,
-                         protect_default_prefix=self.protect_default_prefix, known=r.known,
-                         fast=self.fast_path)
+                         protect_default_prefix=self.protect_default_prefix, hints=hints,
+                         fast=self._fast)
 
     def _render(self, plan: _Plan) -> RenderedText:
         """The request's prompt text, with the documented tools fallback (tools and kwargs are
         plain data once they are in a key: the render may skip its defensive copy)."""
         self._events.prompt_rendered()
         text, tools = plan.renderer.text_with_choice(
-            plan.messages, plan.tools, plan.kwargs, plain=plan.static is not None and plan.fast,
+            plan.messages, plan.tools, plan.kwargs,
+            fast=plan.fast if plan.static is not None else None,
             memo_key=plan.memo_key, options=plan.options, json_messages=plan.json_messages)
         return RenderedText(text, plan.tools is None and tools is not None)
 
@@ -242,7 +260,7 @@ class StaticPrefixCache:
         self._events.prompt_rendered()
         try:
             again = plan.renderer.render_text(plan.messages, _tools(plan, entry), plan.kwargs,
-                                              plain=plan.fast, memo_key=plan.memo_key,
+                                              fast=plan.fast, memo_key=plan.memo_key,
                                               options=plan.options)
         except TemplateRenderError as exc:
             raise TemplateRenderError(
@@ -317,10 +335,10 @@ class StaticPrefixCache:
 
     async def _await_flight(self, plan: _Plan, loop: asyncio.AbstractEventLoop) -> Entry:
         if not plan.cached:
-            return (await loop.run_in_executor(self._executor, self._compute, plan))[0]
+            return (await self._in_thread(loop, self._compute, plan))[0]
         flight, leader = self._flights.claim(plan.key)
         if leader:
-            loop.run_in_executor(self._executor, self._lead, plan, flight)
+            self._in_thread(loop, self._lead, plan, flight)
         else:
             self._events.waited()
         # Shielded: a cancelled request must not cancel the flight others wait on.
@@ -363,7 +381,7 @@ class StaticPrefixCache:
 
     def _decode(self, plan: _Plan, value: bytes) -> Entry:
         """``decode_entry``, from the decoded-entry memo when the fast path is on."""
-        if plan.fast:
+        if plan.fast is not None:
             return self._decoded.decode(value, plan.key, plan.check)
         return decode_entry(value, plan.key, plan.check)
 

@@ -19,7 +19,7 @@ import msgpack
 import xxhash
 
 from ..errors import InvalidRequestError
-from ..known_parts import KnownParts
+from ..util.hints import Hints
 
 KEY_VERSION = b"spc-key-v2"
 DEFAULT_PREFIX = "spc"
@@ -48,7 +48,7 @@ def model_label(name: str) -> str:
 
 
 def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
-                    kwargs: Mapping[str, Any] | None, known: KnownParts | None = None,
+                    kwargs: Mapping[str, Any] | None, hints: Hints | None = None,
                     *, fast: bool = True) -> bytes:
     """Exact bytes of the plain data a template is given; InvalidRequestError for anything else.
 
@@ -66,30 +66,70 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     ``ExtType`` like one of our big integers, while the template sees each differently. So are
     strings that are not valid Unicode text (a lone surrogate).
 
-    msgpack with ``strict_types`` does the type check and the encoding in one C pass; only data
-    it cannot take (integers beyond 64 bits, a lone surrogate, a type to refuse) goes through
-    the Python walk. The one refused kind it does take -- binary and extension values -- is
-    found in its output (``_has_binary``).
+    The bytes are a msgpack array of the fields of ``KEY_FIELDS``, in its order. msgpack with
+    ``strict_types`` does the type check and the encoding in one C pass; only data it cannot
+    take (integers beyond 64 bits, a lone surrogate, a type to refuse) goes through the Python
+    walk. The one refused kind it does take -- binary and extension values -- is found in its
+    output (``_has_binary``). Parts the hints know are put in as they are (``_array``: a
+    msgpack array is its header, then each element's own packing).
 
-    ``known``: parts (the tools, static messages) a body parser already packed, from bytes it
-    saw before (``body_parts``); the same bytes, without packing those parts again.
-    ``fast=False``: the Python walk alone (the reference the C pass and ``known`` must equal).
+    ``hints``: parts (the tools, static messages) a body parser (or a frozen tool list)
+    already packed; the same bytes, without packing those parts again.
+    ``fast=False``: the Python walk alone (the reference the C pass and ``hints`` must equal).
     """
-    fields = [list(static), None if tools is None else list(tools), dict(kwargs) if kwargs else None]
-    if not fast:
-        return _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
-    if known:
-        assembled = _assembled(static, tools, kwargs, known)
-        if assembled is not None:
-            return assembled
-    try:
-        packed = _pack(fields)
-    except (TypeError, OverflowError, ValueError):
-        packed = None
-    if packed is not None and not _has_binary(packed):
-        return packed
-    packed = _pack([_plain(value, what) for value, what in zip(fields, _FIELD_NAMES, strict=True)])
-    return packed
+    given = (static, tools, kwargs or None)
+    if fast:
+        packed = _hinted_fields(given, hints) if hints else packed_part(_values(given))
+        if packed is not None:
+            return packed
+    return _pack([_plain(value, field.name)
+                  for value, field in zip(_values(given), KEY_FIELDS, strict=True)])
+
+
+@dataclass(frozen=True, slots=True)
+class KeyField:
+    """One field of the key material: its name (what a refusal names), the plain type the
+    template gets it as, and whether hints may stand for each of its items (the static
+    messages, parsed one by one) rather than for the whole value."""
+
+    name: str
+    shape: type
+    by_item: bool = False
+
+
+# The key's fields, in order (``canonical_bytes``: a msgpack array of them; None packs as nil).
+KEY_FIELDS = (KeyField("messages", list, by_item=True), KeyField("tools", list),
+              KeyField("chat_template_kwargs", dict))
+
+
+def _values(given: tuple[Any, ...]) -> list[Any]:
+    """The fields as the template gets them, in the table's shapes (None stays None)."""
+    return [None if value is None else field.shape(value)
+            for value, field in zip(given, KEY_FIELDS, strict=True)]
+
+
+def _hinted_fields(given: tuple[Any, ...], hints: Hints) -> bytes | None:
+    """The fields packed in C, the parts ``hints`` know put in as they are; None when a part
+    is not plain data as it is (the Python walk then decides, and names what it refuses)."""
+    parts = []
+    for value, field in zip(given, KEY_FIELDS, strict=True):
+        if value is None:
+            part: bytes | None = _NIL
+        elif field.by_item:
+            items = [hints.packed(item) or packed_part(item) for item in value]
+            part = None if None in items else _array(items)  # type: ignore[arg-type]
+        else:
+            part = hints.packed(value) or packed_part(field.shape(value))
+        if part is None:
+            return None
+        parts.append(part)
+    return _array(parts)
+
+
+def _array(parts: list[bytes]) -> bytes:
+    """A msgpack array of already packed elements: its header, then each element's bytes
+    (what msgpack itself writes for the array of their values)."""
+    return b"".join([_array_header(len(parts)), *parts])
 
 
 def packed_part(value: Any) -> bytes | None:
@@ -115,22 +155,6 @@ def unpack_ext(code: int, data: bytes) -> Any:
     if code != _BIG_INT:
         raise ValueError(f"msgpack extension type {code} is not key material")
     return int(data.decode())
-
-
-def _assembled(static: Sequence[Any], tools: Sequence[Any] | None, kwargs: Mapping[str, Any] | None,
-               known: KnownParts) -> bytes | None:
-    """``canonical_bytes`` from its parts: a msgpack array packs as its header and then each
-    element's own packing, so known parts are put in as they are; None when a part is not
-    plain data as it is (the whole walk then decides, and names what it refuses)."""
-    parts = [b"\x93", _array_header(len(static))]
-    for message in static:
-        parts.append(known.packed(message) or packed_part(message) or b"")
-    if tools is None:
-        parts.append(_NIL)
-    else:
-        parts.append(known.packed(tools) or packed_part(list(tools)) or b"")
-    parts.append((packed_part(dict(kwargs)) or b"") if kwargs else _NIL)
-    return None if b"" in parts else b"".join(parts)  # b"": a part msgpack did not take
 
 
 _NIL = msgpack.packb(None)
@@ -174,9 +198,6 @@ _BIN_EXT_BYTES = tuple(bytes([b]) for b in (*range(0xC4, 0xCA), *range(0xD4, 0xD
 # What the unpack check lets through: an empty bin, and msgpack timestamps (ext type -1, which
 # unpacks natively): 32-, 64- and 96-bit forms.
 _UNCHECKED_SEQUENCES = (b"\xc4\x00", b"\xd6\xff", b"\xd7\xff", b"\xc7\x0c\xff")
-
-
-_FIELD_NAMES = ("messages", "tools", "chat_template_kwargs")
 
 
 def _pack(value: Any) -> bytes:
@@ -237,12 +258,12 @@ def key_material(
     tools: Sequence[Mapping[str, Any]] | None,
     kwargs: Mapping[str, Any] | None,
     date: str | None = None,
-    known: KnownParts | None = None,
+    hints: Hints | None = None,
     fast: bool = True,
 ) -> bytes:
     """Length-prefixed fields, so no field's bytes can run into the next one's."""
     fields = (KEY_VERSION, namespace.encode(), identity, (date or "").encode(),
-              canonical_bytes(static, tools, kwargs, known, fast=fast))
+              canonical_bytes(static, tools, kwargs, hints, fast=fast))
     return b"".join([len(f).to_bytes(4, "little") + f for f in fields])
 
 

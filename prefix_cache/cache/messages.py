@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from ..errors import InvalidRequestError
-from ..frozen_tools import FrozenTools
+from ..util.hints import Hints
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 STATIC_ROLES = frozenset(("system", "developer"))
@@ -74,12 +74,12 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
+def validate_tools(tools: Any, hints: Hints | None = None) -> list[dict[str, Any]] | None:
     """Tools are a list of JSON-schema objects, or None. ``[]`` stays ``[]``: templates that
     test ``tools is not none``, and transformers' choice of a ``tool_use`` named template, tell
-    it from None."""
-    if tools is None or isinstance(tools, FrozenTools):  # checked when it was frozen
-        return tools
+    it from None. A tool list ``hints`` know as frozen was checked when it was frozen."""
+    if tools is None or (hints is not None and hints.frozen(tools)):
+        return tools  # type: ignore[no-any-return]
     if not isinstance(tools, list):
         raise InvalidRequestError("tools must be a list of tool objects")
     if all(map(isinstance, tools, repeat(dict))):  # one C loop: a hit checks 64 tools each time

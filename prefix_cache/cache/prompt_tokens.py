@@ -24,12 +24,12 @@ import threading
 import time
 from collections.abc import Callable
 
+from .entry import Entry
+from ..util.hints import FastPath
+from .observer import CacheObserver
 from ..render.render import TemplateRenderer
 from ..render.split import ANCHOR, TEXT_DIFFERS, tail_from_split
-from ..tail_pieces import PieceMemo
 from ..util.token_ids import TokenIds, pack_ids, unpack_ids
-from .entry import Entry
-from .observer import CacheObserver
 
 log = logging.getLogger("prefix_cache")
 
@@ -63,21 +63,22 @@ class PromptTokenizer:
         self._lock = threading.Lock()
         self._first_draw: float | None = None
         self._checking_s = 0.0  # what the checks took so far
-        self._pieces = PieceMemo()
 
     def tokenize(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
                  model: str, official: Callable[[], str] | None = None,
-                 check: bool | None = None, scope: str = "", fast: bool = True) -> TokenIds:
+                 check: bool | None = None, scope: str = "", fast: FastPath | None = None
+                 ) -> TokenIds:
         """The prompt's ids, equal to ``renderer.tokenize(text)``. ``official``: the prompt
         rendered through ``apply_chat_template`` itself, for a sampled check of a direct render
-        (``direct_render``) along with the tokenization. ``check``: whether this call is one of
+        (the direct render) along with the tokenization. ``check``: whether this call is one of
         the sampled checks, drawn beforehand with ``sampled()`` (None: drawn here). ``scope``:
-        the tenant whose remembered tail pieces may be used (``tail_pieces``). ``fast=False``:
-        the fast path is off (``fastpath``): tokenized whole, nothing to check."""
-        if not fast:
+        the tenant whose remembered tail pieces may be used (``fast.tokenize_tail``).
+        ``fast``: the accelerators; None when the fast path is off: tokenized whole, nothing
+        to check."""
+        if fast is None:
             self._events.tokenized(model=model, fast=False, reason=OFF)
             return TokenIds.of_rendered(renderer.tokenize(text))
-        ids, reason = self._fast(renderer, text, entry, scope)
+        ids, reason = self._fast(renderer, text, entry, scope, fast)
         direct = official is not None and renderer.renders_direct
         if check is None:
             check = self.sampled()
@@ -122,8 +123,8 @@ class PromptTokenizer:
             return False
         return self._checking_s <= CHECK_TIME_SHARE * (now - self._first_draw)
 
-    def _fast(self, renderer: TemplateRenderer, text: str, entry: Entry | None, scope: str
-              ) -> tuple[TokenIds | None, str]:
+    def _fast(self, renderer: TemplateRenderer, text: str, entry: Entry | None, scope: str,
+              fast: FastPath) -> tuple[TokenIds | None, str]:
         if entry is None:
             return None, NO_STATIC
         split = entry.split
@@ -133,7 +134,7 @@ class PromptTokenizer:
             return None, OFF
         at = entry.packed_ids[4 * split.index: 4 * split.index + 4]
         def tokenize_tail(tail: str) -> list[int]:
-            return self._pieces.tokenize(renderer, scope, tail)
+            return fast.tokenize_tail(renderer, scope, tail)
         tail, why = tail_from_split(split, unpack_ids(at)[0] if at else None, tokenize_tail, text)
         if tail is None:
             return None, why

@@ -1,16 +1,29 @@
-"""The accelerators of the hit path, and the one switch that turns them all off.
+"""The accelerators of the hit path, behind one seam, and the one switch that turns them all off.
 
-Every accelerator (the body parser's packed parts, frozen tools' packing, the direct render and
-its tojson memo, the prompt split and tail pieces, the tokenizer watch, the decoded-entry memo,
-the C pass over the key's plain data) must give exactly what the plain computation gives:
+Every accelerator must give exactly what the plain computation gives:
 ``PREFIX_CACHE_FAST_PATH=off`` (or ``StaticPrefixCache(fast_path=False)``) runs the plain
-computation alone, and tests compare the two.
+computation alone, and tests compare the two. The core asks them through the two protocols of
+``prefix_cache.util.hints``: a request's ``Hints`` (``KnownParts``: what its body's parse or a
+``FrozenTools`` packed) and a cache's ``FastPath`` (``Accelerators``). The rest of the package
+imports this package only, from at most three modules (``tests/test_architecture.py``).
 
-The rest of the package reaches it only through this module (``tests/test_architecture.py``):
-``switch.py`` (the switch), ``typed_keys.py`` (memo keys that carry types).
+Its modules: ``switch.py`` (the switch) and ``typed_keys.py`` (memo keys that carry types), and
+private ones: ``_body_parts.py`` (a body parsed part by part, large parts' exact bytes
+remembered per tenant), ``_known_parts.py`` (the hints those parts give), ``_frozen_tools.py``
+(a tool list packed once), ``_direct_render.py`` (transformers' render without its copies, its
+``tojson`` memo), ``_tail_pieces.py`` (a hit's tail tokenized piece by piece, pieces remembered
+per tenant), ``_tokenizer_watch.py`` (a count of the calls that change a Rust tokenizer's added
+tokens), ``_accelerators.py`` (them as one cache's ``FastPath``).
 """
 
+from ._accelerators import Accelerators, plain_tools
+from ._body_parts import REMEMBERED_BYTES, PartMemo, parse_body
+from ._frozen_tools import FrozenTools
+from ._known_parts import KnownParts
+from ._tail_pieces import PieceMemo, piece_cuts, pieces
 from .switch import FAST_PATH_ENV, fast_path_setting
 from .typed_keys import Unkeyable, typed_key
 
-__all__ = ["FAST_PATH_ENV", "Unkeyable", "fast_path_setting", "typed_key"]
+__all__ = ["FAST_PATH_ENV", "REMEMBERED_BYTES", "Accelerators", "FrozenTools", "KnownParts",
+           "PartMemo", "PieceMemo", "Unkeyable", "fast_path_setting", "parse_body", "piece_cuts",
+           "pieces", "plain_tools", "typed_key"]

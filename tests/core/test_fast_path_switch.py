@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefix_cache import FrozenTools, MemoryStore, StaticPrefixCache
-from prefix_cache.body_parts import PartMemo, parse_body
+from prefix_cache.fastpath import PartMemo, parse_body
 from prefix_cache.errors import PrefixCacheError
 from prefix_cache.fastpath import FAST_PATH_ENV
 from tests.core.test_property import conversations, kwargs_strategy, tools_strategy
@@ -104,12 +104,12 @@ def _run(cache: StaticPrefixCache, tok: Any, body: dict[str, Any], frozen: bool,
         except PrefixCacheError as exc:
             return type(exc), str(exc)
     raw = orjson.dumps({k: v for k, v in body.items() if k != "template"})
-    data, known = parse_body(raw, _MEMO, "default", share=True)
+    data, hints = parse_body(raw, _MEMO, "default", share=True)
 
     async def go() -> Any:
         return await cache.aresolve(tok, data["messages"], data.get("tools"),
                                     data.get("chat_template_kwargs"), prompt_ids=ids,
-                                    chat_template=body["template"], known=known)
+                                    chat_template=body["template"], hints=hints)
     try:
         return asyncio.run(go())
     except PrefixCacheError as exc:

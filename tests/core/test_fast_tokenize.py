@@ -18,14 +18,16 @@ import pytest
 
 from prefix_cache import MemoryStore, StaticPrefixCache, cli
 from prefix_cache.cache import prompt_tokens
-from prefix_cache.cache._plan import make_plan
 from prefix_cache.cache.entry import decode_entry, encode_entry
-from prefix_cache.cache.observer import CacheObserver
+from prefix_cache.fastpath import Accelerators
 from prefix_cache.metrics import Metrics
+from prefix_cache.cache.observer import CacheObserver
+from prefix_cache.cache._plan import make_plan
 from prefix_cache.render.render import get_renderer
 from prefix_cache.render.split import SplitRule, StaticSplit, split_rule
-from prefix_cache.render.tokenizer_identity import current_fingerprint
+from prefix_cache.cache._stats import CacheStats
 from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make_model_dir
+from prefix_cache.render.tokenizer_identity import current_fingerprint
 from tests.support import reference
 from tests.support.templates import BEFORE_LAST_USER, DEFAULT_SYSTEM, TOOLS_IN_FIRST_USER
 from tests.support.tokenizers import fresh
@@ -172,13 +174,13 @@ def _check_of(cache: StaticPrefixCache, tok: Any, tools: Any) -> int:
 def test_line_splits_are_off_where_the_pipeline_acts_across_a_cut(normalizer: Any,
                                                                  pre_tokenizer: Any,
                                                                  reason: str) -> None:
-    from prefix_cache.render.split import _normalizer_off, _pre_tokenizer_off
+    from prefix_cache.render.tokenizer_model import normalizer_off, pre_tokenizer_off
 
     split_like = {"type": "Split", "pattern": {"Regex": r"\p{L}+|\s+(?!\S)|\s+|[^\s\p{L}]+"},
                   "behavior": "Isolated", "invert": False}
-    found = _normalizer_off(normalizer) or _pre_tokenizer_off(pre_tokenizer or split_like)
+    found = normalizer_off(normalizer) or pre_tokenizer_off(pre_tokenizer or split_like)
     assert found is not None and reason in found
-    assert _normalizer_off({"type": "NFC"}) is None and _pre_tokenizer_off(split_like) is None
+    assert normalizer_off({"type": "NFC"}) is None and pre_tokenizer_off(split_like) is None
 
 
 def test_real_tokenizers_line_split_rules(qwen3, llama3) -> None:
@@ -260,28 +262,50 @@ def test_check_rate_is_validated() -> None:
 # -- the direct render ------------------------------------------------------------------------
 
 
+class Miscompiled(Accelerators):
+    """Real accelerators whose direct render compiles another real template than it is given
+    (the fault: a direct render that differs from apply_chat_template's)."""
+
+    def compile_template(self, tokenizer: Any, template: str | None) -> Any:
+        return super().compile_template(tokenizer, (template or "").replace("system", "sys"))
+
+
+class Drifting(Accelerators):
+    """Real accelerators whose direct render goes wrong after its first (checked) render."""
+
+    renders = 0
+
+    def render(self, *args: Any, **kwargs: Any) -> str:
+        self.renders += 1
+        text = super().render(*args, **kwargs)
+        return text if self.renders == 1 else text.replace("system", "sys")
+
+
 def test_a_direct_render_that_differs_is_turned_off(qwen3) -> None:
     """The first direct render of a renderer is compared with apply_chat_template's, and the
     sampled check compares later ones: a difference turns it off and the official text wins.
     (Each case renders a template of its own, a Jinja comment apart, so it has its own
-    renderer; the fault is a real template compiled in place of the renderer's.)"""
-    from prefix_cache import direct_render
-
-    wrong = direct_render.compiled(qwen3, DEFAULT_SYSTEM.replace("system", "sys"))
+    renderer.)"""
     first = DEFAULT_SYSTEM + "{# first render #}"
     renderer = get_renderer(qwen3, first)
-    assert renderer.renders_direct
-    renderer._direct = wrong
-    assert_exact(StaticPrefixCache(tokenize_check_rate=0), qwen3, first)
+    official = renderer.official_text(conv("Hi"), None, {})
+    assert renderer.render_text(conv("Hi"), None, {}, fast=Miscompiled()) == official
     assert not renderer.renders_direct
+    assert renderer.render_text(conv("Hi"), None, {}, fast=Accelerators()) == official
+    assert not renderer.renders_direct  # off for good
     later = DEFAULT_SYSTEM + "{# a later render #}"
-    renderer = get_renderer(qwen3, later)
-    cache = StaticPrefixCache(tokenize_check_rate=1.0)
-    cache.resolve(qwen3, conv("warm"), chat_template=later)
-    renderer._direct = wrong
-    r = cache.resolve(qwen3, conv("Ship it."), chat_template=later)
-    assert r.prompt_ids == reference.render(qwen3, conv("Ship it."), None, None, later)
-    assert not renderer.renders_direct and cache.stats.snapshot()["tokenize_mismatches"] == 1
+    renderer, fast = get_renderer(qwen3, later), Drifting()
+    renderer.render_text(conv("warm"), None, {}, fast=fast)  # the first: checked, equal
+    assert renderer.renders_direct
+    text = renderer.render_text(conv("Ship it."), None, {}, fast=fast)
+    expected = reference.render(qwen3, conv("Ship it."), None, None, later)
+    assert renderer.tokenize(text) != expected  # the drifted render
+    stats = CacheStats()
+    ids = prompt_tokens.PromptTokenizer(stats, 1.0).tokenize(
+        renderer, text, None, "m", lambda: renderer.official_text(conv("Ship it."), None, {}),
+        fast=fast)
+    assert ids.ids == expected
+    assert not renderer.renders_direct and stats.snapshot()["tokenize_mismatches"] == 1
 
 
 # -- everywhere a prompt is prepared ------------------------------------------------------------
@@ -347,12 +371,11 @@ def test_the_sidecar_prepares_prompts_from_the_split(recorder_server, demo_token
 
 def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None:
     """A hit's render reuses the tools' tojson texts its key fixes; each namespace has its own."""
-    from prefix_cache import direct_render
     from prefix_cache.fastpath import typed_key
 
     tools = make_tools(5, seed=13)
     cache = StaticPrefixCache(tokenize_check_rate=0)
-    keys = {}
+    keys: dict[str, str] = {}
     for ns in ("tenant-a", "tenant-b"):
         for text in ("Ship it.", "Roll back."):
             r = cache.resolve(qwen3, conv(text), tools, chat_template=TOOLS_IN_FIRST_USER,
@@ -360,13 +383,27 @@ def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None
             assert r.prompt_ids == reference.render(qwen3, conv(text), tools, None,
                                                     TOOLS_IN_FIRST_USER)
         keys[ns] = r.key
-    memo = {key: texts for (key, _), texts in direct_render._memo.lru.items()}
-    assert keys["tenant-a"] != keys["tenant-b"] and {keys["tenant-a"], keys["tenant-b"]} <= set(memo)
-    texts = memo[keys["tenant-a"]].other  # the template asks tojson(indent=4): not the plain call
-    assert memo[keys["tenant-a"]].plain == [None] * len(tools)
+    assert keys["tenant-a"] != keys["tenant-b"]
+    remembered = {ns: Accelerators.remembered_tojson(key) for ns, key in keys.items()}
+    assert remembered["tenant-a"] and remembered["tenant-b"]  # each key its own texts
+    texts = remembered["tenant-a"]  # the template asks tojson(indent=4): not the plain call
     assert sorted(at[0] for at in texts) == list(range(len(tools)))  # one text per tool
     assert all(at[1] == typed_key((False, 4, None, False)) for at in texts)
-    assert texts[next(iter(texts))] == json.dumps(tools[0], ensure_ascii=False, indent=4)
+    assert texts[(0, typed_key((False, 4, None, False)))] == \
+        json.dumps(tools[0], ensure_ascii=False, indent=4)
+
+
+def checked(sampler: prompt_tokens.PromptTokenizer, monkeypatch: Any, seconds: float) -> None:
+    """One real sampled check (a direct render's, of the demo template) that took ``seconds``
+    on the checks' clock."""
+    tok = load_offline_tokenizer("qwen3")
+    renderer, fast = get_renderer(tok, DEFAULT_SYSTEM), Accelerators()
+    text = renderer.render_text(conv("Hi"), None, {}, fast=fast)
+    ticks = iter([0.0, seconds])
+    with monkeypatch.context() as patched:
+        patched.setattr(prompt_tokens.time, "perf_counter", lambda: next(ticks))
+        sampler.tokenize(renderer, text, None, "m", lambda: text, check=True, fast=fast)
+    assert next(ticks, None) is None  # the check was timed
 
 
 def test_sampled_checks_are_held_to_their_share_of_the_time(monkeypatch: Any) -> None:
@@ -378,12 +415,12 @@ def test_sampled_checks_are_held_to_their_share_of_the_time(monkeypatch: Any) ->
     sampler = prompt_tokens.PromptTokenizer(CacheObserver(), 0.5, random.Random(3))
     drawn = [sampler.sampled() for _ in range(200)]
     assert 60 < sum(drawn) < 140  # the rate alone while the checks cost nothing
-    sampler._checking_s = 1.0  # the checks took 1 s, no time has passed
+    checked(sampler, monkeypatch, 1.0)  # a check took 1 s, no time has passed
     assert not any(sampler.sampled() for _ in range(200))
     clock[0] += 1.0 / prompt_tokens.CHECK_TIME_SHARE  # their share of 100 s is 1 s: due again
     assert any(sampler.sampled() for _ in range(20))
     always = prompt_tokens.PromptTokenizer(CacheObserver(), 1.0)
-    always._checking_s = 1e9
+    checked(always, monkeypatch, 1e9)
     assert all(always.sampled() for _ in range(20))
     assert not any(prompt_tokens.PromptTokenizer(CacheObserver(), 0.0).sampled()
                    for _ in range(20))

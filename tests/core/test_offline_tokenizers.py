@@ -281,7 +281,7 @@ def _tiktoken_o200k():
     """tiktoken's own engine on the same ranks + o200k pattern (tiktoken cannot fetch them)."""
     import tiktoken
 
-    ranks = ot._read_quicktok_vocab(_data("quicktok") / "data" / "o200k.vocab")
+    ranks = ot.read_quicktok_vocab(_data("quicktok") / "data" / "o200k.vocab")
     enc = tiktoken.Encoding(
         "o200k_offline", pat_str=ot.O200K_PATTERN, mergeable_ranks=ranks, special_tokens={}
     )

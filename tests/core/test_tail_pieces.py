@@ -1,4 +1,4 @@
-"""A hit's tail tokenized piece by piece (``tail_pieces``): exactly the whole text's ids on every
+"""A hit's tail tokenized piece by piece (``fastpath.PieceMemo``): exactly the whole text's ids on every
 offline tokenizer, pieces remembered per tenant, and encoded whole where a cut could move."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_cache import tail_pieces
+from prefix_cache.fastpath import PieceMemo, piece_cuts, pieces
 from prefix_cache.render.render import get_renderer
-from prefix_cache.tail_pieces import PieceMemo, piece_cuts, pieces
 from prefix_cache.testing.offline_tokenizers import NAMES, load_offline_tokenizer
+from prefix_cache.render.tokenizer_model import TokenizerModel, piece_local
 from tests.core.test_fast_tokenize import with_flags
 from tests.support.tokenizers import fresh
 
@@ -50,7 +50,7 @@ def test_every_offline_tokenizer_is_cut() -> None:
     """SentencePiece's "first piece" prefix (Metaspace ``prepend_scheme: first``) included:
     every piece but the first starts with an added token."""
     cut = {name for name in NAMES
-           if piece_cuts(load_offline_tokenizer(name).backend_tokenizer, False) is not None}
+           if piece_cuts(TokenizerModel(load_offline_tokenizer(name), False)) is not None}
     assert cut == set(NAMES)
 
 
@@ -81,7 +81,7 @@ def test_any_join_of_tokens_and_text_on_sentencepiece(parts: list[str]) -> None:
 
 
 def test_pieces_cut_before_each_added_token() -> None:
-    cuts = piece_cuts(load_offline_tokenizer("qwen3").backend_tokenizer, False)
+    cuts = piece_cuts(TokenizerModel(load_offline_tokenizer("qwen3"), False))
     assert cuts is not None
     assert pieces(cuts, "a<|im_start|>user\nhi<|im_end|>\n<|im_start|>") == [
         "a", "<|im_start|>user\nhi", "<|im_end|>\n", "<|im_start|>"]
@@ -113,7 +113,7 @@ def test_pieces_are_remembered_per_tenant(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word"])
 def test_a_token_that_looks_past_a_cut_means_no_cuts(qwen3: Any, flag: str) -> None:
     tok = with_flags(qwen3, {"<|im_end|>": {flag: True}})
-    assert piece_cuts(tok.backend_tokenizer, False) is None
+    assert piece_cuts(TokenizerModel(tok, False)) is None
     renderer = get_renderer(tok, "{{ messages }}")
     text = "<|im_start|>user\nhi  <|im_end|>  \n<|im_start|>"
     assert PieceMemo().tokenize(renderer, "t", text) == renderer.tokenize(text)
@@ -122,11 +122,11 @@ def test_a_token_that_looks_past_a_cut_means_no_cuts(qwen3: Any, flag: str) -> N
 def test_split_special_tokens_or_an_unknown_pre_tokenizer_means_no_cuts(qwen3: Any) -> None:
     tok = fresh(qwen3)
     tok.split_special_tokens = True  # the backend's own flag follows on its next encode only
-    assert piece_cuts(tok.backend_tokenizer, True) is None
-    assert get_renderer(tok, "{{ messages }}").piece_cuts() is None
-    assert tail_pieces._local({"type": "Metaspace", "prepend_scheme": "first"})
-    assert tail_pieces._local({"type": "Sequence", "pretokenizers": [
+    assert piece_cuts(TokenizerModel(tok, True)) is None
+    assert PieceMemo().cuts(get_renderer(tok, "{{ messages }}")) is None
+    assert piece_local({"type": "Metaspace", "prepend_scheme": "first"})
+    assert piece_local({"type": "Sequence", "pretokenizers": [
         {"type": "ByteLevel"}, {"type": "Metaspace", "prepend_scheme": "always"}]})
-    assert not tail_pieces._local({"type": "SomethingNew"})
-    assert not tail_pieces._local({"type": "Sequence", "pretokenizers": [
+    assert not piece_local({"type": "SomethingNew"})
+    assert not piece_local({"type": "Sequence", "pretokenizers": [
         {"type": "ByteLevel"}, {"type": "SomethingNew"}]})

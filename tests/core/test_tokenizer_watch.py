@@ -1,4 +1,4 @@
-"""The tokenizer re-check's quick path (tokenizer_watch): every way the exactness tests change a
+"""The tokenizer re-check's quick path (the accelerators' tokenizer watch): every way the exactness tests change a
 tokenizer after first use, and the same on its Rust backend, moves the quick reading, so the
 added-tokens table is compared again and the key changes. Real Qwen3 tokenizers, each test its
 own copy."""
@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from tokenizers import AddedToken
 
-from prefix_cache import StaticPrefixCache, tokenizer_watch
+from prefix_cache import StaticPrefixCache
+from prefix_cache.fastpath import Accelerators
 from prefix_cache.render.tokenizer_identity import (
     current_fingerprint,
     encode_settings,
@@ -23,6 +24,7 @@ from prefix_cache.render.tokenizer_identity import (
 from tests.support import reference
 from tests.support.templates import DEFAULT_SYSTEM
 
+FAST = Accelerators()
 SYSTEM = "Hello! You are the assistant. Hello again, and say Hello. Call <|deploy|> to ship."
 MESSAGES = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
 
@@ -68,14 +70,14 @@ def _with_deploy_token(tok: Any) -> Any:
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_every_change_moves_the_quick_reading_and_the_fingerprint(change: str) -> None:
     tok = _fresh_qwen3()
-    before = current_fingerprint(tok)
-    quick, settings = quick_settings(tok), encode_settings(tok)
+    before = current_fingerprint(tok, fast=FAST)
+    quick, settings = quick_settings(tok, FAST), encode_settings(tok)
     assert quick is not None  # a fast tokenizer: the quick path is taken from now on
-    assert current_fingerprint(tok) == before
+    assert current_fingerprint(tok, fast=FAST) == before
     CHANGES[change](tok)
     assert encode_settings(tok) != settings  # the change is one the full re-check sees
-    assert quick_settings(tok) != quick  # ... and so does the quick reading
-    after = current_fingerprint(tok)
+    assert quick_settings(tok, FAST) != quick  # ... and so does the quick reading
+    after = current_fingerprint(tok, fast=FAST)
     assert after != before
     assert after == tokenizer_fingerprint(tok)
 
@@ -100,26 +102,26 @@ def test_a_change_on_another_tokenizer_costs_one_full_comparison_only() -> None:
     """Another tokenizer's change moves the shared count: this one's table is compared again,
     found equal, and its fingerprint kept."""
     tok, other = _fresh_qwen3(), _fresh_qwen3()
-    before = current_fingerprint(tok)
-    quick = quick_settings(tok)
+    before = current_fingerprint(tok, fast=FAST)
+    quick = quick_settings(tok, FAST)
     other.add_tokens(["<|deploy|>"])
-    assert quick_settings(tok) != quick
-    assert current_fingerprint(tok) == before
-    assert quick_settings(tok) is not None
+    assert quick_settings(tok, FAST) != quick
+    assert current_fingerprint(tok, fast=FAST) == before
+    assert quick_settings(tok, FAST) is not None
 
 
 def test_the_watched_methods_behave_as_before() -> None:
     tok = _fresh_qwen3()
     backend = tok.backend_tokenizer
-    assert tokenizer_watch.watched_class() is type(backend)
-    count = tokenizer_watch.generation()
+    assert FAST.added_token_changes(backend) is not None  # watched
+    count = FAST.added_token_changes(backend)
     assert backend.add_tokens(["<|deploy|>"]) == 1
     assert backend.add_tokens(["<|deploy|>"]) == 0
-    assert tokenizer_watch.generation() != count
+    assert FAST.added_token_changes(backend) != count
     assert "<|deploy|>" in backend.encode("ship <|deploy|> now").tokens
     restored = pickle.loads(pickle.dumps(backend))
     assert restored.to_str() == backend.to_str()
-    count = tokenizer_watch.generation()
+    count = FAST.added_token_changes(backend)
     with pytest.raises(TypeError):  # a failing call still raises, and still counts
         backend.add_tokens(None)
-    assert tokenizer_watch.generation() != count
+    assert FAST.added_token_changes(backend) != count

@@ -9,7 +9,6 @@ cache nothing. Real Qwen3 tokenizers and templates, a real uvicorn."""
 from __future__ import annotations
 
 from array import array
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -34,23 +33,6 @@ SYSTEM = {"role": "system", "content": "Follow the repository rules. You are the
 ASSISTANT = {"role": "assistant", "content": "Three tests fail in test_io.py."}
 
 
-class CountingExecutor(ThreadPoolExecutor):
-    """The cache's render threads, counting what is handed to them."""
-
-    submitted = 0
-
-    def submit(self, *args: Any, **kwargs: Any) -> Any:
-        self.submitted += 1
-        return super().submit(*args, **kwargs)
-
-
-def _cache(check_rate: float) -> tuple[StaticPrefixCache, CountingExecutor]:
-    cache = StaticPrefixCache(tokenize_check_rate=check_rate)
-    cache._executor.shutdown()
-    cache._executor = executor = CountingExecutor(max_workers=2)
-    return cache, executor
-
-
 CASES = {
     # name: (messages, tools, template, render threads a hit uses with no sampled check)
     "short": ([SYSTEM, {"role": "user", "content": "Ship it."}], 3, TEMPLATE, 0),
@@ -73,9 +55,9 @@ async def test_every_hit_path_gives_the_uncached_answer(qwen3: Any, case: str,
     messages, n_tools, template, threads = CASES[case]
     tools = make_tools(n_tools) or None
     uncached = StaticPrefixCache().resolve(qwen3, messages, tools, chat_template=template)
-    cache, executor = _cache(check_rate)
+    cache = StaticPrefixCache(tokenize_check_rate=check_rate)
     miss = await cache.aresolve(qwen3, messages, tools, chat_template=template)
-    submitted, checks = executor.submitted, cache.stats.tokenize_checks
+    submitted, checks = cache.render_thread_calls, cache.stats.tokenize_checks
     hit = await cache.aresolve(qwen3, messages, tools, chat_template=template)
     assert (miss.cache, hit.cache) == ("miss", "hit")
     prompt = reference.render(qwen3, messages, tools, None, template)
@@ -87,9 +69,9 @@ async def test_every_hit_path_gives_the_uncached_answer(qwen3: Any, case: str,
         assert cache.stats.cap_renders == 2  # the miss's and the hit's
     if check_rate:  # the sampled check ran, in a render thread (the cap's render with it)
         assert cache.stats.tokenize_checks == checks + 1
-        assert executor.submitted == submitted + 1
+        assert cache.render_thread_calls == submitted + 1
     else:
-        assert executor.submitted == submitted + threads
+        assert cache.render_thread_calls == submitted + threads
 
 
 def test_prompt_ids_are_made_once_and_compare_by_value(qwen3: Any) -> None:
@@ -184,13 +166,13 @@ def test_large_bodies_answer_as_the_uncached_render(demo_tokenizer: Any, check_r
             bad = http.post("/v1/prefix/boundary", json={
                 "messages": turns[0], "tools": tools, "prompt_ids": [1, 2**32]})
             assert bad.status_code == 400 and "prompt_ids[1]" in bad.json()["error"]["message"]
-    memo = app.state.api_host._parts
-    remembered = [found for _, found in memo._lru.items()]
+    memo = app.state.api_host.parts
+    remembered = memo.remembered()
     assert len(remembered) >= 2  # the tools and the system message
     for found in remembered:
         assert found.value == orjson.loads(found.part)
         assert orjson.dumps(found.value) == orjson.dumps(orjson.loads(found.part))
-    (_, last_ids), = memo._ids.items()  # the last ids sent (one agent), text and packed
+    last_ids, = memo.remembered_ids()  # the last ids sent (one agent), text and packed
     assert unpack_ids(last_ids.packed) == orjson.loads(last_ids.part)
 
 

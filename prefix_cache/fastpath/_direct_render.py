@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from .fastpath import Unkeyable, typed_key
-from .util.lru import ByteLRU
+from ..util.lru import ByteLRU
+from .typed_keys import Unkeyable, typed_key
 
 # Template variables that apply_chat_template would bind to its own parameters instead.
 _UNSAFE_KWARGS = frozenset(("documents", "conversations", "messages"))
@@ -84,6 +84,17 @@ class _Memo:
 
 
 _memo = _Memo()
+
+
+def remembered(key: str) -> dict[tuple[int, Any], str]:
+    """The texts ``_memo`` holds for the cache key ``key`` (see ``Accelerators``)."""
+    with _memo.lock:
+        found = [texts for (k, _), texts in _memo.lru.items() if k == key]
+    out: dict[tuple[int, Any], str] = {}
+    for texts in found:
+        out.update({(i, None): t for i, t in enumerate(texts.plain) if t is not None})
+        out.update({(at[0], at[1]): text for at, text in texts.other.items()})
+    return out
 
 
 class _Helpers:

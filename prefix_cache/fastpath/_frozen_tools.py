@@ -22,9 +22,9 @@ from typing import Any, overload
 
 import msgpack
 
-from .cache import keys
-from .errors import InvalidRequestError
-from .known_parts import KnownParts
+from ..cache import keys
+from ..errors import InvalidRequestError
+from ._known_parts import KnownParts
 
 
 class FrozenTools(Sequence[dict[str, Any]]):
@@ -50,7 +50,7 @@ class FrozenTools(Sequence[dict[str, Any]]):
     def known(self, into: KnownParts | None = None) -> KnownParts:
         """``into`` (or a new one) knowing this list's key material."""
         out = into if into is not None else KnownParts()
-        out.add_packed(self, self.packed)
+        out.add_packed(self, self.packed, frozen=True)
         return out
 
     def __len__(self) -> int:

@@ -34,11 +34,12 @@ import numpy as np
 import orjson
 import xxhash
 
-from .cache.keys import packed_part
-from .known_parts import KnownParts
-from .util import json_io
-from .util.lru import ByteLRU
-from .util.token_ids import TokenIds, pack_ids
+from ..util import json_io
+from ..util.prefix_len import common_prefix_len
+from ..cache.keys import packed_part
+from ..util.lru import ByteLRU
+from ..util.token_ids import TokenIds, pack_ids
+from ._known_parts import KnownParts
 
 REMEMBERED_BYTES = 1024   # parts at least this long are remembered
 MEMO_BYTES = 32 << 20     # all remembered parts' bytes, per worker
@@ -104,6 +105,26 @@ class PartMemo:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the remembered parts are counted at (at most ``max_bytes``)."""
+        return self._lru.nbytes
+
+    @property
+    def ids_nbytes(self) -> int:
+        """The bytes the remembered token ids texts are counted at (at most ``max_ids_bytes``)."""
+        return self._ids.nbytes
+
+    def remembered(self) -> list[Remembered]:
+        """The remembered parts, most recently used last (a read-only snapshot)."""
+        with self._lock:
+            return [found for _, found in self._lru.items()]
+
+    def remembered_ids(self) -> list[Remembered]:
+        """The remembered token ids texts, one per scope and start (a read-only snapshot)."""
+        with self._lock:
+            return [found for _, found in self._ids.items()]
 
 
 def parse_body(raw: bytes, memo: PartMemo | None = None, scope: str = "",
@@ -256,7 +277,7 @@ def _after(last: Remembered, text: bytes) -> TokenIds | None:
     ``last.packed``: up to the last comma both have in common, the ids are the same (a JSON list
     of integers has no other commas); the rest is parsed. None when there is no such start or
     the rest is not token ids (then ``text`` is parsed whole)."""
-    cut = text.rfind(b",", 0, _common_prefix_len(text, last.part))
+    cut = text.rfind(b",", 0, common_prefix_len(text, last.part))
     if cut < 0:
         return None
     known = text.count(b",", 0, cut)  # the ids before the cut: one comma after each
@@ -268,12 +289,6 @@ def _after(last: Remembered, text: bytes) -> TokenIds | None:
     except (orjson.JSONDecodeError, OverflowError, TypeError, ValueError):
         return None
     return TokenIds(None, packed)
-
-
-def _common_prefix_len(a: bytes, b: bytes) -> int:
-    n = min(len(a), len(b))
-    differ = np.flatnonzero(np.frombuffer(a, np.uint8, n) != np.frombuffer(b, np.uint8, n))
-    return int(differ[0]) if differ.size else n
 
 
 def _split(decoder: msgspec.json.Decoder, raw: bytes) -> Any:

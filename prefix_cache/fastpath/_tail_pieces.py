@@ -8,7 +8,8 @@ falls. An agent's tail is its conversation after the static prefix: every turn s
 previous turns again, so with its pieces remembered a hit encodes only the new ones (a 50-turn
 conversation was re-tokenized whole on every hit before).
 
-Where that holds (``piece_cuts``): the backend splits special tokens out (``encode_special_tokens``
+Where that holds (``piece_cuts``, from ``TokenizerModel.pieces_alone``: the one model of a
+tokenizer the split reads too): the backend splits special tokens out (``encode_special_tokens``
 off), no added token that is matched before normalization strips whitespace around itself or
 must stand as a single word (those look past the cut), and the pre-tokenizers are of the kinds
 that act on each piece alone. The one that looks at a piece's place, Metaspace's
@@ -26,51 +27,27 @@ tenant cannot learn from timing which pieces another sent).
 
 from __future__ import annotations
 
-import json
 import re
 import threading
+import weakref
 from typing import Any
 
-from .util.lru import ByteLRU
+from ..util.lru import ByteLRU
+from ..render.tokenizer_model import TokenizerModel
 
 MEMO_BYTES = 32 << 20      # per cache (per worker)
 _ENTRY_OVERHEAD = 120      # a key tuple, a list and the LRU's own bookkeeping, roughly
-# Pre-tokenizers that act on each piece alone, whatever came before it in the text.
-_LOCAL_PRE_TOKENIZERS = frozenset((
-    "Sequence", "Split", "ByteLevel", "Digits", "Punctuation", "Whitespace", "WhitespaceSplit",
-    "BertPreTokenizer", "UnicodeScripts", "CharDelimiterSplit", "Metaspace"))
 
 
-def piece_cuts(backend: Any, split_special_tokens: bool) -> re.Pattern[str] | None:
+def piece_cuts(model: TokenizerModel) -> re.Pattern[str] | None:
     """The added tokens the backend cuts at before normalizing, as one leftmost-longest search;
-    None where cutting a text there and encoding the pieces alone might not give its ids.
-    ``split_special_tokens``: the tokenizer's flag as its key read it (the backend's own copy
-    of it changes only on transformers' next encode)."""
-    try:
-        if split_special_tokens:
-            return None
-        added = list(backend.get_added_tokens_decoder().values())
-        pre = backend.pre_tokenizer
-        if pre is not None and not _local(json.loads(pre.__getstate__())):
-            return None
-    except Exception:  # another tokenizers layout: encode whole
+    None where cutting a text there and encoding the pieces alone might not give its ids
+    (``TokenizerModel.pieces_alone``: the model is of the state the key read, its
+    ``split_special_tokens`` included)."""
+    if not model.pieces_alone():
         return None
-    raw = [t for t in added if not t.normalized]
-    if not raw or any(t.lstrip or t.rstrip or t.single_word for t in raw):
-        return None
-    contents = sorted({t.content for t in raw if t.content}, key=len, reverse=True)
+    contents = sorted({t.content for t in model.raw_added}, key=len, reverse=True)
     return re.compile("|".join(map(re.escape, contents))) if contents else None
-
-
-def _local(config: Any) -> bool:
-    """Whether a pre-tokenizer (its JSON config) acts on each piece alone (Metaspace: see the
-    module docstring)."""
-    if not isinstance(config, dict):
-        return False
-    kind = config.get("type")
-    if kind not in _LOCAL_PRE_TOKENIZERS:
-        return False
-    return all(_local(p) for p in config.get("pretokenizers", ()))
 
 
 def pieces(cuts: re.Pattern[str], text: str) -> list[str]:
@@ -87,11 +64,26 @@ class PieceMemo:
     def __init__(self, max_bytes: int = MEMO_BYTES) -> None:
         self._lru: ByteLRU[tuple[str, bytes, str], list[int]] = ByteLRU(max_bytes)
         self._lock = threading.Lock()
+        # Each renderer's cuts (its backend and split flag are fixed for its life).
+        self._cuts: weakref.WeakKeyDictionary[Any, re.Pattern[str] | None] = (
+            weakref.WeakKeyDictionary())
+
+    def cuts(self, renderer: Any) -> re.Pattern[str] | None:
+        """``piece_cuts`` of the renderer's tokenizer (None: texts are encoded whole), looked
+        at once per renderer."""
+        with self._lock:
+            if renderer in self._cuts:
+                return self._cuts[renderer]
+        model = renderer.tokenizer_model
+        found = None if model is None else piece_cuts(model)
+        with self._lock:
+            self._cuts[renderer] = found
+        return found
 
     def tokenize(self, renderer: Any, scope: str, text: str) -> list[int]:
         """``renderer.tokenize_tail(text)``, from remembered pieces where the renderer's
-        tokenizer allows it (``TemplateRenderer.piece_cuts``)."""
-        cuts = renderer.piece_cuts()
+        tokenizer allows it (``cuts``)."""
+        cuts = self.cuts(renderer)
         if cuts is None:
             return list(renderer.tokenize_tail(text))
         digest = renderer.tokenizer_digest

@@ -1,5 +1,7 @@
-"""What a request's body parser already worked out for some of the objects it made: the key
-material of a large part (a tool list, a message) whose exact bytes were seen before.
+"""A request's hints (``prefix_cache.util.hints.Hints``): what its body parser already worked out for
+some of the objects it made -- the key material of a large part (a tool list, a message) whose
+exact bytes were seen before, the messages being parser-made JSON -- and a frozen tool list's
+packing.
 
 Entries are found by object identity and hold the object itself, so an id cannot be reused
 while the entry lives (a lookup also checks ``is``). They are valid for the objects exactly as
@@ -14,24 +16,29 @@ from typing import Any
 
 
 class KnownParts:
-    """Packed key material, per object parsed in one request."""
+    """Packed key material, per object parsed in one request (a ``Hints``)."""
 
     __slots__ = ("_json", "_packed")
 
     def __init__(self) -> None:
-        self._packed: dict[int, tuple[Any, bytes]] = {}
+        self._packed: dict[int, tuple[Any, bytes, bool]] = {}
         self._json: dict[int, Any] = {}
 
     def __bool__(self) -> bool:
         return bool(self._packed)
 
-    def add_packed(self, value: Any, packed: bytes) -> None:
-        """``packed``: ``value`` as ``keys.canonical_bytes`` packs one of its parts."""
-        self._packed[id(value)] = (value, packed)
+    def add_packed(self, value: Any, packed: bytes, frozen: bool = False) -> None:
+        """``packed``: ``value`` as ``keys.canonical_bytes`` packs one of its parts;
+        ``frozen``: ``value`` is a ``FrozenTools`` (checked when it was frozen)."""
+        self._packed[id(value)] = (value, packed, frozen)
 
     def packed(self, value: Any) -> bytes | None:
         found = self._packed.get(id(value))
         return found[1] if found is not None and found[0] is value else None
+
+    def frozen(self, tools: Any) -> bool:
+        found = self._packed.get(id(tools))
+        return found is not None and found[0] is tools and found[2]
 
     def add_json(self, values: Any) -> None:
         """Each of ``values`` is JSON data its parser made and no one changes (a shared
