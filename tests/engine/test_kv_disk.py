@@ -239,7 +239,7 @@ def test_cached_tokens_after_a_restart_count_the_tokens_from_disk(engines, disks
     async def usage(engine: MLXEngine) -> Any:
         backend = MLXBackend(engine, tok)
         request = BackendRequest(ids, end, sampling=SamplingParams(max_tokens=2))
-        outputs = [o async for o in backend.generate(request)]
+        outputs = [o async for o in backend.generate(backend.check(request))]
         return outputs[-1].usage
 
     engine = engines(kv_disk=disks())
