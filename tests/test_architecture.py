@@ -251,7 +251,7 @@ def test_the_layout_table_matches_the_tree() -> None:
     assert missing == []
 
 
-def tests_table() -> dict[str, str]:
+def _tests_table() -> dict[str, str]:
     """The layout page's tests table: first backticked path of each row -> the whole row."""
     text = LAYOUT_PAGE.read_text(encoding="utf-8")
     table = text.split("\n## Tests\n", 1)[1].split("\n## ", 1)[0]
@@ -260,7 +260,7 @@ def tests_table() -> dict[str, str]:
 
 
 def test_the_tests_table_matches_the_tests_tree() -> None:
-    rows = tests_table()
+    rows = _tests_table()
     folders = sorted(f"{p.parent.relative_to(REPO).as_posix()}/"
                      for p in (REPO / "tests").glob("*/__init__.py"))
     assert sorted(rows) == folders
