@@ -24,7 +24,7 @@ from ..chat.responses_store import MemoryResponses, ResponseStore, SharedRespons
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
 from ..http.request_record import RequestRecordMiddleware
-from ..http.shutdown import Drain, DrainMiddleware, drain_on_signals
+from ..http.drain import Drain, DrainMiddleware, drain_on_signals
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
 from ..metrics.multiprocess import mark_process_dead
