@@ -132,7 +132,7 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     import uvicorn
 
     from prefix_cache.http.logs import uvicorn_log_config
-    from prefix_cache.http.drain import connection_options
+    from prefix_cache.http.connections import connection_options
 
     from .options import EngineOptions
 

@@ -1,6 +1,4 @@
-"""A server's connections: graceful shutdown, and idle or slow connections closed.
-
-Graceful shutdown: on SIGTERM, finish what is in flight, turn away what is new, then stop.
+"""Graceful shutdown: on SIGTERM, finish what is in flight, turn away what is new, then stop.
 
 uvicorn alone, on SIGTERM, closes its listening socket at once (a request that reaches the
 process in the meantime is refused or hangs in the backlog another worker shares) and then
@@ -9,53 +7,34 @@ waits for open connections. Here a SIGTERM first starts a drain:
 1. every new request gets a 503 (``Retry-After``, ``Connection: close``), ``/readyz`` included,
    so clients and load balancers move on at once;
 2. requests in flight, streams included, run to their end for at most the grace period; what
-   still runs then is cancelled;
+   still runs then is cancelled: an answer not begun gets the 503, a stream begun ends with an
+   error event in its API's shape (``errors.stream_error_event``), so the client reads why it
+   is incomplete instead of a connection closed mid-stream;
 3. then uvicorn's own shutdown runs, with nothing left to wait for.
 
 SIGINT (Ctrl-C) does exactly the same. A second signal changes nothing (systemd signals every
 process of a unit, uvicorn's supervisor forwards one more to each worker, a terminal's Ctrl-C
-reaches every process of its group): the grace period bounds the wait. The hook is installed by the app's lifespan, which runs inside uvicorn's signal capture, in the
-main thread of a server process (one worker or each of several); elsewhere (a server in a test
-thread) there is no signal to take over and ``Drain.start`` is called directly.
-
-Idle and slow connections: a deadline for a request's head, and a cap on open
-connections that sheds idle ones first (nginx's ``client_header_timeout`` and
-``worker_connections``, Envoy's ``request_headers_timeout`` and ``max_connections``).
-
-uvicorn has an idle keep-alive timeout (``timeout_keep_alive``) but it is armed only after a
-response, and any byte cancels it: a connection that never sends a byte, or sends its headers a
-byte at a time, is kept for ever, and enough of them exhaust the open-file limit, so that
-``accept`` fails and nobody is served. ``GuardedH11Protocol`` is uvicorn's h11 protocol with
-(``connection_options`` gives uvicorn the class and the limits):
-
-- **a head deadline**: from the connection's opening (and again from each response's end) the
-  request line and headers must all be in within ``header_timeout_s``, or the connection is
-  closed. Trickled bytes do not extend it.
-- **a connection cap**: past ``max_connections`` open connections, a new one closes the one
-  idle longest (waiting for a request head); when every connection is in a request, the new
-  one is closed. Real clients send their head at once, so idle floods cannot lock them out.
+reaches every process of its group): the grace period bounds the wait. The hook is installed
+by the app's lifespan, which runs inside uvicorn's signal capture, in the main thread of a
+server process (one worker or each of several); elsewhere (a server in a test thread) there is
+no signal to take over and ``Drain.start`` is called directly. (Idle and slow connections are
+``connections.py``'s.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import resource
 import signal
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-from weakref import WeakKeyDictionary
-
-import h11
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .errors import error_response
+from .errors import error_response, stream_error_event
 
 log = logging.getLogger("prefix_cache.service")
 
@@ -112,6 +91,29 @@ class Drain:
             log.info("drained in %.2f s", time.monotonic() - started)
 
 
+CUT_MESSAGE = "the server is shutting down: the answer was cut at the end of its grace period"
+
+
+class _ResponseSeen:
+    """What a request has sent so far: begun, an event stream, ended."""
+
+    def __init__(self) -> None:
+        self.started = self.event_stream = self.ended = False
+        self.between_events = True   # the body so far ends where an event may begin
+
+    def see(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+            self.event_stream = any(k.lower() == b"content-type"
+                                    and v.startswith(b"text/event-stream")
+                                    for k, v in message.get("headers", ()))
+        elif message["type"] == "http.response.body":
+            body = message.get("body", b"")
+            if body:  # a relayed chunk may end inside an event
+                self.between_events = body.endswith((b"\n\n", b"\r\n\r\n"))
+            self.ended = not message.get("more_body", False)
+
+
 class DrainMiddleware:
     """Counts HTTP requests in flight; while draining answers new ones 503."""
 
@@ -129,11 +131,10 @@ class DrainMiddleware:
         task = asyncio.current_task()
         assert task is not None  # an ASGI app always runs in a task
         self.drain.enter(task)
-        started = False
+        response = _ResponseSeen()
 
         async def send_watched(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            response.see(message)
             await send(message)
 
         try:
@@ -142,14 +143,29 @@ class DrainMiddleware:
             if task not in self.drain.cut:
                 raise
             # Cut at the end of the grace period (the drain said so in one line): no traceback.
-            # An answer not begun gets the 503; one begun ends unfinished (its connection
-            # closed), so the client knows it is incomplete.
             task.uncancel()
-            if not started:
-                await self._refuse(scope, receive, send)
+            await self._end_cut(scope, receive, send, response)
         finally:
             self.drain.cut.discard(task)
             self.drain.leave(task)
+
+    async def _end_cut(self, scope: Scope, receive: Receive, send: Send,
+                       response: _ResponseSeen) -> None:
+        """End a request cut at the grace's end: an answer not begun gets the 503; a stream
+        begun ends with an error event in its API's shape, then a complete body, so the client
+        reads why it is incomplete; any other answer begun ends unfinished (its connection
+        closed), so the client knows it is incomplete."""
+        if not response.started:
+            await self._refuse(scope, receive, send)
+        elif response.event_stream and not response.ended:
+            event = stream_error_event(CUT_MESSAGE, "shutting_down", scope.get("path", ""))
+            if not response.between_events:
+                event = b"\n\n" + event  # ends the event cut in half, so this one is read
+            try:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:  # the client left meanwhile: nothing to tell it
+                pass
 
     @staticmethod
     async def _refuse(scope: Scope, receive: Receive, send: Send) -> None:
@@ -231,126 +247,3 @@ def stop_signals_interrupt() -> Iterator[Stopped]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-
-
-# -- idle and slow connections ----------------------------------------------------------------
-
-
-DEFAULT_HEADER_TIMEOUT_S = 10.0
-DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5.0
-# Open files kept for what each connection needs besides itself (an upstream connection, Redis,
-# model and KV files): half of the limit goes to client connections.
-FILES_PER_CONNECTION = 2
-FILES_RESERVED = 128
-MIN_CONNECTIONS = 32
-
-
-def raise_open_file_limit() -> int:
-    """Raise this process's soft open-file limit to its hard limit (as nginx's
-    ``worker_rlimit_nofile``); the soft limit now."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft < hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
-        except (ValueError, OSError):
-            pass
-    return soft
-
-
-def default_max_connections(open_files: int) -> int:
-    """Client connections that leave room for each one's upstream connection and the rest."""
-    return max(MIN_CONNECTIONS, (open_files - FILES_RESERVED) // FILES_PER_CONNECTION)
-
-
-class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the head deadline (``header_timeout_s``) and the connection
-    cap (uvicorn's ``limit_concurrency``, kept below it by shedding, so uvicorn's own 503
-    for too many connections never comes). A module-level class, so worker processes find it
-    by name; ``guarded_h11`` makes one with another deadline."""
-
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
-    _head_deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        cap = self.limit_concurrency
-        if cap is not None and len(self.connections) >= cap and not self._shed():
-            log.warning("connection limit (%d) reached with every connection in a request: "
-                        "a new one is refused", cap)
-            transport.close()
-            return
-        self._await_head()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is not h11.IDLE:  # the head is in: a request runs
-            self._head_received()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-            self._await_head()  # the next request's head, on a kept-alive connection
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._head_received()
-        super().connection_lost(exc)
-
-    @property
-    def _idle(self) -> OrderedDict[GuardedH11Protocol, None]:
-        """This server's connections waiting for a request head, oldest first."""
-        return _IDLE.setdefault(self.server_state, OrderedDict())
-
-    def _await_head(self) -> None:
-        self._head_received()
-        self._idle[self] = None
-        self._head_deadline = self.loop.call_later(self.header_timeout_s, self._head_too_late)
-
-    def _head_received(self) -> None:
-        self._idle.pop(self, None)
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
-
-    def _head_too_late(self) -> None:
-        self._head_deadline = None
-        self._idle.pop(self, None)
-        log.info("a connection sent no complete request head within %.1f s: closed",
-                 self.header_timeout_s)
-        self.transport.close()
-
-    def _shed(self) -> bool:
-        """Close the connection idle longest to make room for this one; False if none is."""
-        for victim in self._idle:
-            if victim is not self:
-                victim._head_received()
-                victim.transport.close()
-                log.info("connection limit reached: the connection idle longest was closed")
-                return True
-        return False
-
-
-_IDLE: WeakKeyDictionary[Any, OrderedDict[GuardedH11Protocol, None]] = WeakKeyDictionary()
-
-
-def guarded_h11(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S) -> type[GuardedH11Protocol]:
-    """The protocol class with this head deadline (``uvicorn.Config(http=...)``)."""
-    if header_timeout_s <= 0:
-        raise ValueError(f"header timeout must be > 0 s, got {header_timeout_s}")
-    if header_timeout_s == GuardedH11Protocol.header_timeout_s:
-        return GuardedH11Protocol
-    return type("GuardedH11Protocol", (GuardedH11Protocol,),
-                {"header_timeout_s": header_timeout_s})
-
-
-def connection_options(header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
-                       keep_alive_timeout_s: float = DEFAULT_KEEP_ALIVE_TIMEOUT_S,
-                       max_connections: int | None = None) -> dict[str, Any]:
-    """uvicorn's options for these limits (None connections: as many as the open-file limit,
-    raised to its hard limit, leaves room for)."""
-    if max_connections is None:
-        max_connections = default_max_connections(raise_open_file_limit())
-    if max_connections < 1:
-        raise ValueError(f"max connections must be >= 1, got {max_connections}")
-    return {"http": guarded_h11(header_timeout_s), "timeout_keep_alive": keep_alive_timeout_s,
-            "limit_concurrency": max_connections + 1}  # the cap sheds before uvicorn's 503

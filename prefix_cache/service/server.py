@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import validation_problems
 from ..http.logs import uvicorn_log_config
-from ..http.drain import GuardedH11Protocol, connection_options
+from ..http.connections import GuardedH11Protocol, connection_options
 from ..metrics.multiprocess import clear_multiprocess_dir
 from .app import create_app, open_backing_store
 from .keys_reload import note_early_sighup
