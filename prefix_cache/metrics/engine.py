@@ -80,6 +80,10 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
     kv_evictions = CounterMetricFamily(f"{NS}_kv_evictions",
                                        "KV store entries evicted to stay within bytes.",
                                        labels=["model", "store"])
+    usage = GaugeMetricFamily("prefix_cache_kv_cache_usage_perc", "Fraction (0 to 1) of the "
+                              "engine's KV capacity in RAM in use: bytes held by its "
+                              "static-prefix and conversation stores over their caps.",
+                              labels=["model"])
     kv_rejected = CounterMetricFamily(f"{NS}_kv_rejected", "KV snapshots not kept because "
                                       "they are larger than the whole store (raise its bytes).",
                                       labels=["model", "store"])
@@ -91,6 +95,9 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
         active.add_metric([name], float(s.active))
         kv_stores: tuple[tuple[str, KVStoreStats | None], ...] = (
             ("static", s.kv_store), ("conversation", s.conversation_store))
+        on = [kv for _, kv in kv_stores if kv is not None and kv.max_bytes > 0]
+        if on:
+            usage.add_metric([name], sum(kv.bytes for kv in on) / sum(kv.max_bytes for kv in on))
         for store, kv in kv_stores:
             if kv is None:
                 continue  # that store is off
@@ -103,7 +110,8 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
     if not stats:
         return
     yield from counters.values()
-    yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected)
+    yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected,
+                usage)
     yield from kv_disk_families(stats)
 
 

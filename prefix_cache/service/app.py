@@ -177,7 +177,8 @@ def create_app(settings: ServiceSettings | None = None, *,
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(RequestIdMiddleware)
     # Outside the drain too: a 503 while draining is an answer an operator wants counted.
-    app.add_middleware(RequestRecordMiddleware, on_done=state.metrics.request_done)
+    app.add_middleware(RequestRecordMiddleware, on_done=state.metrics.request_done,
+                       on_start=state.metrics.request_started)
     mount(app, SidecarHost(state))  # the API routes both servers serve
     for module in (boundary_route, admin, health, dashboard):
         app.include_router(module.router)

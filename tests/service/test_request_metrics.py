@@ -189,3 +189,5 @@ def test_the_usage_tap_reads_every_apis_stream(api: str, cut: int) -> None:
     record = asyncio.run(feed())
     assert (record.prompt_tokens, record.cached_tokens, record.generation_tokens) == (120, 100, 9)
     assert record.first_content is not None
+    assert len(record.content_gaps) == 1   # two pieces of content: one inter-token gap
+    assert record.finish_reason == "stop"
