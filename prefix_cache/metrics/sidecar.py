@@ -246,7 +246,9 @@ class Metrics(CacheObserver):
 
     def snapshot(self) -> dict[str, Any]:
         """The JSON stats (dashboard, admin): counts, hit rate, percentiles, per tenant/model."""
-        return summarize_metrics(self.collect())
+        stats = summarize_metrics(self.collect())
+        stats["tenant_labels_max"] = self.tenant_label.max_tenants  # past it: "other"
+        return stats
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -264,6 +266,15 @@ def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
             return prev_bound + (bound - prev_bound) * frac
         prev_bound, prev_count = bound, count
     return prev_bound
+
+
+def _usage_row(tenant: str, row: dict[str, float]) -> dict[str, Any]:
+    """A tenant's usage: its counts, and its prompt tokens split into reused (the engine's KV
+    hits: ``cached``) and computed (prefilled)."""
+    counts = {k: int(v) for k, v in row.items()}
+    reused = counts["cached_tokens"]
+    return {"tenant": tenant, **counts, "reused_tokens": reused,
+            "computed_tokens": max(0, counts["prompt_tokens"] - reused)}
 
 
 def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
@@ -347,6 +358,5 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
                          "mismatches": int(sums["tokenize_mismatches_total"])},
         "tenants": rows(tenants),
         "models": rows(models),
-        "usage": [{"tenant": t, **{k: int(v) for k, v in row.items()}}
-                  for t, row in sorted(usage.items())],
+        "usage": [_usage_row(t, row) for t, row in sorted(usage.items())],
     }

@@ -213,7 +213,8 @@ def test_metrics_export_the_engine_counters(engine_sidecar: tuple[str, MLXBacken
     assert stats_json.status_code == 200
     # the dashboard's rows
     assert stats_json.json()["engines"] == [{"model": TINY_MODEL, **stats.as_dict()}]
-    engine_queries = {m for m in queried_metrics() if m.startswith("prefix_cache_engine_")}
+    engine_queries = {m for m in queried_metrics()
+                      if m.startswith(("prefix_cache_engine_", "prefix_cache_kv_cache_usage_perc"))}
     assert engine_queries and engine_queries <= {name for name, _ in samples}
 
 

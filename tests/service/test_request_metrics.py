@@ -145,7 +145,9 @@ def test_admin_stats_report_each_tenants_usage_for_billing(http: Any, recorder: 
                                                        tenant=tenant) >= 1
         assert usage[tenant]["generated_tokens"] == value(
             found, "prefix_cache_generation_tokens_total", tenant=tenant) >= 1
-        assert usage[tenant]["cached_tokens"] == 0
+        assert usage[tenant]["cached_tokens"] == usage[tenant]["reused_tokens"] == 0
+        # What a platform bills and what the cache saved it: computed + reused = prompt.
+        assert usage[tenant]["computed_tokens"] == usage[tenant]["prompt_tokens"]
 
 
 # -- the relay's usage, in each API's stream, cut anywhere --------------------------------------
