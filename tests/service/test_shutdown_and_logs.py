@@ -1,5 +1,6 @@
 """Graceful shutdown (SIGTERM or Ctrl-C: streams in flight finish within the grace period, new
-requests get 503, a stream still running at its end ends with an error event), request ids (kept or made, sent upstream, returned) and JSON logs that carry them."""
+requests get 503, a stream still running at its end ends with an error event), request ids
+(kept or made, sent upstream, returned) and JSON logs that carry them."""
 
 from __future__ import annotations
 
