@@ -233,8 +233,8 @@ def test_ctrl_c_mid_stream_ends_each_apis_stream_with_an_error_event_its_sdk_rea
     def messages(base: str) -> None:
         client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
         try:
-            for event in client.messages.create(model="tiny-qwen3", messages=ask, stream=True,
-                                                **long):
+            for _ in client.messages.create(model="tiny-qwen3", messages=ask, stream=True,
+                                            **long):
                 got("messages")
             ends["messages"] = "finished"
         except anthropic.APIStatusError as exc:
