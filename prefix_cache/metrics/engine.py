@@ -153,6 +153,31 @@ def kv_disk_families(stats: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
     yield from (lookups, size, entries, evictions, writes, discarded, full, loads)
 
 
+class EngineLoadCollector:
+    """vLLM's two load gauges for one engine served alone (``serve-engine``), from its health
+    report: requests running in it, and requests posted to it not yet taken (its inbox). In
+    the sidecar the same names count API requests (``requests.py``), so this is not there."""
+
+    def __init__(self, name: str, engine: Any) -> None:
+        self._name, self._engine = name, engine
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            report = self._engine.health()
+        except Exception:  # a scrape must never fail because the engine could not answer
+            return
+        for key, field, text in (
+                ("running", "active", "Requests the engine is running."),
+                ("waiting", "queued", "Requests posted to the engine not yet taken.")):
+            family = GaugeMetricFamily(f"prefix_cache_num_requests_{key}", text,
+                                       labels=["model"])
+            family.add_metric([self._name], float(report.get(field, 0)))
+            yield family
+
+
 def engine_exposition(name: str, engine: Any) -> tuple[bytes, str]:
     """One engine's counters in the Prometheus text format, and its content type (the
     ``GET /metrics`` of ``serve-engine``)."""
@@ -160,4 +185,5 @@ def engine_exposition(name: str, engine: Any) -> tuple[bytes, str]:
 
     registry = CollectorRegistry()
     registry.register(EngineCollector(lambda: [(name, engine)]))
+    registry.register(EngineLoadCollector(name, engine))
     return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -522,6 +522,12 @@ def test_serve_engine_metrics_are_its_own_counters(engine_server: tuple[str, MLX
     assert after.headers["content-type"].startswith("text/plain")
     assert requests_total(after.text) == before + 1
     assert requests_total(after.text) == chat_engine.snapshot_stats().requests
+    # vLLM's load gauges and KV usage, under its names (the request finished: none running).
+    load = {s.name: s.value for f in text_string_to_metric_families(after.text)
+            for s in f.samples}
+    assert load["prefix_cache_num_requests_running"] == 0
+    assert load["prefix_cache_num_requests_waiting"] == 0
+    assert 0 <= load["prefix_cache_kv_cache_usage_perc"] <= 1
     app = create_engine_app(chat_engine, api_key="sk-engine", close_engine=False)
     with ServerThread(app) as locked, local_client(base_url=locked) as http:
         assert http.get("/metrics").status_code == 401
