@@ -52,7 +52,7 @@ from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT
 from prefix_cache.engine import protocol as wire
 from prefix_cache.http.errors import install_error_handlers
 from prefix_cache.http.request_id import RequestIdMiddleware
-from prefix_cache.http.shutdown import Drain, DrainMiddleware, drain_on_signals
+from prefix_cache.http.drain import Drain, DrainMiddleware, drain_on_signals
 from prefix_cache.metrics.engine import engine_exposition
 
 from .backend import MLXBackend
@@ -71,7 +71,7 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
                       responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT,
                       shutdown_grace_s: float = SHUTDOWN_GRACE_S) -> FastAPI:
     """The app serving the backend ``chat``; with ``close_engine`` it is closed at shutdown.
-    SIGTERM and SIGINT drain it as they drain the sidecar (``prefix_cache.http.shutdown``)."""
+    SIGTERM and SIGINT drain it as they drain the sidecar (``prefix_cache.http.drain``)."""
     host = EngineHost(chat, trust_namespace=trust_namespace, api_key=api_key,
                       max_body_bytes=max_body_bytes, responses_store_bytes=responses_store_bytes)
     drain = Drain(shutdown_grace_s)
@@ -132,7 +132,7 @@ def serve_engine(model_dir: str | Path, draft_dir: str | Path | None = None, *,
     import uvicorn
 
     from prefix_cache.http.logs import uvicorn_log_config
-    from prefix_cache.http.shutdown import connection_options
+    from prefix_cache.http.connections import connection_options
 
     from .options import EngineOptions
 

@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.verbose)
     if args.command not in SERVER_COMMANDS:
         return int(args.func(args))
-    from .http.shutdown import stop_signals_interrupt
+    from .http.drain import stop_signals_interrupt
 
     with stop_signals_interrupt() as stopped:
         try:

@@ -81,6 +81,9 @@ async def run(model: ServedModel, turn: Turn, relay: Relay,
               headers: dict[str, str]) -> Events | Response:
     """The turn run on its model's target: its events (noted in the request's record) for
     the route to encode, or the upstream's answer relayed with the host's ``headers``."""
+    record = current_record()
+    if record is not None:
+        record.dispatch()
     outcome = await model.target.generate(turn, relay)
     if isinstance(outcome, Relayed):
         response = outcome.response
@@ -109,8 +112,12 @@ async def recorded(events: AsyncGenerator[OutputEvent, None]
                     u = event.usage
                     record.usage(u.prompt_tokens or None, u.cached_tokens,
                                  u.completion_tokens if isinstance(event, Finish) else None)
-                else:
-                    record.content_started()
+                    if isinstance(event, Finish):
+                        record.finish_reason = event.reason
+                    else:
+                        record.prefill_done()
+                else:  # generated content, streamed or not: TTFT is the first token's
+                    record.content()
             yield event
 
 

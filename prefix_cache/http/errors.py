@@ -27,6 +27,7 @@ from ..errors import (
     StoreUnavailableError,
     TemplateRenderError,
 )
+from .sse import sse_event
 
 log = logging.getLogger("prefix_cache.service")
 
@@ -160,6 +161,21 @@ def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
     """Anthropic's error shape, its type from the status."""
     type_ = ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     return {"type": "error", "error": {"type": type_, "message": message}}
+
+
+RESPONSES_PATH = re.compile(r"/v1/responses(/|$)")
+
+
+def stream_error_event(message: str, code: str, path: str = "") -> bytes:
+    """The event that ends a stream cut by the server (not the engine) in the shape of the
+    API at ``path``: Anthropic's ``error`` event, the Responses API's ``error`` event, or a
+    chat completion stream's ``data: {"error": ...}``."""
+    if is_anthropic_path(path):
+        return sse_event(anthropic_error_body(503, message), "error")
+    if RESPONSES_PATH.search(path):
+        return sse_event({"type": "error", "code": code, "message": message, "param": None},
+                         "error")
+    return sse_event(error_body(message, "server_error", code))
 
 
 def error_response(status: int, message: str, type_: str, code: str | None,

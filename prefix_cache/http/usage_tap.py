@@ -1,9 +1,10 @@
 """An upstream's answer, relayed byte for byte, read on the way for what the request cost:
-when its content starts (TTFT) and the token counts of its ``usage``, in any of the three
-APIs' shapes (chat completions, Anthropic Messages, OpenAI Responses), streamed or whole.
+when each piece of its content comes (TTFT, inter-token latency), the token counts of its
+``usage`` and why it finished, in any of the three APIs' shapes (chat completions, Anthropic
+Messages, OpenAI Responses), streamed or whole.
 
-Only what it needs is parsed: an SSE ``data:`` line that names ``usage`` (a line is read
-once it is whole), or a whole JSON body (up to ``MAX_JSON_BYTES``). It never changes or
+Only what it needs is parsed: an SSE ``data:`` line that names ``usage`` or a finish reason (a
+line is read once it is whole), or a whole JSON body (up to ``MAX_JSON_BYTES``). It never changes or
 holds back a byte.
 """
 
@@ -23,6 +24,36 @@ MAX_LINE_BYTES = 1024 * 1024       # an SSE line longer than this is not parsed
 # first chunk, the role with empty content, does not count).
 CONTENT = re.compile(rb'"content":\s*"[^"]|"tool_calls":\s*\[\s*\{|"content_block_delta"'
                      rb'|\.delta"')
+
+
+# What only an event that says why the answer ended holds.
+FINISH = re.compile(rb'"finish_reason":\s*"|"stop_reason":\s*"|"response\.(completed|incomplete)"')
+# Each API's reasons as OpenAI's chat completions name them (the finished_reason label).
+ANTHROPIC_REASONS = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
+                     "tool_use": "tool_calls", "pause_turn": "stop", "refusal": "stop"}
+
+
+def finish_reason(event: Any) -> str | None:
+    """Why an answer (or its last stream event) ended, as chat completions names it."""
+    if not isinstance(event, dict):
+        return None
+    choices = event.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        reason = choices[0].get("finish_reason")
+        return reason if isinstance(reason, str) else None
+    for holder in (event, event.get("delta"), event.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("stop_reason"), str):
+            return ANTHROPIC_REASONS.get(holder["stop_reason"], "stop")
+    response = event.get("response", event)
+    if isinstance(response, dict) and response.get("object") == "response":
+        status = response.get("status")
+        if status == "completed":
+            calls = any(isinstance(i, dict) and i.get("type") == "function_call"
+                        for i in response.get("output") or ())
+            return "tool_calls" if calls else "stop"
+        if status == "incomplete":
+            return "length"
+    return None
 
 
 def _int(value: Any) -> int | None:
@@ -96,9 +127,9 @@ class UsageTap:
         for line in lines:
             if not line.startswith(b"data:"):
                 continue
-            if self.record.first_content is None and CONTENT.search(line):
-                self.record.content_started()
-            if b'"usage"' in line:
+            if CONTENT.search(line):
+                self.record.content()
+            if b'"usage"' in line or FINISH.search(line):
                 self._note(line[5:])
 
     def _note(self, data: bytes) -> None:
@@ -110,3 +141,4 @@ class UsageTap:
         if self.record.prompt_tokens and prompt == 0 and event.get("type") == "message_delta":
             prompt = None  # Anthropic's closing event repeats no input count worth taking
         self.record.usage(prompt, cached, generated)
+        self.record.finish_reason = finish_reason(event) or self.record.finish_reason

@@ -80,6 +80,10 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
     kv_evictions = CounterMetricFamily(f"{NS}_kv_evictions",
                                        "KV store entries evicted to stay within bytes.",
                                        labels=["model", "store"])
+    usage = GaugeMetricFamily("prefix_cache_kv_cache_usage_perc", "Fraction (0 to 1) of the "
+                              "engine's KV capacity in RAM in use: bytes held by its "
+                              "static-prefix and conversation stores over their caps.",
+                              labels=["model"])
     kv_rejected = CounterMetricFamily(f"{NS}_kv_rejected", "KV snapshots not kept because "
                                       "they are larger than the whole store (raise its bytes).",
                                       labels=["model", "store"])
@@ -91,6 +95,9 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
         active.add_metric([name], float(s.active))
         kv_stores: tuple[tuple[str, KVStoreStats | None], ...] = (
             ("static", s.kv_store), ("conversation", s.conversation_store))
+        on = [kv for _, kv in kv_stores if kv is not None and kv.max_bytes > 0]
+        if on:
+            usage.add_metric([name], sum(kv.bytes for kv in on) / sum(kv.max_bytes for kv in on))
         for store, kv in kv_stores:
             if kv is None:
                 continue  # that store is off
@@ -103,7 +110,8 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
     if not stats:
         return
     yield from counters.values()
-    yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected)
+    yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected,
+                usage)
     yield from kv_disk_families(stats)
 
 
@@ -145,6 +153,31 @@ def kv_disk_families(stats: list[tuple[str, EngineStats]]) -> Iterator[Metric]:
     yield from (lookups, size, entries, evictions, writes, discarded, full, loads)
 
 
+class EngineLoadCollector:
+    """vLLM's two load gauges for one engine served alone (``serve-engine``), from its health
+    report: requests running in it, and requests posted to it not yet taken (its inbox). In
+    the sidecar the same names count API requests (``requests.py``), so this is not there."""
+
+    def __init__(self, name: str, engine: Any) -> None:
+        self._name, self._engine = name, engine
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            report = self._engine.health()
+        except Exception:  # a scrape must never fail because the engine could not answer
+            return
+        for key, field, text in (
+                ("running", "active", "Requests the engine is running."),
+                ("waiting", "queued", "Requests posted to the engine not yet taken.")):
+            family = GaugeMetricFamily(f"prefix_cache_num_requests_{key}", text,
+                                       labels=["model"])
+            family.add_metric([self._name], float(report.get(field, 0)))
+            yield family
+
+
 def engine_exposition(name: str, engine: Any) -> tuple[bytes, str]:
     """One engine's counters in the Prometheus text format, and its content type (the
     ``GET /metrics`` of ``serve-engine``)."""
@@ -152,4 +185,5 @@ def engine_exposition(name: str, engine: Any) -> tuple[bytes, str]:
 
     registry = CollectorRegistry()
     registry.register(EngineCollector(lambda: [(name, engine)]))
+    registry.register(EngineLoadCollector(name, engine))
     return generate_latest(registry), CONTENT_TYPE_LATEST

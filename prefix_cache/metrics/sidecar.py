@@ -24,6 +24,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.metrics_core import Metric
@@ -78,6 +79,9 @@ class Metrics(CacheObserver):
         # In multiprocess mode the metric objects write to files and must not be registered
         # (the scrape builds a fresh registry over the files); otherwise use our own registry so
         # several apps in one process (tests) do not collide.
+        # No ``*_created`` series: prometheus-client's switch for the process (its only other
+        # form is the environment), and Prometheus does not read them from the text format.
+        disable_created_metrics()
         self._multiprocess = multiprocess_dir() is not None
         self.registry = registry if registry is not None else CollectorRegistry()
         self._collectors: list[Collector] = []
@@ -125,8 +129,11 @@ class Metrics(CacheObserver):
                                    ["store"], registry=reg, multiprocess_mode="livesum")
         self.store_bytes = Gauge(f"{NS}_store_bytes", "Bytes in the in-process store.",
                                  ["store"], registry=reg, multiprocess_mode="livesum")
-        self.store_evictions = Gauge(f"{NS}_store_evictions", "Evictions so far (per process).",
-                                     ["store"], registry=reg, multiprocess_mode="livesum")
+        self.store_evictions = Counter(f"{NS}_store_evictions_total", "Entries the in-process "
+                                       "store evicted to stay within its bytes.", ["store"],
+                                       registry=reg)
+        self.store_evictions.labels("memory")   # exposed at zero for dashboards and alerts
+        self._evictions_seen = 0   # the store's own count at the last refresh
         # livemax: a worker that died with its breaker open must not hold the gauge at 1.
         self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
                                   "1 while the shared store's circuit breaker is open.",
@@ -135,6 +142,11 @@ class Metrics(CacheObserver):
         self.history = History()  # the dashboard's, per 10 s interval
 
     # -- API requests -----------------------------------------------------------------------
+
+    def request_started(self, record: RequestRecord) -> None:
+        """An API request is in: waiting, then running once it is dispatched."""
+        self.api.arrived()
+        record.on_dispatch = self.api.dispatched
 
     def request_done(self, record: RequestRecord) -> None:
         """A finished API request (``http.request_record``), in the request metrics and the
@@ -195,7 +207,11 @@ class Metrics(CacheObserver):
         if stats.memory is not None:
             self.store_entries.labels("memory").set(stats.memory.entries)
             self.store_bytes.labels("memory").set(stats.memory.bytes)
-            self.store_evictions.labels("memory").set(stats.memory.evictions)
+            # The store counts evictions since it was made; the counter takes what is new.
+            new = stats.memory.evictions - self._evictions_seen
+            if new > 0:
+                self.store_evictions.labels("memory").inc(new)
+            self._evictions_seen = stats.memory.evictions
         if stats.remote is not None:
             self.breaker_open.set(1 if stats.remote.breaker == "open" else 0)
 
@@ -230,7 +246,9 @@ class Metrics(CacheObserver):
 
     def snapshot(self) -> dict[str, Any]:
         """The JSON stats (dashboard, admin): counts, hit rate, percentiles, per tenant/model."""
-        return summarize_metrics(self.collect())
+        stats = summarize_metrics(self.collect())
+        stats["tenant_labels_max"] = self.tenant_label.max_tenants  # past it: "other"
+        return stats
 
 
 def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
@@ -250,6 +268,15 @@ def _quantile(buckets: list[tuple[float, float]], q: float) -> float | None:
     return prev_bound
 
 
+def _usage_row(tenant: str, row: dict[str, float]) -> dict[str, Any]:
+    """A tenant's usage: its counts, and its prompt tokens split into reused (the engine's KV
+    hits: ``cached``) and computed (prefilled)."""
+    counts = {k: int(v) for k, v in row.items()}
+    reused = counts["cached_tokens"]
+    return {"tenant": tenant, **counts, "reused_tokens": reused,
+            "computed_tokens": max(0, counts["prompt_tokens"] - reused)}
+
+
 def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
     """Turn collected samples into the stats document."""
     by_result = {r: 0.0 for r in RESULTS}
@@ -258,7 +285,7 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
     # Series that are simply summed over all their label sets (and over workers).
     sums = dict.fromkeys((
         "render_seconds_saved_total", "renders_total", "store_errors_total",
-        "verification_failures_total", "store_entries", "store_bytes", "store_evictions",
+        "verification_failures_total", "store_entries", "store_bytes", "store_evictions_total",
         "render_seconds_sum", "render_seconds_count", "tokenize_checks_total",
         "tokenize_mismatches_total"), 0.0)
     tokenized = {"fast": 0.0, "full": 0.0}
@@ -323,7 +350,8 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
             "render": pct(render_buckets),
         },
         "store": {"entries": int(sums["store_entries"]), "bytes": int(sums["store_bytes"]),
-                  "evictions": int(sums["store_evictions"]), "errors": int(sums["store_errors_total"]),
+                  "evictions": int(sums["store_evictions_total"]),
+                  "errors": int(sums["store_errors_total"]),
                   "verification_failures": int(sums["verification_failures_total"]),
                   "breaker_open": bool(breaker)},
         "tokenization": {"fast": int(tokenized["fast"]), "full": int(tokenized["full"]),
@@ -331,6 +359,5 @@ def summarize_metrics(families: Iterable[Metric]) -> dict[str, Any]:
                          "mismatches": int(sums["tokenize_mismatches_total"])},
         "tenants": rows(tenants),
         "models": rows(models),
-        "usage": [{"tenant": t, **{k: int(v) for k, v in row.items()}}
-                  for t, row in sorted(usage.items())],
+        "usage": [_usage_row(t, row) for t, row in sorted(usage.items())],
     }

@@ -24,7 +24,7 @@ from ..chat.responses_store import MemoryResponses, ResponseStore, SharedRespons
 from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
 from ..http.request_record import RequestRecordMiddleware
-from ..http.shutdown import Drain, DrainMiddleware, drain_on_signals
+from ..http.drain import Drain, DrainMiddleware, drain_on_signals
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
 from ..metrics.multiprocess import mark_process_dead
@@ -177,7 +177,8 @@ def create_app(settings: ServiceSettings | None = None, *,
     app.add_middleware(DrainMiddleware, drain=state.drain)
     app.add_middleware(RequestIdMiddleware)
     # Outside the drain too: a 503 while draining is an answer an operator wants counted.
-    app.add_middleware(RequestRecordMiddleware, on_done=state.metrics.request_done)
+    app.add_middleware(RequestRecordMiddleware, on_done=state.metrics.request_done,
+                       on_start=state.metrics.request_started)
     mount(app, SidecarHost(state))  # the API routes both servers serve
     for module in (boundary_route, admin, health, dashboard):
         app.include_router(module.router)

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from ..errors import validation_problems
 from ..http.logs import uvicorn_log_config
-from ..http.shutdown import GuardedH11Protocol, connection_options
+from ..http.connections import GuardedH11Protocol, connection_options
 from ..metrics.multiprocess import clear_multiprocess_dir
 from .app import create_app, open_backing_store
 from .keys_reload import note_early_sighup
@@ -96,7 +96,7 @@ def serve(overrides: Mapping[str, Any]) -> int:
         # A head deadline, an idle timeout and a connection cap: idle sockets lock no one out.
         **connection_options(settings.header_timeout_s, settings.keep_alive_timeout_s,
                              settings.max_connections),
-        # SIGTERM drains first (prefix_cache.http.shutdown); this bounds SIGINT's shutdown.
+        # SIGTERM drains first (prefix_cache.http.drain); this bounds SIGINT's shutdown.
         "timeout_graceful_shutdown": settings.shutdown_grace_s,
     }
     # uvicorn shuts down gracefully on Ctrl-C, then re-raises it: after a clean stop, exit 0.

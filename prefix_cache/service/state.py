@@ -9,7 +9,7 @@ import httpx
 
 from ..cache.cache import StaticPrefixCache
 from ..chat.responses_store import MemoryResponses, ResponseStore
-from ..http.shutdown import Drain
+from ..http.drain import Drain
 from ..metrics import Metrics
 from ..store.quota import TenantQuotaStore
 from .limits import TenantLimits

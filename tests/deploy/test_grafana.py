@@ -39,9 +39,14 @@ def every_metric(qwen3: Any) -> str:
     metrics.refresh_store(cache.store.stats())
     # One API request answered: the request-level families get their samples.
     started = time.perf_counter() - 0.05
-    metrics.request_done(RequestRecord("chat", started, tenant="acme", model="m", cache="hit",
-                                       status=200, first_content=started + 0.01,
-                                       prompt_tokens=10, cached_tokens=8, generation_tokens=2))
+    record = RequestRecord("chat", started, tenant="acme", model="m", cache="hit", status=200,
+                           prefilled=started + 0.008,
+                           first_content=started + 0.01, last_content=started + 0.03,
+                           content_gaps=[0.02], finish_reason="stop", prompt_tokens=10,
+                           cached_tokens=8, generation_tokens=2)
+    metrics.request_started(record)   # waiting
+    record.dispatch()                 # running
+    metrics.request_done(record)      # neither
     # The in-process engine's counters (stats shaped as MLXEngine.snapshot_stats(); the live
     # sidecar with a real engine is checked against the same queries in test_engine_serving).
     with_conversation = replace(ENGINE_STATS, conversation_store=ENGINE_STATS.kv_store)
@@ -61,11 +66,35 @@ def test_every_dashboard_metric_is_exposed(qwen3: Any) -> None:
 def test_docs_say_what_every_metric_means(qwen3: Any) -> None:
     """docs/metrics.md has a row for every family /metrics exposes (and no stale one)."""
     families = {f.name + ("_total" if f.type == "counter" else "")
-                for f in text_string_to_metric_families(every_metric(qwen3))
-                if not f.name.endswith("_created")}  # prometheus-client's own per counter
+                for f in text_string_to_metric_families(every_metric(qwen3))}
     documented = set(re.findall(r"^\| `(prefix_cache_[a-z0-9_]+)` \|",
                                 (REPO / "docs" / "metrics.md").read_text(), re.MULTILINE))
     assert families == documented
+
+
+def test_no_created_series_and_vllms_names_and_buckets(qwen3: Any) -> None:
+    """No ``*_created`` series; the names ARCHITECTURE.md fixes after vLLM's; TTFT buckets to
+    vLLM's 2,560 s; store evictions a counter."""
+    families = {f.name: f for f in text_string_to_metric_families(every_metric(qwen3))}
+    samples = {s.name for f in families.values() for s in f.samples}
+    assert not [name for name in samples if name.endswith("_created")]
+    for name, kind in (("num_requests_waiting", "gauge"), ("num_requests_running", "gauge"),
+                       ("request_queue_time_seconds", "histogram"),
+                       ("inter_token_latency_seconds", "histogram"),
+                       ("request_prefill_time_seconds", "histogram"),
+                       ("request_decode_time_seconds", "histogram"),
+                       ("request_success", "counter"), ("kv_cache_usage_perc", "gauge"),
+                       ("store_evictions", "counter")):
+        assert families[f"prefix_cache_{name}"].type == kind, name
+    ttft = families["prefix_cache_time_to_first_token_seconds"]
+    bounds = {float(s.labels["le"]) for s in ttft.samples if s.name.endswith("_bucket")}
+    assert max(bounds - {float("inf")}) == 2560.0
+    success = [s for s in families["prefix_cache_request_success"].samples
+               if s.name.endswith("_total")]
+    assert [(s.labels["finished_reason"], s.value) for s in success] == [("stop", 1.0)]
+    # The request ended: the gauges are back at zero.
+    assert [s.value for s in families["prefix_cache_num_requests_running"].samples] == [0.0]
+    assert [s.value for s in families["prefix_cache_num_requests_waiting"].samples] == [0.0]
 
 
 def dashboard() -> dict:

@@ -56,3 +56,17 @@ def test_the_engines_usage_and_ttft_are_counted(engine_sidecar: tuple[str, Any])
         assert delta("prefix_cache_http_requests_total", cache=cache, status="200") == 1
     ttft = delta("prefix_cache_time_to_first_token_seconds_sum")
     assert 0 < ttft <= delta("prefix_cache_e2e_request_latency_seconds_sum")
+    # Not streamed, TTFT is the first token the engine generated, not the whole answer.
+    assert (delta("prefix_cache_time_to_first_token_seconds_sum", cache="miss")
+            < delta("prefix_cache_e2e_request_latency_seconds_sum", cache="miss"))
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds"):
+        assert delta(f"prefix_cache_{name}_count") == 2, name
+    # One gap between two tokens: as many as the tokens after each answer's first.
+    assert delta("prefix_cache_inter_token_latency_seconds_count") == generated - 2
+    reasons = {r: delta("prefix_cache_request_success_total", finished_reason=r)
+               for r in ("stop", "length", "tool_calls", "abort")}
+    assert sum(reasons.values()) == 2 and reasons["abort"] == reasons["tool_calls"] == 0
+    assert total(after, "prefix_cache_num_requests_running") == 0
+    assert total(after, "prefix_cache_num_requests_waiting") == 0
+    assert 0 < total(after, "prefix_cache_kv_cache_usage_perc", model=TINY_MODEL) < 1

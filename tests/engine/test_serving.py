@@ -213,7 +213,8 @@ def test_metrics_export_the_engine_counters(engine_sidecar: tuple[str, MLXBacken
     assert stats_json.status_code == 200
     # the dashboard's rows
     assert stats_json.json()["engines"] == [{"model": TINY_MODEL, **stats.as_dict()}]
-    engine_queries = {m for m in queried_metrics() if m.startswith("prefix_cache_engine_")}
+    engine_queries = {m for m in queried_metrics()
+                      if m.startswith(("prefix_cache_engine_", "prefix_cache_kv_cache_usage_perc"))}
     assert engine_queries and engine_queries <= {name for name, _ in samples}
 
 
@@ -521,6 +522,12 @@ def test_serve_engine_metrics_are_its_own_counters(engine_server: tuple[str, MLX
     assert after.headers["content-type"].startswith("text/plain")
     assert requests_total(after.text) == before + 1
     assert requests_total(after.text) == chat_engine.snapshot_stats().requests
+    # vLLM's load gauges and KV usage, under its names (the request finished: none running).
+    load = {s.name: s.value for f in text_string_to_metric_families(after.text)
+            for s in f.samples}
+    assert load["prefix_cache_num_requests_running"] == 0
+    assert load["prefix_cache_num_requests_waiting"] == 0
+    assert 0 <= load["prefix_cache_kv_cache_usage_perc"] <= 1
     app = create_engine_app(chat_engine, api_key="sk-engine", close_engine=False)
     with ServerThread(app) as locked, local_client(base_url=locked) as http:
         assert http.get("/metrics").status_code == 401

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from prefix_cache.http.logs import RateLimitFilter
-from prefix_cache.http.shutdown import connection_options, default_max_connections
+from prefix_cache.http.connections import connection_options, default_max_connections
 from prefix_cache.service.upstream import Upstream
 from tests.support.clock import Clock
 from tests.support.loopback import local_client

@@ -130,7 +130,8 @@ def test_grafana_queries_exist_in_live_metrics(base: str) -> None:
     # them against a live sidecar that has one.
     # Likewise the upstream pool's, which exist only with an upstream: test_upstream_pool.
     queried = {m for m in queried
-               if not m.startswith(("prefix_cache_engine_", "prefix_cache_upstream_"))}
+               if not m.startswith(("prefix_cache_engine_", "prefix_cache_upstream_",
+                                    "prefix_cache_kv_cache_usage_perc"))}
     assert queried and not queried - exposed, sorted(queried - exposed)
 
 
@@ -238,3 +239,74 @@ def test_page_in_headless_chromium(base: str) -> None:
         driver.save_screenshot(str(ARTIFACTS / "dashboard-reloaded.png"))
         assert not browser_errors(driver)
         assert not driver.find_element("id", "engines").is_displayed()  # no in-process engine
+
+
+# What the issue-53 operator read wrong: legends blank until hovered, time labels on top of
+# one another, the TTFT axis stopped at 60 s, "hit" without saying which cache.
+AXIS_LABELS_JS = """
+const out = {};
+for (const [id, u] of Object.entries(window.dashboard.charts)) {
+  const axis = u.axes[0], ctx = document.createElement('canvas').getContext('2d');
+  ctx.font = axis.font[0];
+  const xs = (axis._splits || []).map(v => u.valToPos(v, 'x'));
+  const widths = (axis._values || []).map(t => ctx.measureText(String(t)).width);
+  let gap = Infinity;   // the least room between two neighbouring labels, in px
+  for (let i = 1; i < xs.length; i++) gap = Math.min(gap, xs[i] - xs[i - 1] - (widths[i] + widths[i - 1]) / 2);
+  out[id] = {labels: axis._values, gap: gap};
+}
+return out;
+"""
+
+
+@pytest.mark.skipif(not (CHROMIUM and CHROMEDRIVER), reason="Debian chromium/chromedriver not installed")
+def test_legends_axes_and_what_each_hit_is_in_headless_chromium(app: Any, base: str) -> None:
+    pytest.importorskip("selenium.webdriver")
+    from prefix_cache.http.request_record import RequestRecord
+
+    chats(base)
+    # Misses whose first token took 200 s (a loaded engine): the axis must reach them.
+    metrics = app.state.service.metrics
+    for _ in range(6):
+        started = time.perf_counter() - 250.0
+        metrics.request_done(RequestRecord("chat", started, tenant="acme", model="demo",
+                                           cache="miss", status=200,
+                                           first_content=started + 200.0, ended=started + 250.0,
+                                           prompt_tokens=100, generation_tokens=10))
+    with headless_chromium() as driver:
+        host = base.split("://", 1)[1]
+        driver.get(f"http://admin:{ADMIN}@{host}/dashboard?poll_ms=300")
+        wait_for_js(driver, "return window.dashboard && window.dashboard.historyRenders >= 2 "
+                            "&& window.dashboard.renders >= 1")
+        # No cursor on any chart: each legend shows its series' latest value, not "–".
+        legend = driver.execute_script(
+            "return [...document.querySelectorAll('#chart-ttft .u-legend .u-series')]"
+            ".map(r => r.textContent)")
+        assert legend[0].endswith("latest") and len(legend) == 3, legend
+        assert all("–" not in row and ("s" in row) for row in legend[1:]), legend
+        # TTFT: the miss p50 estimated above 60 s, and the axis spans it.
+        top, drawn = driver.execute_script(
+            "const u = window.dashboard.charts['chart-ttft'];"
+            "return [u.scales.y.max, Math.max(...u.data[2].filter(v => v !== null))];")
+        assert drawn > 60.0 and top >= drawn, (top, drawn)
+        # Time labels: short, and none overlaps its neighbour.
+        for chart, axis in driver.execute_script(AXIS_LABELS_JS).items():
+            if axis["labels"]:
+                assert axis["gap"] > 4, (chart, axis)
+                assert all(len(label) <= 8 for label in axis["labels"]), (chart, axis)
+        # Each kind of hit named for its cache, the tenants' tokens, the "other" note.
+        text = driver.find_element("tag name", "body").text
+        for words in ("boundary cache hit rate", "Boundary cache", "Static KV",
+                      "Conversation KV", "reused (KV hits)", "computed (prefilled)"):
+            assert words in text, words
+        assert 'first 20 tenants seen; later tenants are counted together as "other"' in text
+        usage = driver.execute_script(
+            "return [...document.querySelectorAll('#usage tbody tr')].map("
+            "r => [...r.children].map(c => c.textContent))")
+        acme = next(row for row in usage if row[0] == "acme")
+        row = next(u for u in stats(base)["metrics"]["usage"] if u["tenant"] == "acme")
+        assert acme[2:5] == [f"{row['prompt_tokens']:,}", f"{row['reused_tokens']:,}",
+                             f"{row['computed_tokens']:,}"]
+        assert row["reused_tokens"] + row["computed_tokens"] == row["prompt_tokens"]
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(ARTIFACTS / "dashboard-labels.png"))
+        assert not browser_errors(driver)

@@ -145,7 +145,9 @@ def test_admin_stats_report_each_tenants_usage_for_billing(http: Any, recorder: 
                                                        tenant=tenant) >= 1
         assert usage[tenant]["generated_tokens"] == value(
             found, "prefix_cache_generation_tokens_total", tenant=tenant) >= 1
-        assert usage[tenant]["cached_tokens"] == 0
+        assert usage[tenant]["cached_tokens"] == usage[tenant]["reused_tokens"] == 0
+        # What a platform bills and what the cache saved it: computed + reused = prompt.
+        assert usage[tenant]["computed_tokens"] == usage[tenant]["prompt_tokens"]
 
 
 # -- the relay's usage, in each API's stream, cut anywhere --------------------------------------
@@ -189,3 +191,5 @@ def test_the_usage_tap_reads_every_apis_stream(api: str, cut: int) -> None:
     record = asyncio.run(feed())
     assert (record.prompt_tokens, record.cached_tokens, record.generation_tokens) == (120, 100, 9)
     assert record.first_content is not None
+    assert len(record.content_gaps) == 1   # two pieces of content: one inter-token gap
+    assert record.finish_reason == "stop"

@@ -1,5 +1,6 @@
-"""Graceful shutdown (SIGTERM: streams in flight finish within the grace period, new requests get
-503), request ids (kept or made, sent upstream, returned) and JSON logs that carry them."""
+"""Graceful shutdown (SIGTERM or Ctrl-C: streams in flight finish within the grace period, new
+requests get 503, a stream still running at its end ends with an error event), request ids
+(kept or made, sent upstream, returned) and JSON logs that carry them."""
 
 from __future__ import annotations
 
@@ -183,7 +184,9 @@ def test_a_stop_signal_finishes_streams_in_flight_refuses_new_ones_then_exits(
         for t in threads:
             t.join(BOUNDED_S * 2)
         assert seen["acked"][-1] == "[DONE]" and len(seen["acked"]) == 5, seen["acked"]
-        assert "[DONE]" not in seen["hung"]  # cut when the grace period ended
+        # Cut when the grace period ended, with an event the client reads, and a whole body.
+        assert "[DONE]" not in seen["hung"] and not seen["hung"][-1].startswith("cut:")
+        assert json.loads(seen["hung"][-1])["error"]["code"] == "shutting_down", seen["hung"]
         serve.proc.wait(BOUNDED_S)
         assert serve.proc.returncode == 0
         assert recorder.streams_open == 0
@@ -193,3 +196,76 @@ def test_a_stop_signal_finishes_streams_in_flight_refuses_new_ones_then_exits(
     assert log.count("draining:") == 1 and "cancelling 1 request(s)" in log
     assert f"{stop.name}: draining: 2 request(s) in flight" in log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert "without completing response" not in log, log
+
+
+def test_ctrl_c_mid_stream_ends_each_apis_stream_with_an_error_event_its_sdk_reads(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``serve --engine mlx``: Ctrl-C while three long streams run (chat completions,
+    Messages, Responses, through the real SDKs). The drain lets them run on to the grace's end
+    (tokens still arrive after the signal), then each ends with its API's error event, which
+    its SDK raises or yields, instead of a connection cut mid-stream (curl's rc 18)."""
+    openai = pytest.importorskip("openai")
+    anthropic = pytest.importorskip("anthropic")
+    serve = ServeProcess(["--model", str(tiny_model_dir), "--engine", "mlx"], tmp_path,
+                         env={"PREFIX_CACHE_SHUTDOWN_GRACE_S": "3"})
+    signalled = threading.Event()
+    after: dict[str, int] = {"chat": 0, "messages": 0, "responses": 0}   # tokens after the signal
+    ends: dict[str, str] = {}
+    first = {name: threading.Event() for name in after}
+    long = {"max_tokens": 4000}
+    ask = [{"role": "user", "content": "Count to one thousand."}]
+
+    def got(name: str) -> None:
+        first[name].set()
+        after[name] += signalled.is_set()
+
+    def chat(base: str) -> None:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        try:
+            for _ in client.chat.completions.create(model="tiny-qwen3", messages=ask,
+                                                    stream=True, **long):
+                got("chat")
+            ends["chat"] = "finished"
+        except openai.APIError as exc:
+            ends["chat"] = str(exc)
+
+    def messages(base: str) -> None:
+        client = anthropic.Anthropic(base_url=base, api_key="none", max_retries=0)
+        try:
+            for _ in client.messages.create(model="tiny-qwen3", messages=ask, stream=True,
+                                            **long):
+                got("messages")
+            ends["messages"] = "finished"
+        except anthropic.APIStatusError as exc:
+            ends["messages"] = f"{exc.status_code} {exc}"
+
+    def responses(base: str) -> None:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+        ends["responses"] = "finished"
+        for event in client.responses.create(model="tiny-qwen3", input="Count to one thousand.",
+                                             stream=True, max_output_tokens=4000):
+            got("responses")
+            if event.type == "error":
+                ends["responses"] = event.message
+
+    try:
+        base = serve.base_url()
+        threads = [threading.Thread(target=f, args=(base,)) for f in (chat, messages, responses)]
+        for t in threads:
+            t.start()
+        assert all(e.wait(BOUNDED_S) for e in first.values()), serve.log
+        signalled.set()
+        serve.proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(BOUNDED_S * 2)
+        assert serve.proc.wait(BOUNDED_S) == 0
+    finally:
+        serve.stop()
+    log = serve.output()
+    assert all(after.values()), after   # the drain let the streams run on
+    for name, end in ends.items():
+        assert "shutting down" in end, (name, end)
+    assert "SIGINT: draining: 3 request(s) in flight" in log, log
+    assert "grace period of 3.0 s over: cancelling 3 request(s)" in log, log
+    assert "Traceback" not in log and "without completing response" not in log, log
