@@ -24,7 +24,7 @@ from ..util import json_io
 from . import openapi_docs as docs
 from .deps import Caller, HostDep
 from .host import Relay, Turn
-from .pipeline import admit, model_name, prepare, run
+from .pipeline import admit, hosted_left_out, model_name, prepare, run
 from .schemas import AnthropicErrorResponse, CountTokensRequest
 
 router = APIRouter()
@@ -39,8 +39,9 @@ async def messages(request: Request, host: HostDep, tenant: Caller) -> Response:
         admitted = await admit(request, host, tenant, "messages")
         call = parse_messages_body(admitted.body)
         model = host.model(call.model)
+        dropped = hosted_left_out(host, model, call, "messages")
         prompt = await prepare(host, "messages", model, call, admitted)
-    headers = host.headers(prompt)
+    headers = {**host.headers(prompt), **dropped}
     events = await run(model, Turn("messages", call, prompt, admitted.namespace, request),
                        Relay(admitted.raw, admitted.body, error_event=_error_event), headers)
     if isinstance(events, Response):

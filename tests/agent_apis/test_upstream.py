@@ -169,12 +169,12 @@ def test_bad_messages_are_anthropic_400s_before_anything_is_resolved(base: str,
                                                                      rec: AgentRecorder) -> None:
     sdk = anthropic_client(base)
     cases = [
-        ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role: 'system'"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role: 'tool'"),
         ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
          "'document' block is not supported"),
         ({"messages": [{"role": "user", "content": "x"}],
-          "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
-         "server tool 'web_search_20250305'"),
+          "tools": [{"type": "bash_20250124", "name": "bash"}]},
+         "tool type 'bash_20250124'"),
         ({"messages": [{"role": "user", "content": "x"},
                        {"role": "assistant", "content": "The answer is"}]}, "prefill"),
     ]
@@ -345,7 +345,7 @@ def test_bad_responses_are_openai_400s(base: str, rec: AgentRecorder) -> None:
     sdk = openai_client(base, "sk-acme")
     cases = [
         ({"input": [{"role": "critic", "content": "x"}]}, "'critic' is not one of"),
-        ({"input": "x", "tools": [{"type": "web_search"}]}, "tool type 'web_search'"),
+        ({"input": "x", "tools": [{"type": "custom", "name": "patch"}]}, "tool type 'custom'"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "'item_reference'"),
         ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
          "input_file|only input_text"),
