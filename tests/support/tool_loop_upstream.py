@@ -126,7 +126,7 @@ def tool_loop_upstream(rec: LoopRecorder) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": []}
+        return {"object": "list", "data": [{"id": "scripted", "object": "model"}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -300,13 +300,17 @@ def _responses_stream(response: dict[str, Any], item: dict[str, Any]) -> Iterato
 
 
 def main() -> None:
-    """``python -m tests.support.tool_loop_upstream PORT RECORD.jsonl``: serve on loopback,
-    appending each request (api, path query, headers, body) to the file (recording fixtures)."""
-    import sys
+    """``python -m tests.support.tool_loop_upstream --port P [--record FILE.jsonl]``: serve on
+    loopback; with ``--record``, append each request (api, query, headers, body) to the file
+    (how tests/agent_clients/fixtures were recorded)."""
+    import argparse
 
     import uvicorn
 
-    port, out = int(sys.argv[1]), sys.argv[2]
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--record", default=None)
+    args = parser.parse_args()
     rec = LoopRecorder()
     app = tool_loop_upstream(rec)
 
@@ -316,13 +320,14 @@ def main() -> None:
         with rec.lock:
             pending = list(rec.requests)
             rec.requests.clear()
-        with open(out, "a") as f:
-            for api, r in pending:
-                f.write(json.dumps({"api": api, "query": request.url.query,
-                                    "headers": r.headers, "body": r.body}) + "\n")
+        if args.record:
+            with open(args.record, "a") as f:
+                for api, r in pending:
+                    f.write(json.dumps({"api": api, "query": request.url.query,
+                                        "headers": r.headers, "body": r.body}) + "\n")
         return response
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":
