@@ -6,5 +6,6 @@ size, nesting), ``relay.py`` (an upstream's answer relayed, disconnects), ``sse.
 events out and in), ``auth.py`` (credentials from the headers), ``logs.py`` (uvicorn's logging with
 the project's loggers), ``request_id.py``, ``shutdown.py`` (graceful shutdown, idle and slow
 connections), ``request_record.py`` (what a request cost, noted as it goes), ``usage_tap.py``
-(usage and the first byte read from a relayed answer).
+(usage and the first byte read from a relayed answer), ``upstream_client.py`` (the pooled
+client to upstreams, without the Nagle/delayed-ACK stall).
 """
