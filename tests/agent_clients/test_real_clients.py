@@ -18,6 +18,7 @@ import pytest
 
 from tests.support import real_clients
 from tests.support.real_clients import run_client
+from tests.support.loopback import local_client
 from tests.support.observed_app import Observed
 from tests.support.server_thread import ServerThread
 from tests.support.service_fixtures import TINY_MODEL
@@ -88,6 +89,7 @@ def run_loop(name: str, url: str, app: Observed, workdir: Path) -> Any:
     """The client's run, checked: it completed the loop; the sidecar answered each of its
     turns with the static prefix a miss, then hits."""
     app.seen.clear()
+    before = dashboard(url)
     run = run_client(name, url, TINY_MODEL, PROMPT, workdir)
     refused = next((f"{s.path} {s.status}: {bytes(s.answer[:600])!r}" for s in app.seen
                     if s.status != 200), "none")
@@ -106,7 +108,25 @@ def run_loop(name: str, url: str, app: Observed, workdir: Path) -> Any:
     reported = [s.usage() for s in loop]
     total = (sum(u[0] for u in reported), sum(u[1] for u in reported))
     assert run.usage() == total, (run.usage(), reported)
+    # The dashboard's totals moved by what the session's requests were, and no more.
+    after = dashboard(url)
+    moved = {k: after[k] - before[k] for k in before}
+    everything = [s.usage() for s in app.seen]
+    assert moved == {"hit": sum(s.cache == "hit" for s in app.seen),
+                     "miss": sum(s.cache == "miss" for s in app.seen),
+                     "prompt_tokens": sum(u[0] for u in everything),
+                     "cached_tokens": sum(u[1] for u in everything)}, moved
     return reported
+
+
+def dashboard(url: str) -> dict[str, int]:
+    """What the dashboard's tables total now: boundaries by result, prompt tokens."""
+    with local_client() as http:
+        stats = http.get(f"{url}/dashboard/stats.json").json()["metrics"]
+    usage = stats["usage"]
+    return {"hit": stats["hits"], "miss": stats["misses"],
+            "prompt_tokens": sum(u["prompt_tokens"] for u in usage),
+            "cached_tokens": sum(u["cached_tokens"] for u in usage)}
 
 
 @pytest.mark.parametrize("name", CLIENTS)
