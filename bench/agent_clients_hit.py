@@ -30,6 +30,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.engine import update_docs  # noqa: E402
 from bench.servers import start_server  # noqa: E402
 
 FIXTURES = ROOT / "tests" / "agent_clients" / "fixtures"
@@ -108,10 +109,7 @@ def main() -> None:
                               f"at the end; {args.reps} alternating repeats)")
     print(text)
     if args.update_docs:
-        doc = DOCS.read_text()
-        head, _, rest = doc.partition(MARK)
-        _, _, tail = rest.partition(MARK)
-        DOCS.write_text(f"{head}{MARK}\n{text}\n{MARK}{tail}")
+        update_docs(text, MARK, MARK, DOCS)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.engine import update_docs  # noqa: E402
 from prefix_cache.service.routing import ReplicaLoad, route, routing_key  # noqa: E402
 
 SESSIONS = (2, 4, 8, 16, 32, 64)
@@ -107,10 +108,7 @@ def main() -> None:
     text = table(args)
     print(text)
     if args.update_docs:
-        doc = DOCS.read_text()
-        head, _, rest = doc.partition(MARK)
-        _, _, tail = rest.partition(MARK)
-        DOCS.write_text(f"{head}{MARK}\n{text}\n{MARK}{tail}")
+        update_docs(text, MARK, MARK, DOCS)
 
 
 if __name__ == "__main__":
