@@ -51,7 +51,6 @@ class Observed:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.seen: list[Seen] = []
-        self.state = getattr(app, "state", None)
 
     def posts(self, tools: bool = True) -> list[Seen]:
         return [s for s in self.seen if s.tools == tools]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .tool_loop_upstream import _TOOLS, ANSWER, TITLE, TOOL_CALLS, LoopRecorder
+from .tool_loop_upstream import TOOLS, ANSWER, TITLE, TOOL_CALLS, LoopRecorder
 
 
 @dataclass
@@ -40,7 +40,7 @@ class ToolLoopEngine:
         results = prompt.count("<tool_response>")
         if results >= TOOL_CALLS:
             return ANSWER
-        for name, args in _TOOLS:
+        for name, args in TOOLS:
             if f'"name": "{name}"' in prompt:
                 call = {"name": name, "arguments": args(self.rec.files[results])}
                 return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"

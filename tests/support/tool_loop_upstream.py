@@ -47,7 +47,7 @@ class LoopRecorder:
 
 
 # (tool name, arguments for reading ``path``); the first name a request offers is used.
-_TOOLS: tuple[tuple[str, Any], ...] = (
+TOOLS: tuple[tuple[str, Any], ...] = (
     ("Read", lambda path: {"file_path": path}),                       # Claude Code
     ("read", lambda path: {"filePath": path}),                        # opencode
     ("exec_command", lambda path: {"cmd": f"cat {path}"}),           # Codex (unified exec)
@@ -93,7 +93,7 @@ def next_step(rec: LoopRecorder, tools: list[Any] | None, results: int
     if results >= TOOL_CALLS:
         return None
     offered = _tool_names(tools)
-    for name, args in _TOOLS:
+    for name, args in TOOLS:
         if name in offered:
             return name, args(rec.files[results])
     return None
