@@ -84,8 +84,10 @@ class MLXBackend:
                 raise ValueError(f"model folder {str(folder)!r} does not exist")
         from .mlx_engine import MLXEngine
 
+        default_max_tokens = options.pop("default_max_tokens", DEFAULT_MAX_TOKENS)
         engine = MLXEngine.load(model_dir, draft_dir, **options)
-        backend = cls(engine, name=name or Path(model_dir).resolve().name)
+        backend = cls(engine, name=name or Path(model_dir).resolve().name,
+                      default_max_tokens=default_max_tokens)
         # A served model's first request with tools would otherwise build the grammar's
         # tokenizer (~0.4 s for a 49k vocabulary; bench/agent_loop.py's first tool turn).
         backend.grammars.prepare()

@@ -137,8 +137,10 @@ class EngineHost:
 
     def __init__(self, chat: MLXBackend, *, trust_namespace: bool = False,
                  api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                 responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT) -> None:
+                 responses_store_bytes: int = DEFAULT_BYTES_PER_TENANT,
+                 strict_hosted_tools: bool = False) -> None:
         self.chat = chat
+        self.strict_hosted_tools = strict_hosted_tools
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.namespaces = Namespaces(trust_namespace)

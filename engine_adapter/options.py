@@ -30,6 +30,7 @@ from .defaults import (
     DEFAULT_KV_BYTES,
     DEFAULT_KV_DISK_BYTES,
     DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_TOKENS,
     DEFAULT_SPECPREFILL_THRESHOLD,
 )
 
@@ -55,6 +56,10 @@ class EngineOptions(BaseModel):
                                  "tokens go to the conversation store too (a reply sent back)")
     max_context: int | None = Field(default=None, ge=2, description="lower the model's context "
                                     "window (prompt + max_tokens) to bound KV memory")
+    default_max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1,
+                                    description="tokens generated for a request that names no "
+                                    "limit (cut to the context left), as mlx_lm.server's "
+                                    "--max-tokens")
     max_batch_size: int = Field(default=DEFAULT_MAX_BATCH_SIZE, ge=1, le=4096,
                                 description="sequences decoded together")
     specprefill_keep_pct: float = Field(default=DEFAULT_KEEP_PCT, gt=0.0, le=1.0,
@@ -93,6 +98,7 @@ class EngineOptions(BaseModel):
             "reuse_sparse_kv": self.reuse_sparse_kv,
             "reuse_reply_kv": self.reuse_reply_kv,
             "max_context": self.max_context,
+            "default_max_tokens": self.default_max_tokens,  # the backend's (MLXBackend.load)
             "max_batch_size": self.max_batch_size,
             "fair_prefill": self.fair_prefill,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.

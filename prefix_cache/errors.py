@@ -24,9 +24,41 @@ class InvalidRequestError(PrefixCacheError, ValueError):
 
 
 class ContextLengthError(InvalidRequestError):
-    """The prompt and the tokens asked for do not fit in the model's context window."""
+    """The prompt and the tokens asked for do not fit in the model's context window.
+
+    Each API words it as its clients key on it (Claude Code compacts on Anthropic's
+    ``prompt is too long: N tokens > M maximum``; OpenAI's clients read the code
+    ``context_length_exceeded``): ``anthropic_message`` and ``openai_message``."""
 
     code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, prompt_tokens: int | None = None,
+                 max_tokens: int = 0, context_length: int | None = None) -> None:
+        super().__init__(message)
+        self.prompt_tokens, self.max_tokens = prompt_tokens, max_tokens
+        self.context_length = context_length
+
+    def anthropic_message(self) -> str:
+        """Anthropic's own wording: the prompt alone over the context, or with max_tokens."""
+        n, m, limit = self.prompt_tokens, self.max_tokens, self.context_length
+        if n is None or limit is None:
+            return str(self)
+        if n >= limit:
+            return f"prompt is too long: {n} tokens > {limit} maximum"
+        return (f"input length and `max_tokens` exceed context limit: {n} + {m} > {limit}, "
+                "decrease input length or `max_tokens` and try again")
+
+    def openai_message(self) -> str:
+        """OpenAI's wording (the code says the rest)."""
+        n, m, limit = self.prompt_tokens, self.max_tokens, self.context_length
+        if n is None or limit is None:
+            return str(self)
+        if n >= limit:
+            return (f"This model's maximum context length is {limit} tokens. However, your "
+                    f"messages resulted in {n} tokens. Please reduce the length of the messages.")
+        return (f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {n + m} tokens ({n} in the messages, {m} in the completion). "
+                "Please reduce the length of the messages or completion.")
 
 
 class NoChatTemplateError(PrefixCacheError):

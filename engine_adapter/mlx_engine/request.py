@@ -114,13 +114,17 @@ def check_vocabulary(ids: list[int], vocab_size: int | None, what: str) -> None:
 
 def check_context(prompt_tokens: int, max_tokens: int, context_length: int) -> None:
     """ContextLengthError unless the prompt and ``max_tokens`` generated tokens fit."""
+    sizes = {"prompt_tokens": prompt_tokens, "max_tokens": max_tokens,
+             "context_length": context_length}
     if prompt_tokens >= context_length:
         raise ContextLengthError(f"the prompt has {prompt_tokens} tokens; the model's context is "
-                         f"{context_length} tokens, and at least one must be left to generate")
+                                 f"{context_length} tokens, and at least one must be left to "
+                                 "generate", **sizes)
     if prompt_tokens + max_tokens > context_length:
-        raise ContextLengthError(f"the prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) "
-                         f"is {prompt_tokens + max_tokens} tokens, over the model's context of "
-                         f"{context_length}; ask for at most {context_length - prompt_tokens}")
+        raise ContextLengthError(f"the prompt ({prompt_tokens} tokens) plus max_tokens "
+                                 f"({max_tokens}) is {prompt_tokens + max_tokens} tokens, over "
+                                 f"the model's context of {context_length}; ask for at most "
+                                 f"{context_length - prompt_tokens}", **sizes)
 
 
 DENSE, SPECPREFILL = "dense", "specprefill"

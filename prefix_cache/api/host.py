@@ -117,6 +117,8 @@ class Host(Protocol):
     """The server under the shared routes (see the module docstring)."""
 
     started_at: int
+    # Refuse a request with hosted tools the target cannot run, rather than leave them out.
+    strict_hosted_tools: bool
 
     @property
     def responses(self) -> ResponseStore: ...

@@ -6,7 +6,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from ..cache.cache import HIT
 from ..chat.anthropic_encode import (
     AnthropicMessage,
     MessageMeta,
@@ -24,7 +23,7 @@ from ..util import json_io
 from . import openapi_docs as docs
 from .deps import Caller, HostDep
 from .host import Relay, Turn
-from .pipeline import admit, model_name, prepare, run
+from .pipeline import admit, hosted_left_out, model_name, prepare, run
 from .schemas import AnthropicErrorResponse, CountTokensRequest
 
 router = APIRouter()
@@ -39,16 +38,17 @@ async def messages(request: Request, host: HostDep, tenant: Caller) -> Response:
         admitted = await admit(request, host, tenant, "messages")
         call = parse_messages_body(admitted.body)
         model = host.model(call.model)
+        dropped = hosted_left_out(host, model, call, "messages")
         prompt = await prepare(host, "messages", model, call, admitted)
-    headers = host.headers(prompt)
+    headers = {**host.headers(prompt), **dropped}
     events = await run(model, Turn("messages", call, prompt, admitted.namespace, request),
                        Relay(admitted.raw, admitted.body, error_event=_error_event), headers)
     if isinstance(events, Response):
         return events  # the upstream's answer, relayed
-    # Before generating, the prompt is known and, on a hit, its static prefix; an engine's
-    # own counts replace these once it has prefilled (events.Prefilled).
-    read = prompt.specprefill_system_end if prompt.cache == HIT else 0
-    meta = MessageMeta(new_id("msg"), call.model or model.name, Usage(len(prompt.ids), 0, read))
+    # Before generating, the prompt's length is known, not what its target will reuse (a hit
+    # here is no promise that the upstream kept the KV): none is claimed until the engine
+    # tells (events.Prefilled) or the upstream's usage comes with the end.
+    meta = MessageMeta(new_id("msg"), call.model or model.name, Usage(len(prompt.ids), 0, 0))
     if call.stream:
         return stream_response(message_stream(meta, events), headers)
     return await json_response(request, message_json(meta, events), headers)

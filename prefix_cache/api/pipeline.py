@@ -25,6 +25,7 @@ from fastapi.responses import Response
 
 from ..chat.agent_call import AgentCall
 from ..chat.events import Events, Finish, OutputEvent, Prefilled
+from ..chat.hosted_tools import left_out
 from ..http.body import JSONBody
 from ..http.relay import RelayResponse, RelayTap
 from ..http.request_record import current_record
@@ -119,6 +120,16 @@ async def recorded(events: AsyncGenerator[OutputEvent, None]
                 else:  # generated content, streamed or not: TTFT is the first token's
                     record.content()
             yield event
+
+
+def hosted_left_out(host: Host, model: ServedModel, call: AgentCall, api: Api
+                    ) -> dict[str, str]:
+    """The header naming the hosted tools left out of the prompt (a 400 under
+    ``strict_hosted_tools``); none where the body goes to an upstream serving the API, which
+    runs them."""
+    if model.target.relays(api):
+        return {}
+    return left_out(call.hosted_tools, host.strict_hosted_tools, model.name)
 
 
 def model_name(body: Mapping[str, Any]) -> str | None:

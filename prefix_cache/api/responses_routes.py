@@ -36,7 +36,7 @@ from ..http.sse import sse_event
 from . import openapi_docs as docs
 from .deps import Caller, HostDep
 from .host import Relay, Turn
-from .pipeline import admit, model_name, prepare, run
+from .pipeline import admit, hosted_left_out, model_name, prepare, run
 
 MAX_PAGE = 100
 # Where an input message's text parts come from, by role (as OpenAI lists them).
@@ -78,6 +78,7 @@ async def responses(request: Request, host: HostDep, tenant: Caller) -> Response
         parsed = parse_responses_body(body, lambda _: None if found is None else found.items,
                                       forward_unknown=relayed)
         call = parsed.call
+        dropped = hosted_left_out(host, model, call, "responses")
         prompt = await prepare(host, "responses", model, call, admitted)
 
     async def keep(response: dict[str, Any]) -> None:
@@ -88,12 +89,13 @@ async def responses(request: Request, host: HostDep, tenant: Caller) -> Response
     # the conversation it keeps itself (the boundary, the static part's end, still holds).
     relay = Relay(admitted.raw, body, RelayedResponseRecorder(call.stream, keep), _error_event,
                   with_prompt_ids=parsed.previous_known)
-    headers = host.headers(prompt)
+    headers = {**host.headers(prompt), **dropped}
     events = await run(model, Turn("responses", call, prompt, namespace, request), relay,
                        headers)
     if isinstance(events, Response):
         return events  # the upstream's answer, relayed (and recorded: ``keep``)
-    meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo())
+    meta = ResponseMeta(new_id("resp"), call.model or model.name, parsed.echo(),
+                        namespaces=parsed.namespaces)
     if call.stream:
         return stream_response(response_stream(meta, events, keep), headers)
     return await json_response(request, response_json(meta, events, keep), headers)

@@ -36,6 +36,9 @@ class AgentCall:
     # Fields only an upstream that serves the API itself honours (they have no chat-completion
     # equivalent and no engine support): refused wherever the request is converted.
     native_only: tuple[str, ...] = ()
+    # Hosted tools the client sent (web_search ...), left out of the conversation: an upstream
+    # that serves the API runs them; elsewhere they are dropped and said so (hosted_tools).
+    hosted_tools: tuple[str, ...] = ()
 
     def check_engine_support(self) -> None:
         """InvalidRequestError (a 400) if an in-process engine cannot honour this request."""

@@ -7,10 +7,11 @@ input_json_delta) / ``content_block_stop``, ``message_delta`` (stop_reason, usag
 ``stop_sequence`` that matched), tool_use (the turn ends in tool calls). Usage follows
 Anthropic's meaning: ``input_tokens`` are the prompt tokens computed,
 ``cache_read_input_tokens`` those whose KV the engine restored (their sum is the prompt).
-A stream reports one usage: ``message_start`` has the input side -- the engine's own counts
-once it has prefilled (``Prefilled``), else what the server knew before generating
-(``MessageMeta.usage``: the sidecar's prompt and, on a hit, its static prefix as read) -- and
-``message_delta`` repeats it with the output tokens.
+What is reported is what was reused and computed, never the boundary: ``message_start`` has
+the input side as known then -- the engine's own counts once it has prefilled
+(``Prefilled``), else what the server knew before generating (``MessageMeta.usage``: the
+prompt's length, nothing claimed as read) -- and ``message_delta`` has the final counts (the
+engine's, or the upstream's usage at the end), which the SDKs' final message keeps.
 
 A tool call whose arguments are not a JSON object (a small model's ``{path: a.txt``) is not a
 ``tool_use`` block the client could not read: it comes back as the text it was (``{"name":
@@ -162,8 +163,9 @@ async def message_stream(meta: MessageMeta,
     for chunk in blocks.close():
         yield chunk
     reason, sequence = stop_reason(end.finish, blocks.tool_uses > 0)
-    usage = Usage(started.prompt_tokens, end.finish.usage.completion_tokens,
-                  started.cached_tokens)
+    final = end.finish.usage  # the engine's or the upstream's own counts, at the end
+    usage = Usage(final.prompt_tokens or started.prompt_tokens, final.completion_tokens,
+                  final.cached_tokens if final.prompt_tokens else started.cached_tokens)
     yield _event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
                  usage=anthropic_usage(usage))
     yield _event("message_stop")

@@ -36,6 +36,7 @@ from .conversation import (
     append_call,
     assistant_message,
     content_of,
+    fold_late_system,
     function_tool,
     image_part,
     text_part,
@@ -43,9 +44,13 @@ from .conversation import (
     tool_result,
 )
 from .fields import specprefill_params
+from .hosted_tools import MESSAGES_HOSTED, is_hosted
 
 BILLING_HEADER = "x-anthropic-billing-header"
 MAX_STOP_SEQUENCES = 16
+# "system" inside messages: Claude Code sends its environment block there, after the first
+# user turn (Anthropic's API takes it); it is folded into a user turn (fold_late_system).
+ROLES = ("user", "assistant", "system")
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # Anthropic's server-side features: an upstream that serves Messages may run them; nothing
 # here can (refused wherever the request is converted).
@@ -94,9 +99,11 @@ def _conversation(req: MessagesConversation) -> Conversation:
     if req.messages[-1].get("role") == "assistant":
         raise InvalidRequestError("the last message is the assistant's: a prefill to continue "
                                   "is not supported (end with a user message)")
-    tools = None if req.tools is None else [_tool(t, f"tools[{i}]") for i, t in
-                                            enumerate(req.tools)]
-    return Conversation(messages, tools, req.chat_template_kwargs)
+    tools = None if req.tools is None else [
+        _tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)
+        if not is_hosted(t.get("type"), MESSAGES_HOSTED)]
+    return Conversation(fold_late_system(messages, 1 if system else 0), tools,
+                        req.chat_template_kwargs)
 
 
 def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
@@ -123,7 +130,8 @@ def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
         model=req.model, conversation=conversation,
         sampling=sampling, specprefill=specprefill_params(body), stream=bool(req.stream),
         chat_options=options, engine_refusal=refusal,
-        native_only=sent_fields(body, NATIVE_ONLY),
+        native_only=sent_fields(body, NATIVE_ONLY), hosted_tools=tuple(
+            str(t["type"]) for t in req.tools or () if is_hosted(t.get("type"), MESSAGES_HOSTED)),
     )
 
 
@@ -148,6 +156,16 @@ def _system(system: str | list[dict[str, Any]] | None) -> str:
     return "".join(texts)
 
 
+def _system_text(content: Any, where: str) -> str:
+    """A system message's text: a string, or text blocks joined with "\\n" (a turn's join)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise InvalidRequestError(f"{where}.content must be a string or a non-empty list of "
+                                  "text blocks")
+    return "\n".join(_text(b, f"{where}.content[{j}]") for j, b in enumerate(content))
+
+
 def _text(block: Any, where: str) -> str:
     if not isinstance(block, dict) or block.get("type") != "text":
         raise InvalidRequestError(f"{where} must be a text block {{\"type\": \"text\", "
@@ -160,10 +178,12 @@ def _text(block: Any, where: str) -> str:
 
 def _message(message: dict[str, Any], where: str, out: list[MessageDict]) -> None:
     role = message.get("role")
-    if role not in ("user", "assistant"):
-        raise InvalidRequestError(f"{where}.role: {role!r} is not one of user, assistant (the "
-                                  "system prompt goes in the top-level 'system' field)")
+    if role not in ROLES:
+        raise InvalidRequestError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
     content = message.get("content")
+    if role == "system":  # Claude Code's environment block, mid-conversation
+        out.append({"role": "system", "content": _system_text(content, where)})
+        return
     if isinstance(content, str):
         out.append({"role": role, "content": content})
         return
@@ -269,8 +289,9 @@ def _tool_result(block: dict[str, Any], where: str, out: list[MessageDict]) -> N
 def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
     kind = tool.get("type")
     if kind not in (None, "custom"):
-        raise InvalidRequestError(f"{where}: the server tool {kind!r} is not supported; only "
-                                  "custom tools (name, description, input_schema) are")
+        raise InvalidRequestError(f"{where}: the tool type {kind!r} is not supported; custom "
+                                  "tools (name, description, input_schema) and server tools "
+                                  "(left out) are")
     name, description, schema = tool.get("name"), tool.get("description"), tool.get("input_schema")
     if not isinstance(name, str) or not name:
         raise InvalidRequestError(f"{where}.name must be a non-empty string")

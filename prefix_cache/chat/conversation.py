@@ -129,3 +129,48 @@ def _wire_call(call: dict[str, Any]) -> dict[str, Any]:
         arguments = json_io.dumps(arguments).decode()
     return {**call, "function": {**call["function"], "arguments": arguments}}
 
+
+
+SYSTEM_ROLES = ("system", "developer")
+
+
+def fold_late_system(messages: list[MessageDict], static: int | None = None
+                     ) -> list[MessageDict]:
+    """The conversation with every system or developer message that comes after the first
+    other message folded into a user turn, so every template renders it.
+
+    Rule: the leading run of system/developer messages (the static prefix) is left as it is.
+    A later one is not a static message and must not become one; many templates raise on a
+    system message after the first (Mistral, Gemma, Llama-2 ...) or on two user turns in a
+    row, so its text joins the user turn just before it (after that turn's text), else the
+    next user turn (before its text), else it becomes a user turn of its own. Texts join
+    with ``"\\n"``, as a turn's text blocks do. ``static``: how many leading messages are the
+    static prefix, where the API says (Anthropic: only the top-level ``system``); None: the
+    leading run of system/developer messages."""
+    lead = 0
+    while lead < len(messages) and messages[lead]["role"] in SYSTEM_ROLES \
+            and (static is None or lead < static):
+        lead += 1
+    out = messages[:lead]
+    pending: list[dict[str, Any]] = []   # late system parts waiting for the next user turn
+    for message in messages[lead:]:
+        if message["role"] in SYSTEM_ROLES:
+            last = out[-1] if len(out) > lead else None
+            if last is not None and last["role"] == "user" and not pending:
+                out[-1] = {**last, "content": content_of([*_parts_of(last["content"]),
+                                                          *_parts_of(message["content"])])}
+            else:
+                pending.extend(_parts_of(message["content"]))
+            continue
+        if message["role"] == "user" and pending:
+            message = {**message, "content": content_of([*pending,
+                                                          *_parts_of(message["content"])])}
+            pending = []
+        out.append(message)
+    if pending:
+        out.append({"role": "user", "content": content_of(pending)})
+    return out
+
+
+def _parts_of(content: str | list[Any]) -> list[dict[str, Any]]:
+    return [text_part(content)] if isinstance(content, str) else list(content)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -73,6 +73,9 @@ class ResponseMeta:
     model: str
     echo: dict[str, Any] = field(default_factory=dict)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    # A namespace's functions by their name in the prompt: a call goes back as it was sent,
+    # with its ``name`` in the namespace and the ``namespace``.
+    namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 def responses_usage(usage: Usage) -> dict[str, Any]:
@@ -102,27 +105,32 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [_text_part(text)]}
 
 
-def call_item(item_id: str, call_id: str, name: str, arguments: str,
-              status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
+              namespaces: Mapping[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
+    if namespaces and name in namespaces:
+        item["namespace"], item["name"] = namespaces[name]
+    return item
 
 
 def _text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def output_items(turn: Collected) -> list[dict[str, Any]]:
+def output_items(turn: Collected, namespaces: Mapping[str, tuple[str, str]] | None = None,
+                 ) -> list[dict[str, Any]]:
     status = _status(turn.finish)
     items = [message_item(new_id("msg"), turn.text, status)] if turn.text else []
-    return items + [call_item(new_id("fc"), c.id, c.name, c.arguments, status)
+    return items + [call_item(new_id("fc"), c.id, c.name, c.arguments, status, namespaces)
                     for c in turn.calls]
 
 
 async def response_json(meta: ResponseMeta, events: AsyncGenerator[OutputEvent, None],
                         done: Done) -> dict[str, Any]:
     turn = await collect(events)
-    response = response_object(meta, _status(turn.finish), output_items(turn), turn.finish.usage)
+    response = response_object(meta, _status(turn.finish), output_items(turn, meta.namespaces),
+                               turn.finish.usage)
     await done(response)
     return response
 
@@ -130,7 +138,7 @@ async def response_json(meta: ResponseMeta, events: AsyncGenerator[OutputEvent, 
 async def response_stream(meta: ResponseMeta, events: AsyncGenerator[OutputEvent, None],
                           done: Done) -> AsyncGenerator[bytes, None]:
     """The SSE events of a response."""
-    out = _Items()
+    out = _Items(meta.namespaces)
     yield out.event("response.created", response=response_object(meta, "in_progress", []))
     yield out.event("response.in_progress", response=response_object(meta, "in_progress", []))
     end = TurnEnd()
@@ -156,7 +164,8 @@ async def response_stream(meta: ResponseMeta, events: AsyncGenerator[OutputEvent
 class _Items:
     """Output items opened and closed as the kind of event changes; numbers the events."""
 
-    def __init__(self) -> None:
+    def __init__(self, namespaces: Mapping[str, tuple[str, str]] | None = None) -> None:
+        self.namespaces = namespaces
         self.sequence = 0
         self.items: list[dict[str, Any]] = []  # the finished ones
         self.open: dict[str, Any] | None = None
@@ -188,7 +197,7 @@ class _Items:
             out += self.close("completed")
             self.key = ("tool", event.index)
             self.open = call_item(new_id("fc"), event.id or new_call_id(), event.name or "", "",
-                                  "in_progress")
+                                  "in_progress", self.namespaces)
             out.append(self.event("response.output_item.added", output_index=self.at,
                                   item=self.open))
         if event.arguments:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -46,6 +46,7 @@ from .conversation import (
     append_call,
     arguments_object,
     content_of,
+    fold_late_system,
     function_tool,
     image_part,
     text_part,
@@ -53,11 +54,13 @@ from .conversation import (
     tool_result,
 )
 from .fields import specprefill_params
+from .hosted_tools import RESPONSES_HOSTED, is_hosted
 from .responses_store import StoredResponse
 
 ROLES = ("system", "developer", "user", "assistant")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
 NOT_SUPPORTED = ("background", "conversation", "prompt")
+NAMESPACE_SEPARATOR = "."
 # Honoured only by an upstream that serves Responses (no chat-completion equivalent, no engine
 # support): refused wherever the request is converted.
 NATIVE_ONLY = ("max_tool_calls", "top_logprobs")
@@ -101,6 +104,8 @@ class ResponsesCall:
     # False when previous_response_id is not known here and the request goes as it is to an
     # upstream that keeps its own responses (it decides; this turn is not kept here).
     previous_known: bool = True
+    # A namespace's functions by the name the prompt gives them: (namespace, name) as sent.
+    namespaces: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def store(self) -> bool:
@@ -171,8 +176,7 @@ def parse_responses_body(body: Mapping[str, Any],
         _item(item, f"input[{i}]", messages)
     if not messages:
         raise InvalidRequestError("input must not be empty")
-    tools = None if req.tools is None else [_tool(t, f"tools[{i}]") for i, t in
-                                            enumerate(req.tools)]
+    tools, hosted, namespaces = _tools(req.tools)
     sampling = SamplingParams(
         max_tokens=req.max_output_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -186,13 +190,13 @@ def parse_responses_body(body: Mapping[str, Any],
         options["tool_choice"] = _tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
         options["parallel_tool_calls"] = req.parallel_tool_calls
-    call = AgentCall(model=req.model, conversation=Conversation(messages, tools,
-                                                                req.chat_template_kwargs),
+    conversation = Conversation(fold_late_system(messages), tools, req.chat_template_kwargs)
+    call = AgentCall(model=req.model, conversation=conversation,
                      sampling=sampling, specprefill=specprefill_params(body),
                      stream=bool(req.stream), chat_options=options,
                      engine_refusal=_engine_refusal(options),
-                     native_only=sent_fields(body, NATIVE_ONLY))
-    return ResponsesCall(call, req, history, items, known)
+                     native_only=sent_fields(body, NATIVE_ONLY), hosted_tools=hosted)
+    return ResponsesCall(call, req, history, items, known, namespaces)
 
 
 def new_item_id(item: Mapping[str, Any]) -> str:
@@ -216,7 +220,11 @@ def _item(item: Any, where: str, out: list[MessageDict]) -> None:
                 and isinstance(arguments, str)):
             raise InvalidRequestError(f"{where}: a function_call needs string call_id, name "
                                       "and arguments")
-        append_call(out, tool_call(call_id, name, arguments_object(arguments)))
+        namespace = item.get("namespace")
+        if namespace is not None and not (isinstance(namespace, str) and namespace):
+            raise InvalidRequestError(f"{where}.namespace must be a non-empty string")
+        append_call(out, tool_call(call_id, qualified(namespace, name) if namespace else name,
+                                   arguments_object(arguments)))
     elif kind == "function_call_output":
         call_id, output = item.get("call_id"), item.get("output")
         if not isinstance(call_id, str) or not call_id:
@@ -249,11 +257,50 @@ def _parts(content: Any, where: str) -> list[dict[str, Any]]:
     return parts
 
 
-def _tool(tool: dict[str, Any], where: str) -> dict[str, Any]:
-    kind = tool.get("type")
+def qualified(namespace: str, name: str) -> str:
+    """The name a namespace's function has in the prompt (templates list flat functions)."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _tools(tools: list[dict[str, Any]] | None
+           ) -> tuple[list[dict[str, Any]] | None, tuple[str, ...], dict[str, tuple[str, str]]]:
+    """The function tools the template lists, the hosted tools left out (their types), and
+    each namespace's functions by their name in the prompt.
+
+    Rule: a function tool is listed as it is; a namespace (Codex's named group of function
+    tools) lists each of its functions as ``namespace.name``, so two namespaces may hold the
+    same name, and a call of one goes back with ``name`` and ``namespace`` as sent; a hosted
+    tool (``hosted_tools``) is left out; any other type is a 400."""
+    if tools is None:
+        return None, (), {}
+    out: list[dict[str, Any]] = []
+    hosted: list[str] = []
+    namespaces: dict[str, tuple[str, str]] = {}
+    for i, tool in enumerate(tools):
+        kind, where = tool.get("type"), f"tools[{i}]"
+        if kind == "namespace":
+            name, members = tool.get("name"), tool.get("tools")
+            if not isinstance(name, str) or not name or not isinstance(members, list):
+                raise InvalidRequestError(f"{where}: a namespace needs a name and a list of "
+                                          "tools")
+            for j, member in enumerate(members):
+                function = _tool(member, f"{where}.tools[{j}]")
+                short = function["function"]["name"]
+                function["function"]["name"] = qualified(name, short)
+                namespaces[function["function"]["name"]] = (name, short)
+                out.append(function)
+        elif is_hosted(kind, RESPONSES_HOSTED):
+            hosted.append(str(kind))
+        else:
+            out.append(_tool(tool, where))
+    return out, tuple(hosted), namespaces
+
+
+def _tool(tool: Any, where: str) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
-        raise InvalidRequestError(f"{where}: the tool type {kind!r} is not supported; only "
-                                  "function tools are")
+        raise InvalidRequestError(f"{where}: the tool type {kind!r} is not supported; function "
+                                  "tools, namespaces of them and hosted tools (left out) are")
     name, description, parameters = tool.get("name"), tool.get("description"), \
         tool.get("parameters")
     if not isinstance(name, str) or not name:
@@ -302,13 +349,13 @@ def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
 # Options an in-process engine cannot honour, by the Responses field the client named.
 # (text.format goes as response_format: an engine with constrained decoding honours it, the
 # others refuse it naming text.format.)
-ENGINE_REFUSED = {"reasoning_effort": "reasoning.effort (no reasoning control; a template's "
-                                      "own switch goes in chat_template_kwargs)",
-                  "verbosity": "text.verbosity"}
+# reasoning.effort is accepted and has no effect there (agents send it on every turn; a
+# template's own switch goes in chat_template_kwargs).
+ENGINE_REFUSED = {"verbosity": "text.verbosity"}
 
 
 def _engine_refusal(options: Mapping[str, Any]) -> str | None:
-    for option, field in ENGINE_REFUSED.items():
+    for option, named in ENGINE_REFUSED.items():
         if option in options:
-            return f"{field} is not supported by this engine"
+            return f"{named} is not supported by this engine"
     return None

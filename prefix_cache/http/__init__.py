@@ -7,5 +7,6 @@ events out and in), ``auth.py`` (credentials from the headers), ``logs.py`` (uvi
 the project's loggers), ``request_id.py``, ``drain.py`` (graceful shutdown: SIGTERM and SIGINT
 drain), ``connections.py`` (idle and slow connections), ``request_record.py`` (what a request
 cost, noted as it goes), ``usage_tap.py`` (usage, content times and the finish read from a
-relayed answer).
+relayed answer), ``upstream_client.py`` (the pooled client to upstreams, without the
+Nagle/delayed-ACK stall).
 """

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (
+    ContextLengthError,
     InvalidRequestError,
     NoChatTemplateError,
     PrefixCacheError,
@@ -249,6 +250,10 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, TemplateRenderError):
             return error_response(400, str(exc), "invalid_request_error", "template_error",
                                   path=path)
+        if isinstance(exc, ContextLengthError):
+            message = exc.anthropic_message() if is_anthropic_path(path) \
+                else exc.openai_message()
+            return error_response(400, message, "invalid_request_error", exc.code, path=path)
         if isinstance(exc, InvalidRequestError):
             return error_response(400, str(exc), "invalid_request_error", exc.code, path=path)
         if isinstance(exc, NoChatTemplateError):

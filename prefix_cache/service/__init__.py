@@ -6,7 +6,8 @@ Modules, one concept each: ``settings.py`` (the one settings model of both serve
 (configured models: tokenizer, template, where completions go), ``sidecar_host.py`` (the API
 layer's host: callers by key, boundaries from the cache), ``proxy_target.py`` (an upstream as a
 model's target), ``upstream.py`` (upstream kinds and calls), ``pool.py`` (a model's replicas:
-health, ejection, one retry), ``routing.py`` (the routing policies, pure), ``pool_metrics.py``,
+health, ejection, one retry), ``routing.py`` (the routing policies, pure), ``session_hint.py`` (an agent
+client's session id, a routing hint), ``pool_metrics.py``,
 ``tenants.py`` (API keys -> namespaces), ``limits.py`` (per-tenant concurrency and prompt size),
 ``rate_limits.py`` (requests and tokens per minute), ``keys_reload.py`` (the keys file re-read on
 SIGHUP), its own routes ``boundary_route.py`` ``admin.py`` ``health.py`` ``dashboard.py``, wiring

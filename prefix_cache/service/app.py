@@ -25,6 +25,7 @@ from ..http.errors import install_error_handlers
 from ..http.request_id import RequestIdMiddleware
 from ..http.request_record import RequestRecordMiddleware
 from ..http.drain import Drain, DrainMiddleware, drain_on_signals
+from ..http.upstream_client import upstream_client
 from ..metrics import Metrics
 from ..metrics.engine import EngineCollector
 from ..metrics.multiprocess import mark_process_dead
@@ -128,15 +129,12 @@ def create_app(settings: ServiceSettings | None = None, *,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         s = state.settings
-        state.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(s.upstream_timeout_s, connect=s.upstream_connect_timeout_s),
-            limits=httpx.Limits(max_connections=MAX_UPSTREAM_CONNECTIONS,
-                                max_keepalive_connections=64,
-                                # Below uvicorn's 5 s keep-alive (and most servers'): reusing a
-                                # connection the upstream is closing at that moment is a 502.
-                                keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY_S),
-            trust_env=False,  # upstreams are configured here, never picked from proxy variables
-        )
+        state.client = upstream_client(
+            httpx.Timeout(s.upstream_timeout_s, connect=s.upstream_connect_timeout_s),
+            httpx.Limits(max_connections=MAX_UPSTREAM_CONNECTIONS, max_keepalive_connections=64,
+                         # Below uvicorn's 5 s keep-alive (and most servers'): reusing a
+                         # connection the upstream is closing at that moment is a 502.
+                         keepalive_expiry=UPSTREAM_KEEPALIVE_EXPIRY_S))
         # Redis connections made before the first burst, and again after errors dropped them.
         await state.store.awarm(s.redis_warm_connections)
         warm = asyncio.create_task(keep_warm(state.store, s.redis_warm_connections))

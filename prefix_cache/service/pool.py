@@ -125,19 +125,21 @@ class UpstreamPool:
 
     # -- routing ----------------------------------------------------------------------------
 
-    def route(self, tenant: str, key: str) -> Route:
-        """Where a request of ``tenant`` with static-prefix ``key`` ("" for none) goes."""
+    def route(self, tenant: str, key: str, session: str | None = None) -> Route:
+        """Where a request of ``tenant`` with static-prefix ``key`` ("" for none) and the
+        client's ``session`` id (None for none) goes."""
         now = self._clock()
         loads = [ReplicaLoad(r.in_flight, r.healthy(now)) for r in self.replicas]
-        return route(self.policy, loads, self.names, turn=next(self._turns),
-                     key=routing_key(tenant, key) if key else None, factor=self.load_factor,
-                     floor=self.load_floor)
+        hashed = routing_key(tenant, key, session) if key or session else None
+        return route(self.policy, loads, self.names, turn=next(self._turns), key=hashed,
+                     factor=self.load_factor, floor=self.load_floor)
 
     async def open(self, client: httpx.AsyncClient, content: bytes, api: str = "chat", *,
-                   tenant: str = "default", key: str = "") -> httpx.Response:
+                   tenant: str = "default", key: str = "",
+                   session: str | None = None) -> httpx.Response:
         """``Upstream.open`` on the routed replica, retried once on the next one if it fails
         before answering; the open response's close ends its in-flight count."""
-        chosen = self.route(tenant, key)
+        chosen = self.route(tenant, key, session)
         attempts = chosen.order[:2]
         suspect: tuple[Replica, float] | None = None  # a 5xx, judged by what the retry gets
         for attempt, index in enumerate(attempts):

@@ -1,7 +1,8 @@
 """An upstream as a model's target: the sidecar's proxy.
 
-A turn goes to one replica of the model's pool (routed by the tenant's static prefix, so its
-turns go where its KV is: ``pool.py``):
+A turn goes to one replica of the model's pool (routed by the tenant's static prefix and the
+client's session id where it names one, so its turns go where its KV is: ``pool.py``,
+``session_hint.py``):
 
 - an API the upstream serves itself (chat completions always; ``upstream_apis``): the body as it
   came (plus the boundary fields for ``specprefill`` upstreams), its answer relayed as it comes;
@@ -24,6 +25,7 @@ from ..http.errors import ClientDisconnected
 from ..http.relay import until_disconnect
 from ..util import json_io
 from .served_models import ServedModel
+from .session_hint import session_hint
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,17 +46,20 @@ class ProxyTarget:
             content = upstream.forward_content(relay.raw, relay.body, prompt,
                                                namespace=turn.namespace,
                                                with_prompt_ids=relay.with_prompt_ids)
-            return Relayed(await self._open(turn, turn.api, content))
+            return Relayed(await self._open(turn, relay, turn.api, content))
         chat = turn.call.chat_body(turn.call.model or self.model.name)
         content = upstream.forward_content(json_io.dumps(chat), chat, prompt,
                                            namespace=turn.namespace)
-        response = await self._open(turn, "chat", content)
+        response = await self._open(turn, relay, "chat", content)
         return completion_events(response, stream=turn.call.stream,
                                  prompt_tokens=len(prompt.ids))
 
-    async def _open(self, turn: Turn, api: str, content: bytes) -> httpx.Response:
+    async def _open(self, turn: Turn, relay: Relay, api: str, content: bytes
+                    ) -> httpx.Response:
+        session = session_hint(relay.body, turn.request.headers)
         opened = self.model.require_pool().open(self.client(), content, api,
-                                                tenant=turn.namespace, key=turn.prompt.key)
+                                                tenant=turn.namespace, key=turn.prompt.key,
+                                                session=session)
         response, disconnected = await until_disconnect(turn.request.receive, opened)
         if disconnected or response is None:
             raise ClientDisconnected("the client disconnected before the upstream answered")

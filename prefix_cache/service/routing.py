@@ -56,10 +56,16 @@ class Route:
     choice: str
 
 
-def routing_key(tenant: str, key: str) -> bytes:
-    """What prefix affinity hashes: the tenant and the static-prefix key. Tenants are kept
-    apart even when their static prefixes (and so their engines' KV) are the same."""
-    return tenant.encode() + b"\x00" + key.encode()
+def routing_key(tenant: str, key: str, session: str | None = None) -> bytes:
+    """What prefix affinity hashes: the tenant and the static-prefix key, and the client's
+    session id where it named one (``session_hint.py``). Tenants are kept apart even when their
+    static prefixes (and so their engines' KV) are the same. With a session, the sessions that
+    share a static prefix spread over the replicas, each one staying on its own: the static
+    prefix is computed once per replica that holds such a session, and every later turn finds
+    its conversation's KV, where without it those sessions share one replica until the load
+    bound spills a turn elsewhere (docs/routing.md, "Sessions")."""
+    head = tenant.encode() + b"\x00" + key.encode()
+    return head if session is None else head + b"\x00" + session.encode()
 
 
 def affinity_order(key: bytes, replicas: Sequence[str]) -> list[int]:

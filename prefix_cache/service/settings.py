@@ -120,6 +120,10 @@ class ServiceSettings(BaseSettings):
         default=None, description="agent APIs the upstream serves itself, sent there as they "
         "are: messages, responses (comma-separated or JSON; default: both for kind "
         "specprefill, none for openai, whose agent requests go as chat completions)")
+    strict_hosted_tools: bool = Field(
+        default=False, description="refuse (400) an agent request whose hosted tools "
+        "(web_search ...) the target cannot run, instead of leaving them out of the prompt "
+        "(said in the x-prefix-cache-dropped-tools header)")
     responses_store_bytes: int = Field(
         default=32 << 20, gt=0, description="bytes of recent /v1/responses one tenant's "
         "previous_response_id can refer to, per worker (with --redis: the largest one "

@@ -49,6 +49,7 @@ class SidecarHost:
     def __init__(self, state: ServiceState) -> None:
         self.state = state
         self.started_at = state.started_at
+        self.strict_hosted_tools = state.settings.strict_hosted_tools
         self._routed = {m.name: Routed(m, self._target(m)) for m in state.models}
         # The exact bytes of large body parts each tenant sent before (its own, invariant 5).
         self.parts = PartMemo()

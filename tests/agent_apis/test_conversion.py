@@ -162,7 +162,7 @@ def test_structured_output_goes_to_upstreams_and_to_the_engine() -> None:
 
 
 @pytest.mark.parametrize("fields, fragment", [
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role: 'system'"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role: 'tool'"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"format": {
         "type": "json_object"}}}, "output_config.format must be"),
     ({"messages": [{"role": "user", "content": []}]}, "non-empty list"),
@@ -179,7 +179,7 @@ def test_structured_output_goes_to_upstreams_and_to_the_engine() -> None:
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Su"}]},
      "prefill"),
     ({"messages": [{"role": "user", "content": "x"}],
-      "tools": [{"type": "bash_20250124", "name": "bash"}]}, "server tool 'bash_20250124'"),
+      "tools": [{"type": "bash_20250124", "name": "bash"}]}, "tool type 'bash_20250124'"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]},
      "input_schema"),
     ({"messages": [{"role": "user", "content": "x"}], "system": [{"type": "image"}]},
@@ -285,7 +285,7 @@ def test_responses_generation_fields() -> None:
     assert "text.format" not in (structured.engine_refusal or "")
     assert structured.constraints().binding
     effort = responses({"input": "x", "reasoning": {"effort": "low"}})
-    assert "reasoning.effort" in (effort.engine_refusal or "")
+    assert effort.engine_refusal is None  # accepted, no effect: agents send it every turn
     with pytest.raises(InvalidRequestError, match="text.format must be"):
         responses({"input": "x", "text": {"format": {"type": "json_schema"}}})
 

@@ -132,9 +132,9 @@ def test_the_engine_refuses_what_it_cannot_honour(engine_sidecar: tuple[str, MLX
     # Not served, as docs/agent-apis.md says: a 404 (not the 405 of the stored responses' path).
     with pytest.raises(openai.NotFoundError):
         openai_client(url, "sk-acme").responses.input_tokens.count(model=TINY_MODEL, input="x")
-    with pytest.raises(openai.BadRequestError, match="reasoning.effort"):
+    with pytest.raises(openai.BadRequestError, match="text.verbosity"):
         openai_client(url, "sk-acme").responses.create(model=TINY_MODEL, input="x",
-                                                       reasoning={"effort": "low"})
+                                                       text={"verbosity": "low"})
 
 
 def test_a_responses_agent_on_the_in_process_engine(engine_sidecar: tuple[str, MLXBackend]) -> None:

@@ -461,12 +461,13 @@ def test_serve_engine_refuses_more_tokens_than_the_context(engine_server: tuple[
     url, chat_engine = engine_server
     window = chat_engine.context_length
     assert window == 32768                     # the tiny model's max_position_embeddings
-    with pytest.raises(openai.BadRequestError, match=f"context of {window}") as info:
+    with pytest.raises(openai.BadRequestError,
+                       match=f"maximum context length is {window} tokens") as info:
         openai_client(url).chat.completions.create(
             model="m", messages=[{"role": "user", "content": "x"}], max_tokens=window,
             extra_body={"prompt_token_ids": [1, 2, 3]})
-    assert info.value.body["code"] == "context_length_exceeded"
-    assert "ask for at most 32765" in info.value.body["message"]
+    assert info.value.body["code"] == "context_length_exceeded"  # OpenAI's words and code
+    assert f"(3 in the messages, {window} in the completion)" in info.value.body["message"]
 
 
 def test_serve_engine_models_and_health(engine_server: tuple[str, MLXBackend]) -> None:

@@ -1,0 +1,223 @@
+"""What a relayed hit adds in front of an upstream that writes its answer in pieces without
+TCP_NODELAY (Python's ``http.server``, which ``mlx_lm.server`` is) and in front of uvicorn,
+with the sidecar's upstream client as it was (httpx's defaults) and as it is now
+(``prefix_cache/http/upstream_client.py``: TCP_NODELAY, quick ACKs before every read), side by
+side in one run.
+
+Per upstream kind, one upstream answering a canned chat completion at once, and two sidecars
+(`prefix-cache serve`'s app on uvicorn, the demo model) in front of it, one per client. An
+agent-sized body (~27 KB: a 10 KB system prompt and 7 tools). In a freshly shuffled order per
+round: the body straight to the upstream on a fresh connection (what the client would pay
+without us), and through each sidecar on a kept-alive connection: a hit (the same static
+prefix) and a miss (a new one each time). Medians, and what each adds to the direct call.
+
+    PYTHONPATH=$PWD python bench/relay_stall.py [--rounds 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import os
+import random
+import socket
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from prefix_cache.http import upstream_client as upstream_client_module  # noqa: E402
+from prefix_cache.model_folders.demo import demo_model_dir  # noqa: E402
+from prefix_cache.service import app as app_module  # noqa: E402
+from prefix_cache.service.settings import ServiceSettings  # noqa: E402
+from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools, machine  # noqa: E402
+
+MODEL = "demo-qwen3"  # the demo model folder's name
+ANSWER = json.dumps({
+    "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
+    "choices": [{"index": 0, "finish_reason": "stop",
+                 "message": {"role": "assistant", "content": "ok"}}],
+    "usage": {"prompt_tokens": 6000, "completion_tokens": 1, "total_tokens": 6001}}).encode()
+
+
+class StdlibHandler(BaseHTTPRequestHandler):
+    """``mlx_lm.server``'s way of answering: HTTP/1.1 keep-alive, the head then the body,
+    each its own write, no TCP_NODELAY."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["content-length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(ANSWER)))
+        self.end_headers()
+        self.wfile.write(ANSWER)
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def asgi_upstream(scope: dict[str, Any], receive: Callable[..., Any],
+                        send: Callable[..., Any]) -> None:
+    """The same answer from uvicorn (which sets TCP_NODELAY)."""
+    if scope["type"] != "http":
+        return
+    more = True
+    while more:
+        more = (await receive()).get("more_body", False)
+    body = ANSWER if scope["method"] == "POST" else b"ok"
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextmanager
+def on_uvicorn(app: Any) -> Iterator[str]:
+    # proto IPPROTO_TCP, as uvicorn binds: asyncio sets TCP_NODELAY only on such sockets'
+    # connections (a plain socket.socket() would add the very stall measured here).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@contextmanager
+def stdlib_upstream() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), StdlibHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def httpx_defaults(timeout: httpx.Timeout, limits: httpx.Limits,
+                   quickack: bool = True) -> httpx.AsyncClient:
+    """The sidecar's upstream client before: httpx's defaults (no socket options)."""
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+
+@contextmanager
+def sidecar(upstream: str, folder: Path, client: Callable[..., httpx.AsyncClient],
+            ) -> Iterator[str]:
+    """A sidecar in front of ``upstream``, its upstream client made by ``client``."""
+    app_module.upstream_client = client  # read by the app's lifespan, at start
+    try:
+        settings = ServiceSettings(model_dirs=[folder], upstream=[upstream], keys_file=None,
+                                   models_file=None, redis_url=None)
+        with on_uvicorn(app_module.create_app(settings)) as url:
+            yield url
+    finally:
+        app_module.upstream_client = upstream_client_module.upstream_client
+
+
+def body(system: str) -> bytes:
+    tools = bench_tools(7)
+    for tool in tools:
+        tool["function"]["description"] += " " + "Details of the tool's contract. " * 70
+    return json.dumps({"model": MODEL, "max_tokens": 1, "tools": tools, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": "Go on."}]}).encode()
+
+
+def timed(call: Callable[[], httpx.Response]) -> float:
+    start = time.perf_counter()
+    response = call()
+    elapsed = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.status_code}: {response.text[:300]}")
+    return elapsed
+
+
+def measure(upstream: str, sidecars: dict[str, str], rounds: int) -> dict[str, list[float]]:
+    system = SYSTEM_PROMPT * 10
+    hit = body(system)
+    headers = {"content-type": "application/json"}
+    clients = {name: httpx.Client(base_url=url, trust_env=False, timeout=60)
+               for name, url in sidecars.items()}
+    for client in clients.values():  # the static prefix resolved: every later one a hit
+        timed(lambda c=client: c.post("/v1/chat/completions", content=hit, headers=headers))
+    samples: dict[str, list[float]] = {}
+
+    host, port = upstream.removeprefix("http://").split(":")
+
+    def direct() -> httpx.Response:
+        fresh = http.client.HTTPConnection(host, int(port), timeout=60)
+        try:
+            fresh.request("POST", "/v1/chat/completions", body=hit, headers=headers)
+            answer = fresh.getresponse()
+            return httpx.Response(answer.status, content=answer.read())
+        finally:
+            fresh.close()
+
+    calls: dict[str, Callable[[], httpx.Response]] = {"direct (fresh connection)": direct}
+    for name, client in clients.items():
+        calls[f"{name}: hit"] = (lambda c=client: c.post("/v1/chat/completions", content=hit,
+                                                         headers=headers))
+        calls[f"{name}: miss"] = (lambda c=client: c.post(
+            "/v1/chat/completions", content=body(f"run {random.random()} " + system),
+            headers=headers))
+    for _ in range(rounds):
+        order = list(calls.items())
+        random.shuffle(order)
+        for name, call in order:
+            samples.setdefault(name, []).append(timed(call))
+    for client in clients.values():
+        client.close()
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=200)
+    args = parser.parse_args()
+    folder = demo_model_dir()
+    print(f"{machine()}; load {os.getloadavg()[0]:.2f}; body {len(body(SYSTEM_PROMPT * 10))} "
+          f"bytes; {args.rounds} rounds\n")
+    print("| upstream | call | median | added to direct |")
+    print("|---|---|---|---|")
+    for kind, upstream_of in (("http.server", stdlib_upstream),
+                              ("uvicorn", lambda: on_uvicorn(asgi_upstream))):
+        with upstream_of() as upstream, \
+                sidecar(upstream, folder, httpx_defaults) as before, \
+                sidecar(upstream, folder, upstream_client_module.upstream_client) as now:
+            samples = measure(upstream, {"httpx defaults (before)": before,
+                                         "NODELAY + QUICKACK (now)": now}, args.rounds)
+        base = statistics.median(samples["direct (fresh connection)"])
+        for name, values in samples.items():
+            median = statistics.median(values)
+            added = "" if name.startswith("direct") else f"{(median - base) * 1e3:+.2f} ms"
+            print(f"| {kind} | {name} | {median * 1e3:.2f} ms | {added} |")
+    print(f"\nload after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop(asyncio.new_event_loop())
+    main()
