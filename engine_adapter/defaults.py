@@ -14,6 +14,8 @@ DEFAULT_KV_DISK_QUEUE = 16          # snapshots waiting for the disk writer; mor
 DEFAULT_MAX_BATCH_SIZE = 16         # sequences decoded together
 DEFAULT_PREFILL_BATCH_SIZE = 8      # prompts BatchGenerator prefills together
 DEFAULT_PREFILL_STEP = 2048         # tokens per model call of a prefill chunk
+DEFAULT_STEP_TOKENS = 512           # an engine step's token budget: decode, then prefill chunks
+DEFAULT_MIN_CHUNK = 32              # the smallest prefill chunk the budget gives a namespace
 DEFAULT_MAX_TOKENS = 512            # a chat request that names no max_tokens (cut to the context)
 # SpecPrefill (arXiv 2502.02789)
 DEFAULT_KEEP_PCT = 0.2              # share of the scored chunks kept

@@ -31,6 +31,7 @@ from .defaults import (
     DEFAULT_KV_DISK_BYTES,
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_SPECPREFILL_THRESHOLD,
+    DEFAULT_STEP_TOKENS,
 )
 
 
@@ -65,9 +66,15 @@ class EngineOptions(BaseModel):
     specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
                                      "sliding-window or recurrent layers too (approximate "
                                      "there; the static prefix stays exact)")
-    fair_prefill: bool = Field(default=True, description="prompts wait for a prefill slot, "
-                               "each namespace its fair share of the slots; off: first come "
-                               "first served")
+    fair_prefill: bool = Field(default=True, description="each engine step has a token "
+                               "budget (step_tokens): decode first, then prefill chunks, "
+                               "shared equally by the namespaces with prompts waiting; off: "
+                               "first come first served")
+    step_tokens: int = Field(default=DEFAULT_STEP_TOKENS, ge=2, le=1 << 20,
+                             description="an engine step's token budget (decode tokens and "
+                             "prefill chunks; more than max_batch_size): smaller keeps first "
+                             "and next tokens quicker under long prompts, larger prefills "
+                             "faster")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
@@ -95,6 +102,7 @@ class EngineOptions(BaseModel):
             "max_context": self.max_context,
             "max_batch_size": self.max_batch_size,
             "fair_prefill": self.fair_prefill,
+            "step_tokens": self.step_tokens,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.
             "kv_disk_dir": self.kv_disk_dir,
             "kv_disk_bytes": (int(self.kv_disk_bytes)
