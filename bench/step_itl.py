@@ -3,7 +3,7 @@ first served vs the step's token budget, side by side in one run (issue 52); and
 budget costs a request alone (its TTFT and decode, a short and an 8k-token prompt).
 
     LD_PRELOAD=<openblas> PYTHONPATH=$PWD python bench/step_itl.py [--long-tokens 8192]
-        [--long-streams 2] [--stream-tokens 150] [--repeats 3] [--step-tokens 512]
+        [--long-streams 2] [--stream-tokens 150] [--repeats 3] [--step-tokens 512,128]
         [--output FILE]
 
 The engine is the real one on a tiny random-weights model (only time matters). Per repeat and
@@ -52,11 +52,11 @@ def gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(times, times[1:], strict=False)]
 
 
-def run(model: Any, vocab: int, *, fair: bool, args: argparse.Namespace, seed: int,
+def run(model: Any, vocab: int, *, budget: int | None, args: argparse.Namespace, seed: int,
         ) -> dict[str, float]:
     from engine_adapter.mlx_engine import GenerationRequest, MLXEngine
 
-    engine = MLXEngine(model, fair_prefill=fair, step_tokens=args.step_tokens,
+    engine = MLXEngine(model, fair_prefill=budget is not None, step_tokens=budget or 512,
                        reuse_static_kv=False, reuse_conversation_kv=False)
     stream_times(engine, vocab, 4, seed + 99)          # warm the model up
     alone = stream_times(engine, vocab, args.stream_tokens, seed)
@@ -101,7 +101,8 @@ def main() -> None:
     parser.add_argument("--long-streams", type=int, default=2)
     parser.add_argument("--stream-tokens", type=int, default=150)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--step-tokens", type=int, default=512)
+    parser.add_argument("--step-tokens", default="512",
+                        help="budgets to compare with FCFS, comma-separated: 512,128")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--warmup-s", type=float, default=1.0)
@@ -117,10 +118,11 @@ def main() -> None:
         folder = tiny_model_folder(Path(tmp) / "tiny", hidden=args.hidden, layers=args.layers)
         model = load_model(folder)[0]
     vocab = vocab_size(model) or 32000
-    modes = (("first come first served", False), ("step budget", True))
+    budgets = [int(b) for b in args.step_tokens.split(",")]
+    modes = [("first come first served", None)] + [(f"step budget {b}", b) for b in budgets]
     rows = []
     for i in range(args.repeats):
-        results = {name: run(model, vocab, fair=fair, args=args, seed=i) for name, fair in modes}
+        results = {name: run(model, vocab, budget=b, args=args, seed=i) for name, b in modes}
         fcfs = results[modes[0][0]]
         for name, _ in modes:
             r = results[name]
@@ -133,8 +135,8 @@ def main() -> None:
     lines = [f"A stream ({STREAM_PROMPT}-token prompt, {args.stream_tokens} tokens out) alone and "
              f"while {args.long_streams} other tenants keep {args.long_tokens}-token prompts "
              f"prefilling; tiny random-weights Qwen3 (hidden {args.hidden}, {args.layers} "
-             f"layers, float32), prefill batch 8, step 2048, step budget {args.step_tokens} "
-             f"tokens; {args.repeats} repeats, the two modes one after another in each. "
+             f"layers, float32), prefill batch 8, step 2048; {args.repeats} repeats, the modes "
+             f"one after another in each. "
              f"{platform.machine()}, {platform.system()}.", "",
              "| mode | repeat | stream alone: TTFT | ITL p50 | ITL p99 | under long prompts: "
              "ITL p50 | ITL p99 | p99 vs alone | long prompt alone: TTFT | long prompts' "
