@@ -3,11 +3,12 @@ prompts, first come first served vs the step's token budget, side by side in one
 42, item 8; issue 52).
 
     LD_PRELOAD=<openblas> PYTHONPATH=$PWD python bench/fair_prefill.py [--flood-tokens 512]
-        [--flood-streams 16] [--quiet 8] [--repeats 3] [--step-tokens 512] [--output FILE]
+        [--flood-streams 16] [--quiet 8] [--repeats 3] [--step-tokens 512,1024] [--output FILE]
 
-The engine is the real one on a tiny random-weights model (only time matters). Each repeat has
-three runs: no flood, a flood with ``fair_prefill=False`` (mlx-lm's own order: first come
-first served), a flood with the budget (``fair_prefill=True``, ``step_tokens``). The flood
+The engine is the real one on a tiny random-weights model (only time matters). Each repeat
+runs: no flood (the first budget), a flood with ``fair_prefill=False`` (mlx-lm's own order:
+first come first served), a flood with each budget (``fair_prefill=True``, ``step_tokens``).
+The flood
 keeps ``--flood-streams`` prompts of ``--flood-tokens`` tokens in the engine at all times
 (namespace "flood"); the quiet tenant sends ``--quiet`` prompts of 200 tokens one after another
 (namespace "quiet"), each answered with 1 token, and its TTFT (from submit to the first token,
@@ -34,11 +35,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run(model: Any, vocab: int, *, flood: bool, fair: bool, args: argparse.Namespace,
+def run(model: Any, vocab: int, *, flood: bool, budget: int | None, args: argparse.Namespace,
         ) -> dict[str, float]:
     from engine_adapter.mlx_engine import GenerationRequest, MLXEngine
 
-    engine = MLXEngine(model, fair_prefill=fair, step_tokens=args.step_tokens,
+    engine = MLXEngine(model, fair_prefill=budget is not None, step_tokens=budget or 512,
                        reuse_static_kv=False, reuse_conversation_kv=False)
     stop = threading.Event()
     flood_tokens = [0]
@@ -85,7 +86,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--warmup-s", type=float, default=2.0)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--step-tokens", type=int, default=512)
+    parser.add_argument("--step-tokens", default="512",
+                        help="budgets to compare with FCFS, comma-separated: 512,1024")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
 
@@ -99,18 +101,20 @@ def main() -> None:
     from engine_adapter.mlx_engine.model_info import vocab_size
 
     vocab = vocab_size(model) or 32000
-    names = ("no flood", "flood, first come first served", "flood, step budget")
+    budgets = [int(b) for b in args.step_tokens.split(",")]
+    # (name, flood, budget): the unloaded run has the first budget (the default engine)
+    modes = [("no flood", False, budgets[0]), ("flood, first come first served", True, None)]
+    modes += [(f"flood, step budget {b}", True, b) for b in budgets]
+    names = [m[0] for m in modes]
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for _ in range(args.repeats):
-        for name, flood, fair in zip(names, (False, True, True), (True, False, True),
-                                     strict=True):
-            runs[name].append(run(model, vocab, flood=flood, fair=fair, args=args))
+        for name, flood, budget in modes:
+            runs[name].append(run(model, vocab, flood=flood, budget=budget, args=args))
     lines = [f"Quiet tenant's TTFT ({args.quiet} prompts of {QUIET_TOKENS} tokens, one after "
              f"another) while {args.flood_streams} streams of another tenant "
              f"keep {args.flood_tokens}-token prompts in the engine; tiny random-weights "
              f"Qwen3 (hidden {args.hidden}, {args.layers} layers, float32), prefill batch 8, "
-             f"step 2048, step budget {args.step_tokens} tokens; {args.repeats} repeats, each "
-             f"the three runs one after another. {platform.machine()}, {platform.system()}.",
+             f"step 2048; {args.repeats} repeats, each its runs one after another. {platform.machine()}, {platform.system()}.",
              "", "| run | repeat | quiet p50 TTFT | quiet p99 TTFT | p50 vs no flood | "
              "p99 vs no flood | flood prompt tokens/s | flood tokens/s vs FCFS |",
              "|---|---|---|---|---|---|---|---|"]

@@ -37,7 +37,8 @@ class PrefillJob(Protocol):
 class StepBudget:
     """Prefill jobs waiting or running, per namespace, and the work of each engine step."""
 
-    def __init__(self, tokens: int = DEFAULT_STEP_TOKENS, min_chunk: int = DEFAULT_MIN_CHUNK) -> None:
+    def __init__(self, tokens: int = DEFAULT_STEP_TOKENS,
+                 min_chunk: int = DEFAULT_MIN_CHUNK) -> None:
         if tokens < 1 or min_chunk < 1:
             raise ValueError(f"a step's token budget and its smallest chunk must be >= 1, got "
                              f"{tokens} and {min_chunk}")

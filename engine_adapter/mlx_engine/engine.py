@@ -40,12 +40,12 @@ from ..defaults import (
     DEFAULT_STEP_TOKENS,
 )
 from . import kv_cache
+from .budget import StepBudget
 from .delivery import async_events, blocking_events
 from .draft_layers import reused_layers
 from .kv_disk_setup import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
-from .budget import StepBudget
 from .model_info import BatchGenerator, context_length, vocab_size
 from .prefill import ChunkedPrefill, insert_sequence, new_batch_generator
 from .request import (
