@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from prefix_cache.errors import validation_problems
 
@@ -78,6 +78,15 @@ class EngineOptions(BaseModel):
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
+
+    @model_validator(mode="after")
+    def _step_holds_the_batch(self) -> EngineOptions:
+        # One token per decoding sequence comes first: a budget the batch fills leaves none
+        # for prefill.
+        if self.fair_prefill and self.step_tokens <= self.max_batch_size:
+            raise ValueError(f"step_tokens ({self.step_tokens}) must be more than "
+                             f"max_batch_size ({self.max_batch_size})")
+        return self
 
     @classmethod
     def parse(cls, values: Mapping[str, Any] | None) -> EngineOptions:

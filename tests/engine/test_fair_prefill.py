@@ -171,6 +171,15 @@ def test_the_budget_decodes_first_and_shares_prefill_across_namespaces() -> None
         StepBudget(0)
 
 
+def test_a_budget_the_decode_batch_fills_is_refused_naming_both_options() -> None:
+    from engine_adapter.options import EngineOptions
+
+    assert EngineOptions.parse({"step_tokens": 1024}).engine_kwargs()["step_tokens"] == 1024
+    with pytest.raises(ValueError, match=r"step_tokens \(16\) must be more than max_batch_size"):
+        EngineOptions.parse({"step_tokens": 16, "max_batch_size": 16})
+    assert EngineOptions.parse({"step_tokens": 16, "fair_prefill": False})  # unused then
+
+
 def test_chunking_never_changes_an_answer(engines: Any, target: tuple[Any, Any]) -> None:
     """Greedy answers under a small budget, with other tenants' prompts, a static prefix
     being stored and a request parked on it, equal each request run alone, first come first
