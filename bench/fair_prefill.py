@@ -1,15 +1,18 @@
 """Fair prefill: a quiet tenant's time to first token while another floods the engine with long
-prompts, first come first served vs fair slots, side by side in one run (issue 42, item 8).
+prompts, first come first served vs the step's token budget, side by side in one run (issue
+42, item 8; issue 52).
 
     LD_PRELOAD=<openblas> PYTHONPATH=$PWD python bench/fair_prefill.py [--flood-tokens 512]
-        [--flood-streams 16] [--quiet 8] [--hidden 64] [--layers 2] [--output FILE]
+        [--flood-streams 16] [--quiet 8] [--repeats 3] [--step-tokens 512,1024] [--output FILE]
 
-The engine is the real one on a tiny random-weights model (only time matters). Three runs:
-no flood, a flood with ``fair_prefill=False`` (mlx-lm's own order: first come first served),
-a flood with ``fair_prefill=True``. The flood keeps ``--flood-streams`` prompts of
-``--flood-tokens`` tokens in the engine at all times (namespace "flood"); the quiet tenant
-sends ``--quiet`` prompts of 200 tokens one after another (namespace "quiet"), each answered
-with 1 token, and its TTFT (from submit to the first token, as the engine measures it) is recorded.
+The engine is the real one on a tiny random-weights model (only time matters). Each repeat
+runs: no flood (the first budget), a flood with ``fair_prefill=False`` (mlx-lm's own order:
+first come first served), a flood with each budget (``fair_prefill=True``, ``step_tokens``).
+The flood
+keeps ``--flood-streams`` prompts of ``--flood-tokens`` tokens in the engine at all times
+(namespace "flood"); the quiet tenant sends ``--quiet`` prompts of 200 tokens one after another
+(namespace "quiet"), each answered with 1 token, and its TTFT (from submit to the first token,
+as the engine measures it) is recorded. Ratios are against the same repeat's no-flood run.
 """
 
 from __future__ import annotations
@@ -32,12 +35,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def run(model: Any, vocab: int, *, flood: bool, fair: bool, args: argparse.Namespace,
+def run(model: Any, vocab: int, *, flood: bool, budget: int | None, args: argparse.Namespace,
         ) -> dict[str, float]:
     from engine_adapter.mlx_engine import GenerationRequest, MLXEngine
 
-    engine = MLXEngine(model, fair_prefill=fair, reuse_static_kv=False,
-                       reuse_conversation_kv=False)
+    engine = MLXEngine(model, fair_prefill=budget is not None, step_tokens=budget or 512,
+                       reuse_static_kv=False, reuse_conversation_kv=False)
     stop = threading.Event()
     flood_tokens = [0]
     counter = itertools.count()
@@ -82,6 +85,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--warmup-s", type=float, default=2.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--step-tokens", default="512",
+                        help="budgets to compare with FCFS, comma-separated: 512,1024")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
 
@@ -95,23 +101,31 @@ def main() -> None:
     from engine_adapter.mlx_engine.model_info import vocab_size
 
     vocab = vocab_size(model) or 32000
-    rows = [("no flood", run(model, vocab, flood=False, fair=True, args=args)),
-            ("flood, first come first served", run(model, vocab, flood=True, fair=False,
-                                                   args=args)),
-            ("flood, fair prefill", run(model, vocab, flood=True, fair=True, args=args))]
-    base = rows[0][1]
+    budgets = [int(b) for b in args.step_tokens.split(",")]
+    # (name, flood, budget): the unloaded run has the first budget (the default engine)
+    modes = [("no flood", False, budgets[0]), ("flood, first come first served", True, None)]
+    modes += [(f"flood, step budget {b}", True, b) for b in budgets]
+    names = [m[0] for m in modes]
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name, flood, budget in modes:
+            runs[name].append(run(model, vocab, flood=flood, budget=budget, args=args))
     lines = [f"Quiet tenant's TTFT ({args.quiet} prompts of {QUIET_TOKENS} tokens, one after "
              f"another) while {args.flood_streams} streams of another tenant "
              f"keep {args.flood_tokens}-token prompts in the engine; tiny random-weights "
              f"Qwen3 (hidden {args.hidden}, {args.layers} layers, float32), prefill batch 8, "
-             f"step 2048. {platform.machine()}, {platform.system()}, shared and loaded "
-             "2-core machine.", "",
-             "| run | quiet p50 TTFT | quiet p99 TTFT | p50 vs no flood | p99 vs no flood | "
-             "flood prompt tokens/s |", "|---|---|---|---|---|---|"]
-    for name, r in rows:
-        lines.append(f"| {name} | {r['p50'] * 1000:.0f} ms | {r['p99'] * 1000:.0f} ms | "
-                     f"{r['p50'] / base['p50']:.1f}x | {r['p99'] / base['p99']:.1f}x | "
-                     f"{r['flood_tok_s']:.0f} |")
+             f"step 2048; {args.repeats} repeats, each its runs one after another. {platform.machine()}, {platform.system()}.",
+             "", "| run | repeat | quiet p50 TTFT | quiet p99 TTFT | p50 vs no flood | "
+             "p99 vs no flood | flood prompt tokens/s | flood tokens/s vs FCFS |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i in range(args.repeats):
+        base, fcfs = runs[names[0]][i], runs[names[1]][i]
+        for name in names:
+            r = runs[name][i]
+            vs = f"{r['flood_tok_s'] / fcfs['flood_tok_s']:.2f}x" if r["flood_tok_s"] else "-"
+            lines.append(f"| {name} | {i + 1} | {r['p50'] * 1000:.0f} ms | "
+                         f"{r['p99'] * 1000:.0f} ms | {r['p50'] / base['p50']:.1f}x | "
+                         f"{r['p99'] / base['p99']:.1f}x | {r['flood_tok_s']:.0f} | {vs} |")
     table = "\n".join(lines)
     print(table)
     if args.output:

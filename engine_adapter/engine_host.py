@@ -1,6 +1,12 @@
 """``serve-engine`` as the API layer's host: one model (the engine), one optional API key, the
-prompt ids and boundary a sidecar sent (or the conversation rendered here, boundary 0), and
-the namespace named in the body when the server trusts its callers with it.
+prompt ids and boundary a sidecar sent (or the conversation rendered here, its boundary cut by
+a ``StaticPrefixCache`` of this server's own), and the namespace named in the body when the
+server trusts its callers with it.
+
+Why the boundary when rendering: the engine parks a request whose static prefix another one is
+prefilling (``mlx_engine/reuse.py``) only when it knows where that prefix ends. Without it, a
+burst of chats sharing a system prompt and tools (an agent platform's first minute after a
+deploy) computed the prefix once per request: eight of them, 11-13k prompt tokens, 0 reused.
 
 Trust model. The engine keeps the KV of static prefixes per namespace, and a restored prefix
 shows in time to first token, so whoever picks the namespace can probe what else was sent in
@@ -28,6 +34,7 @@ from fastapi import Request
 
 from prefix_cache.api.engine_target import EngineTarget
 from prefix_cache.api.host import PreparedPrompt
+from prefix_cache.cache.cache import StaticPrefixCache
 from prefix_cache.cache.keys import validate_label
 from prefix_cache.cache.messages import validate_kwargs, validate_messages, validate_tools
 from prefix_cache.chat.conversation import Conversation
@@ -145,6 +152,7 @@ class EngineHost:
         self.max_body_bytes = max_body_bytes
         self.namespaces = Namespaces(trust_namespace)
         self.responses = MemoryResponses(responses_store_bytes)
+        self.boundaries = StaticPrefixCache()   # in memory: this server's renders only
         self.started_at = int(time.time())
         self._model = EngineModel(chat.name, EngineTarget(chat))
 
@@ -174,13 +182,40 @@ class EngineHost:
 
     async def prepare(self, model: EngineModel, tenant: str, conversation: Conversation,
                       body: JSONBody) -> PreparedPrompt:
-        """The ids a sidecar sent, or the conversation rendered off the event loop (a long
-        template takes a while); the boundary it sent (default 0: nothing reused)."""
+        """The ids and boundary a sidecar sent (ids without a boundary: 0, nothing reused as
+        a static prefix); or the conversation rendered off the event loop with its boundary
+        (``boundary``), unless the body names one."""
         ids = prompt_ids_of(body.data)
-        if ids is None:
-            ids = TokenIds.of_rendered(await asyncio.to_thread(
-                render_conversation, self.chat.tokenizer, conversation))
+        if ids is not None:
+            return PreparedPrompt(ids, boundary_of(body.data, len(ids)))
+        if body.data.get(wire.SPECPREFILL_SYSTEM_END) is None:
+            prepared = await self.boundary(conversation, self.namespaces.of(body.data))
+            if prepared is not None:
+                return prepared
+        ids = TokenIds.of_rendered(await asyncio.to_thread(
+            render_conversation, self.chat.tokenizer, conversation))
         return PreparedPrompt(ids, boundary_of(body.data, len(ids)))
+
+    async def boundary(self, c: Conversation, namespace: str) -> PreparedPrompt | None:
+        """The conversation rendered with its static prefix's end (system and tools), as the
+        sidecar cuts it; None when the cache cannot (logged: rendered here, boundary 0). Bad
+        input is the 400 the render would give."""
+        try:
+            result = await self.boundaries.aresolve(
+                self.chat.tokenizer, validate_messages(c.messages), validate_tools(c.tools),
+                validate_kwargs(c.chat_template_kwargs), namespace=namespace,
+                model=self.chat.name, chat_template=c.chat_template,
+                add_generation_prompt=c.add_generation_prompt,
+                continue_final_message=c.continue_final_message)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # never fails the request: no static prefix reused
+            log.warning("static prefix boundary not computed, none reused: %s", exc)
+            return None
+        return PreparedPrompt(result.prompt, result.specprefill_system_end)
+
+    def close(self) -> None:
+        self.boundaries.close()
 
     def headers(self, prompt: PreparedPrompt) -> dict[str, str]:
         return {}

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from prefix_cache.errors import validation_problems
 
@@ -32,6 +32,7 @@ from .defaults import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SPECPREFILL_THRESHOLD,
+    DEFAULT_STEP_TOKENS,
 )
 
 
@@ -70,12 +71,27 @@ class EngineOptions(BaseModel):
     specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
                                      "sliding-window or recurrent layers too (approximate "
                                      "there; the static prefix stays exact)")
-    fair_prefill: bool = Field(default=True, description="prompts wait for a prefill slot, "
-                               "each namespace its fair share of the slots; off: first come "
-                               "first served")
+    fair_prefill: bool = Field(default=True, description="each engine step has a token "
+                               "budget (step_tokens): decode first, then prefill chunks, "
+                               "shared equally by the namespaces with prompts waiting; off: "
+                               "first come first served")
+    step_tokens: int = Field(default=DEFAULT_STEP_TOKENS, ge=2, le=1 << 20,
+                             description="an engine step's token budget (decode tokens and "
+                             "prefill chunks; more than max_batch_size): smaller keeps first "
+                             "and next tokens quicker under long prompts, larger prefills "
+                             "faster")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
+
+    @model_validator(mode="after")
+    def _step_holds_the_batch(self) -> EngineOptions:
+        # One token per decoding sequence comes first: a budget the batch fills leaves none
+        # for prefill.
+        if self.fair_prefill and self.step_tokens <= self.max_batch_size:
+            raise ValueError(f"step_tokens ({self.step_tokens}) must be more than "
+                             f"max_batch_size ({self.max_batch_size})")
+        return self
 
     @classmethod
     def parse(cls, values: Mapping[str, Any] | None) -> EngineOptions:
@@ -101,6 +117,7 @@ class EngineOptions(BaseModel):
             "default_max_tokens": self.default_max_tokens,  # the backend's (MLXBackend.load)
             "max_batch_size": self.max_batch_size,
             "fair_prefill": self.fair_prefill,
+            "step_tokens": self.step_tokens,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.
             "kv_disk_dir": self.kv_disk_dir,
             "kv_disk_bytes": (int(self.kv_disk_bytes)

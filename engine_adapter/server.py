@@ -83,6 +83,7 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
             yield
         finally:
             restore_signals()
+            host.close()
             if close_engine:
                 await asyncio.to_thread(chat.close)
 

@@ -5,8 +5,9 @@ Importing this package imports mlx; ``import engine_adapter`` alone does not.
 The loop and public API (``engine.py``), one request and its events (``request.py``), a running
 sequence (``sequence.py``) and the delivery of its tokens (``delivery.py``); KV reuse policy:
 static prefixes, conversations, parking (``reuse.py``) and a finished sequence's prompt and reply
-kept for the next turn (``reply.py``); prefill, dense and sparse, with fair slots per namespace
-(``prefill.py``), SpecPrefill jobs (``sparse.py``) and their scoring and chunk choice
+kept for the next turn (``reply.py``); prefill, dense and sparse, and a dense prompt in
+budgeted chunks (``prefill.py``), each step's token budget shared across namespaces
+(``budget.py``), SpecPrefill jobs (``sparse.py``) and their scoring and chunk choice
 (``specprefill.py``), a layer-truncated draft's layers reused by the target (``draft_layers.py``);
 the sampler with each sequence's grammar mask (``sampling.py``), ``rope.py``, mlx-lm's batch API
 and a config's vocabulary and window (``model_info.py``), mlx streams ended cleanly

@@ -1,13 +1,18 @@
 """The batched engine: continuous batching on mlx-lm's BatchGenerator, with the static prefix's
 KV reused across requests and SpecPrefill on the rest of long prompts.
 
-    submit(request) ──> engine thread: admit ──> fair slot (``prefill``) ──> BatchGenerator
+    submit(request) ──> engine thread: admit ──> prefill job ──> BatchGenerator (decode)
+    each step:          decode first, then the prefill chunks ``StepBudget.schedule`` picks
+                        within the step's token budget, shared across namespaces (``budget``)
     admit, dense:       what ``KVReuse.plan_dense`` restores (a conversation prefix, the static
-                        prefix, or nothing), the rest computed by the batch; the static prefix
-                        and the prompt are stored as their segments finish (``reuse``)
-    admit, SpecPrefill: a job (``sparse``) advanced one model chunk per loop; its cache is
-                        inserted with the last prompt token
+                        prefix, or nothing), the rest computed in chunks (``ChunkedPrefill``);
+                        the static prefix and the prompt are stored as their segments finish
+                        (``reuse``); inserted into the batch with the last prompt token
+    admit, SpecPrefill: a job (``sparse``) advanced one model chunk per budgeted step; its
+                        cache is inserted with the last prompt token
     a request whose static prefix another one is computing waits for it (parked)
+    ``fair_prefill=False``: first come first served instead (mlx-lm's own chunked prefill in
+    the batch; SpecPrefill jobs oldest first, a chunk per loop)
 
 Everything that touches the models runs on the engine's one thread; callers get tokens through
 a callback, a blocking iterator (``generate``) or an async iterator (``agenerate``).
@@ -28,15 +33,21 @@ import mlx.core as mx
 
 from prefix_cache.engine.protocol import EngineCounts, EngineHealth, EngineStats, counted
 
-from ..defaults import DEFAULT_MAX_BATCH_SIZE, DEFAULT_PREFILL_BATCH_SIZE, DEFAULT_PREFILL_STEP
+from ..defaults import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_PREFILL_BATCH_SIZE,
+    DEFAULT_PREFILL_STEP,
+    DEFAULT_STEP_TOKENS,
+)
 from . import kv_cache
+from .budget import StepBudget
 from .delivery import async_events, blocking_events
 from .draft_layers import reused_layers
 from .kv_disk_setup import DiskKVStore, open_kv_disk
 from .kv_store import KVSnapshotStore
 from .kv_tiered import tiered
 from .model_info import BatchGenerator, context_length, vocab_size
-from .prefill import PrefillQueue, insert_sequence, new_batch_generator
+from .prefill import ChunkedPrefill, insert_sequence, new_batch_generator
 from .request import (
     DENSE,
     SPECPREFILL,
@@ -81,13 +92,17 @@ class MLXEngine:
         tokenizer: Any | None = None,
         max_context: int | None = None,
         kv_disk: DiskKVStore | None = None,
-        fair_prefill: bool = True,
+        fair_prefill: bool = True,      # the step's token budget (``budget``); off: FCFS
+        step_tokens: int = DEFAULT_STEP_TOKENS,
     ) -> None:
         if max_context is not None and max_context < 2:
             raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
         if max_batch_size < 1 or prefill_batch_size < 1 or prefill_step_size < 1:
             raise ValueError("max_batch_size, prefill_batch_size and prefill_step_size "
                              "must be >= 1")
+        if fair_prefill and step_tokens <= max_batch_size:  # decode alone would fill a step
+            raise ValueError(f"step_tokens must be > max_batch_size ({max_batch_size}), "
+                             f"got {step_tokens}")
         self.model = model
         self.draft_model = draft_model
         self.tokenizer = tokenizer
@@ -127,10 +142,10 @@ class MLXEngine:
         self._closed = False
         self._by_id: dict[str, EngineSequence] = {}
         self._by_uid: dict[int, EngineSequence] = {}
-        self._prefill = PrefillQueue(prefill_batch_size, fair_prefill,
-                                     lambda *args: self._insert(*args))  # looked up per call
-        # SpecPrefills in progress, oldest first; the engine advances the oldest by one model
-        # chunk per loop, between BatchGenerator steps, so running sequences keep decoding.
+        # Prompts being prefilled, dense and SpecPrefill, and each step's share of them.
+        self._budget = StepBudget(step_tokens) if fair_prefill else None
+        # Without the budget: SpecPrefills in progress, oldest first, advanced one model chunk
+        # per loop between BatchGenerator steps, so running sequences keep decoding.
         self._sparse_jobs: deque[SparseJob] = deque()
         self._generator: BatchGenerator  # made on the engine thread (mlx streams are per thread)
         self._start_error: BaseException | None = None
@@ -198,7 +213,7 @@ class MLXEngine:
     def health(self) -> EngineHealth:
         """Whether the engine thread takes requests, how busy it is, if its KV disk is full."""
         return EngineHealth(ok=self._thread.is_alive() and not self._closed, active=len(
-            self._by_id), queued=len(self._inbox), sparse_prefills=len(self._sparse_jobs),
+            self._by_id), queued=len(self._inbox), sparse_prefills=self._sparse_count(),
             disk_full=self.kv_disk is not None and self.kv_disk.disk_full)
 
     def snapshot_stats(self) -> EngineStats:
@@ -250,7 +265,7 @@ class MLXEngine:
         while True:
             with self._wake:
                 # (parked requests wait on a leader, so they alone are no work)
-                while not (self._inbox or self._by_uid or self._sparse_jobs or self._prefill):
+                while not (self._inbox or self._by_uid or self._sparse_jobs or self._budget):
                     self._wake.wait()
                 work = list(self._inbox)
                 self._inbox.clear()
@@ -263,18 +278,42 @@ class MLXEngine:
                     self._fail_all(EngineError("the engine was closed"))
                     self._generator.close()
                     return
-            if self._sparse_jobs:
-                self._advance_sparse()
-            for seq, exc in self._prefill.release(self._generator.stream):
-                self._fail(seq, exc)
-            if self._by_uid:
-                try:
-                    self._step()
-                except Exception as exc:  # a failed model step fails what was running, not the engine
-                    log.exception("engine step failed")
-                    self._fail_all(EngineError(f"model step failed: {exc}"))
-                    self._generator.close()
-                    self._generator = self._new_generator()
+            if self._budget is None:
+                if self._sparse_jobs:
+                    self._advance_sparse(self._sparse_jobs[0])
+                self._decode_step()
+            else:  # decode first; prompts that finished their prefill go in at once
+                self._decode_step()
+                if self._prefill_step():
+                    self._decode_step()
+
+    def _decode_step(self) -> None:
+        if not self._by_uid:
+            return
+        try:
+            self._step()
+        except Exception as exc:  # a failed model step fails what was running, not the engine
+            log.exception("engine step failed")
+            self._fail_all(EngineError(f"model step failed: {exc}"))
+            self._generator.close()
+            self._generator = self._new_generator()
+
+    def _prefill_step(self) -> bool:
+        """This step's prefill work, as the budget picks it (``StepBudget.schedule``: decode
+        tokens first, the rest shared across namespaces); whether a prompt finished (it is in
+        the batch: the next ``_step`` moves it to generation)."""
+        assert self._budget is not None
+        finished = False
+        for job, tokens in self._budget.schedule(len(self._by_uid)):
+            if isinstance(job, SparseJob):
+                finished |= self._advance_sparse(job)
+            else:
+                finished |= self._advance_chunked(job, tokens)
+        return finished
+
+    def _sparse_count(self) -> int:
+        budgeted = self._budget or ()
+        return len(self._sparse_jobs) + sum(isinstance(j, SparseJob) for j in budgeted)
 
     def _new_generator(self) -> BatchGenerator:
         return new_batch_generator(self.model, self.stop_token_ids, *self._batch)
@@ -298,7 +337,6 @@ class MLXEngine:
 
     def _emit(self, seq: EngineSequence, r: Any) -> None:
         first = seq.emitted == 0
-        self._prefill.started(seq.request.request_id)  # prefilled: its slot to the next prompt
         event = TokenEvent(
             seq.request.request_id, int(r.token), seq.emitted, r.finish_reason,
             time.perf_counter() - seq.submitted,
@@ -324,7 +362,10 @@ class MLXEngine:
 
     def _forget(self, seq: EngineSequence) -> None:
         self._by_id.pop(seq.request.request_id, None)
-        self._prefill.forget(seq.request.request_id)
+        if self._budget is not None:
+            job = self._budget.discard(seq.request.request_id)
+            if isinstance(job, SparseJob):
+                job.steps.close()
         if seq.uid is not None:
             self._by_uid.pop(seq.uid, None)
         self._restart(self.reuse.forget(seq))
@@ -347,6 +388,11 @@ class MLXEngine:
         self.reuse.clear()
         while self._sparse_jobs:
             self._sparse_jobs.popleft().steps.close()
+        for job in self._budget or ():
+            if isinstance(job, SparseJob):
+                job.steps.close()
+        if self._budget is not None:
+            self._budget.clear()
         for seq in list(self._by_id.values()):
             seq.plan.leads = None
             self._forget(seq)
@@ -379,12 +425,18 @@ class MLXEngine:
             self.stats.parked += 1
             return
         if sparse:
+            step = self._step_size if self._budget is None else min(self._step_size,
+                                                                   self._budget.tokens)
             steps = specprefill_steps(
                 self.reuse, self.model, self.draft_model, self.specprefill,
                 namespace=req.namespace, ids=ids, static=static, conv=conv,
-                keep_pct=req.specprefill_keep_pct, step=self._step_size,
+                keep_pct=req.specprefill_keep_pct, step=step,
                 shared_layers=self._draft_layers)
-            self._sparse_jobs.append(SparseJob(seq, ids, static, steps))
+            job = SparseJob(seq, ids, static, steps, step)
+            if self._budget is None:
+                self._sparse_jobs.append(job)
+            else:
+                self._budget.add(job)
             return
         fallback = "no draft model" if req.specprefill and self.draft_model is None else None
         if not sparse_capable(self.reuse, self.specprefill) and self._asks_specprefill(req, rest):
@@ -417,8 +469,15 @@ class MLXEngine:
             with mx.stream(self._generator.stream):
                 prefill = self.reuse.plan_dense(seq.request, ids, static, conv)
                 seq.plan = prefill.plan
-                self._prefill.put(seq.request.request_id, seq.request.namespace, seq,
-                                  prefill.segments, prefill.cache)
+                if self._budget is None:
+                    self._insert(seq, prefill.segments, prefill.cache)
+                else:
+                    job = ChunkedPrefill(seq, self.model, prefill.segments, prefill.cache,
+                                         prefill.reused)
+                    if job.left:
+                        self._budget.add(job)
+                    else:  # nothing to compute but the last token
+                        self._insert(seq, [[job.last]], job.cache)
         except Exception as exc:
             self._fail(seq, exc)
             return
@@ -431,26 +490,55 @@ class MLXEngine:
         seq.uid = insert_sequence(self._generator, seq, segments, cache)
         self._by_uid[seq.uid] = seq
 
-    def _advance_sparse(self) -> None:
-        """One model chunk of the oldest SpecPrefill; at its end the sequence is in the batch.
-        Any failure falls back to a dense prefill (same answer class, counted)."""
-        job = self._sparse_jobs[0]
-        if self._by_id.get(job.seq.request.request_id) is not job.seq:  # cancelled meanwhile
+    def _advance_chunked(self, job: ChunkedPrefill, tokens: int) -> bool:
+        """``tokens`` more of a dense prompt (segment ends stored, parked requests released);
+        whether it is done and in the batch."""
+        seq = job.seq
+        if self._by_id.get(seq.request.request_id) is not seq:  # gone earlier in this step
+            self._drop_job(job)
+            return False
+        try:
+            with mx.stream(self._generator.stream):
+                while tokens > 0 and job.left > 0:
+                    before = job.done
+                    end = job.advance(tokens)
+                    tokens -= job.done - before
+                    if end is not None:   # the static prefix or the whole prompt is in
+                        self._restart(self.reuse.on_segment(seq, end, lambda: (job.cache,)))
+                if job.left:
+                    return False
+                self._drop_job(job)
+                self._insert(seq, [[job.last]], job.cache)
+                return True
+        except Exception as exc:
+            self._drop_job(job)
+            self._fail(seq, exc)
+            return False
+
+    def _drop_job(self, job: ChunkedPrefill | SparseJob) -> None:
+        if self._budget is not None:
+            self._budget.discard(job.seq.request.request_id)
+        elif self._sparse_jobs and self._sparse_jobs[0] is job:
             self._sparse_jobs.popleft()
+
+    def _advance_sparse(self, job: SparseJob) -> bool:
+        """One model chunk of a SpecPrefill; whether it is done and its sequence in the batch.
+        Any failure falls back to a dense prefill (same answer class, counted)."""
+        if self._by_id.get(job.seq.request.request_id) is not job.seq:  # cancelled meanwhile
+            self._drop_job(job)
             job.steps.close()
-            return
+            return False
         try:
             with mx.stream(self._generator.stream):
                 try:
                     next(job.steps)
-                    return
+                    return False
                 except StopIteration as finished:
-                    self._sparse_jobs.popleft()
+                    self._drop_job(job)
                     self._insert_sparse(job, finished.value)
-                    return
+                    return True
         except Exception as exc:
-            if self._sparse_jobs and self._sparse_jobs[0] is job:
-                self._sparse_jobs.popleft()
+            self._drop_job(job)
             fallback = f"{type(exc).__name__}: {exc}"
         log.warning("SpecPrefill failed, dense prefill instead: %s", fallback)
         self.stats.fallbacks += 1
@@ -459,6 +547,7 @@ class MLXEngine:
         conv = self.reuse.conversation_hit(req, job.ids, job.static,
                                            self._keep_share(req, job.ids, job.static))
         self._start_dense(job.seq, job.ids, job.static, fallback, conv)
+        return False
 
     def _insert_sparse(self, job: SparseJob, done: SparsePrefill) -> None:
         seq, ids, n = job.seq, job.ids, len(job.ids)

@@ -1,17 +1,15 @@
 """Filling a per-sequence cache: dense over a run of tokens, or sparse at original positions;
-and which waiting prompt is prefilled next (``FairPrefill``).
+and a dense prompt the engine prefills itself under the step's budget (``ChunkedPrefill``).
 
 Each is a step generator (one model chunk per step, so the engine can interleave other
 sequences' decode steps, as ``BatchGenerator`` does with its own prefill); ``run_steps`` drives
-one to its end at once.
+one to its end at once. Which prompt gets how many tokens in a step: ``budget``.
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Generator, Sequence
-from typing import Any, Generic, TypeVar, cast
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar, cast
 
 import mlx.core as mx
 
@@ -106,122 +104,63 @@ def next_logits(model: Any, ids: Sequence[int], cache: list[Any]) -> mx.array:
     return out[0, -1]
 
 
-K = TypeVar("K")
+class ChunkedPrefill:
+    """A dense prompt prefilled by the engine itself, as many tokens per step as the step's
+    budget gives it (``budget``): every prompt token but the last into ``cache``, never past a
+    segment's end in one model call (the static prefix is snapshotted exactly there). Once
+    done, the sequence goes into the batch with its last token, which generation starts from.
+    Chunking never changes the result: causal attention over a cache fed in pieces is the
+    attention over the whole."""
 
+    chunk = None    # dense: takes whatever number of tokens the budget gives
 
-class FairPrefill(Generic[K]):
-    """Prompts waiting for a prefill slot, per namespace, and which one goes next.
+    def __init__(self, seq: Any, model: Any, segments: list[list[int]], cache: list[Any],
+                 start: int) -> None:
+        self.seq = seq
+        self.model = model
+        self.cache = cache
+        tokens = [t for segment in segments for t in segment]
+        self.last = tokens[-1]
+        self.tokens = mx.array(tokens[:-1], dtype=mx.uint32)
+        self.start = start                   # prompt tokens in ``cache`` before these
+        ends, at = [], 0
+        for segment in segments:
+            at += len(segment)
+            ends.append(min(at, len(tokens) - 1))
+        self.ends = sorted({e for e in ends if e > 0})   # where a segment ends, in ``tokens``
+        self.done = 0
+        # A restored sparse history stores fewer tokens than it stands for; its rows are
+        # rotated ahead only once merged into the batch, so here the rest is rotated at its
+        # own prompt positions.
+        self._positions = PositionPlan() if any(
+            getattr(c, "position_shift", 0) for c in cache) else None
 
-    ``BatchGenerator`` prefills up to ``slots`` prompts together, a chunk of each per step
-    between decode steps (chunked prefill), first come first served: a tenant that sends many
-    long prompts fills every slot and its queue, and another tenant's short prompt waits for
-    all of them. Here prompts reach the generator only when a slot is free, and the next one is
-    the oldest of the namespace holding the fewest slots (ties: the one served longest ago), so
-    each namespace with work gets an equal share of the slots (vLLM's chunked prefill, SGLang's
-    fair scheduling). One namespace alone never holds the last slot: a newcomer starts at the
-    next step, without waiting for a long prefill to end.
-    """
+    @property
+    def request_id(self) -> str:
+        return str(self.seq.request.request_id)
 
-    def __init__(self, slots: int) -> None:
-        if slots < 1:
-            raise ValueError(f"prefill slots must be >= 1, got {slots}")
-        self.slots = slots
-        self._waiting: OrderedDict[str, deque[K]] = OrderedDict()  # least recently served first
-        self._held: Counter[str] = Counter()                      # slots in use, by namespace
-        self._holder: dict[K, str] = {}
+    @property
+    def namespace(self) -> str:
+        return str(self.seq.request.namespace)
 
-    def __len__(self) -> int:
-        return sum(len(q) for q in self._waiting.values())
+    @property
+    def left(self) -> int:
+        return int(self.tokens.shape[0]) - self.done
 
-    def push(self, namespace: str, item: K) -> None:
-        self._waiting.setdefault(namespace, deque()).append(item)
-
-    def free(self, item: K) -> None:
-        """``item``'s slot, if it holds one, goes back (prefilled, cancelled, failed)."""
-        namespace = self._holder.pop(item, None)
-        if namespace is not None:
-            self._held[namespace] -= 1
-            if self._held[namespace] <= 0:
-                del self._held[namespace]
-
-    def discard(self, item: K) -> None:
-        """Forget ``item``, waiting or holding a slot."""
-        if item in self._holder:
-            self.free(item)
-            return
-        for name, queue in self._waiting.items():
-            if item in queue:
-                queue.remove(item)
-                if not queue:
-                    del self._waiting[name]
-                return
-
-    def clear(self) -> None:
-        self._waiting.clear()
-        self._held.clear()
-        self._holder.clear()
-
-    def pop_ready(self) -> list[K]:
-        """The waiting prompts that get a slot now, each now holding it until ``discard``."""
-        ready: list[K] = []
-        while self._waiting and sum(self._held.values()) < self.slots:
-            active = len(set(self._waiting) | set(self._held))
-            share = math.ceil(self.slots / active)
-            cap = min(share, self.slots - 1) if self.slots > 1 and active == 1 else share
-            names = [n for n in self._waiting if self._held[n] < cap]
-            if not names:
-                break
-            name = min(names, key=lambda n: self._held[n])  # stable: least recently served
-            queue = self._waiting.pop(name)
-            item = queue.popleft()
-            if queue:
-                self._waiting[name] = queue  # to the back: served just now
-            self._held[name] += 1
-            self._holder[item] = name
-            ready.append(item)
-        return ready
-
-
-class PrefillQueue:
-    """Where a prompt waits before ``insert`` puts it into the batch: with ``fair``, for a
-    ``FairPrefill`` slot (``release``, each loop; ``started`` once its first token is out);
-    without, nowhere (first come first served, in the batch's own queue)."""
-
-    def __init__(self, slots: int, fair: bool, insert: Callable[..., None]) -> None:
-        self._fair: FairPrefill[str] | None = FairPrefill(slots) if fair else None
-        self._insert = insert
-        self._pending: dict[str, tuple[Any, ...]] = {}  # request id -> insert's arguments
-
-    def __len__(self) -> int:
-        """Prompts waiting for a slot."""
-        return len(self._pending)
-
-    def put(self, request_id: str, namespace: str, *args: Any) -> None:
-        if self._fair is None:
-            self._insert(*args)
-            return
-        self._pending[request_id] = args
-        self._fair.push(namespace, request_id)
-
-    def release(self, stream: Any) -> list[tuple[Any, Exception]]:
-        """Insert the prompts that get a slot now (on ``stream``); the ones that failed to
-        insert (their first argument: the sequence) with why."""
-        failed = []
-        for request_id in self._fair.pop_ready() if self._fair is not None else ():
-            args = self._pending.pop(request_id)
-            try:
-                with mx.stream(stream):
-                    self._insert(*args)
-            except Exception as exc:
-                failed.append((args[0], exc))
-        return failed
-
-    def started(self, request_id: str) -> None:
-        """The request's prompt is prefilled (a token is out): its slot, if any, is free."""
-        if self._fair is not None:
-            self._fair.free(request_id)
-
-    def forget(self, request_id: str) -> None:
-        if self._fair is not None and self._pending.pop(request_id, None) is not None:
-            self._fair.discard(request_id)
-        self.started(request_id)
+    def advance(self, n: int) -> int | None:
+        """Compute up to ``n`` more tokens, stopping at a segment's end; the prompt position
+        reached when that was a segment's end (the engine stores or parks there), else None."""
+        end = next(e for e in self.ends if e > self.done)
+        stop = min(self.done + n, end)
+        if stop > self.done:
+            chunk = self.tokens[None, self.done:stop]
+            if self._positions is None:
+                self.model(chunk, cache=self.cache)
+            else:
+                self._positions.current = mx.arange(self.start + self.done, self.start + stop,
+                                                    dtype=mx.int32)
+                with mapped_positions(self.model, self._positions):
+                    self.model(chunk, cache=self.cache)
+            _evaluate(self.cache)
+            self.done = stop
+        return self.start + stop if stop == end else None

@@ -55,6 +55,19 @@ class SparseJob:
     ids: list[int]
     static: int
     steps: Generator[None, None, SparsePrefill]
+    chunk: int = 0                  # tokens per step: what a step's budget is charged
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request.request_id
+
+    @property
+    def namespace(self) -> str:
+        return self.seq.request.namespace
+
+    @property
+    def left(self) -> int:          # an estimate: the draft reads, the target keeps a share
+        return len(self.ids) - self.static
 
 
 def sparse_capable(reuse: KVReuse, config: SpecPrefillConfig) -> bool:

@@ -7,6 +7,7 @@ random-weights one (float32), so what is checked is plumbing, counts and KV reus
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -431,6 +432,44 @@ def test_serve_engine_renders_without_ids(engine_server: tuple[str, MLXBackend],
     assert completion.usage.prompt_tokens == len(rendered(tokenizer, messages, tools))
     assert completion.usage.prompt_tokens_details.cached_tokens == 0  # boundary 0
     assert completion.object == "chat.completion" and completion.model == "tiny-engine"
+
+
+def prompt_tokens(url: str) -> dict[str, float]:
+    """``prefix_cache_engine_prompt_tokens_total`` by kind (reused, computed) from /metrics."""
+    with local_client(base_url=url) as http:
+        text = http.get("/metrics").text
+    return {s.labels["kind"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "prefix_cache_engine_prompt_tokens_total"}
+
+
+def test_a_burst_sharing_a_cold_static_prefix_computes_it_once_over_http(
+        engine_server: tuple[str, MLXBackend], tokenizer: Any) -> None:
+    """Eight chats sent together with one ~1,600-token system + tools prefix and distinct
+    questions: serve-engine renders them itself and cuts their boundary, so the first prefills
+    the prefix and the other seven park on it and restore it (before: 0 reused)."""
+    url, _ = engine_server
+    system = {"role": "system", "content": unique_system()["content"] + " Rules: " + " ".join(
+        f"rule {i} says keep the workspace tidy." for i in range(120))}
+    tools = make_tools(8, seed=52)
+    static = len(rendered(tokenizer, [system], tools))
+    assert static > 1500
+    before = prompt_tokens(url)
+    sdk = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sk-none", max_retries=0)
+
+    async def burst() -> list[Any]:
+        return await asyncio.gather(*(sdk.chat.completions.create(
+            model="m", messages=chat(system, f"Question {i}: which file holds the {i}th key?"),
+            tools=tools, max_tokens=1, temperature=0.0) for i in range(8)))
+
+    answers = asyncio.run(burst())
+    after = prompt_tokens(url)
+    computed = after["computed"] - before["computed"]
+    reused = after["reused"] - before["reused"]
+    total = sum(a.usage.prompt_tokens for a in answers)
+    assert computed + reused == total
+    assert reused >= 7 * (static - 64), (computed, reused, static)  # the prefix, seven times
+    assert computed <= total - 7 * (static - 64)
+    assert sum(a.usage.prompt_tokens_details.cached_tokens for a in answers) == reused
 
 
 @pytest.mark.parametrize("extra, code", [
