@@ -381,7 +381,7 @@ class MLXEngine:
         if sparse:
             steps = specprefill_steps(
                 self.reuse, self.model, self.draft_model, self.specprefill,
-                namespace=req.namespace, ids=ids, static=static, conv=conv,
+                namespace=req.namespace, issued=req.issued, ids=ids, static=static, conv=conv,
                 keep_pct=req.specprefill_keep_pct, step=self._step_size,
                 shared_layers=self._draft_layers)
             self._sparse_jobs.append(SparseJob(seq, ids, static, steps))

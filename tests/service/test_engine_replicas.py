@@ -105,6 +105,35 @@ def test_a_tenants_purge_reaches_the_serve_engine_replica(sidecar: str,
     assert cached(ask(sidecar, "sk-globex", system, "Second.")) > 0
 
 
+def test_a_purge_stops_what_is_in_flight(sidecar: str, replica: tuple[str, MLXBackend]) -> None:
+    """Issue 47, defect 2: acme's stream is still running when its purge answers; what that
+    request stores after (its prompt's and reply's KV, in RAM and through the disk writer) is
+    refused, so acme's next turn reuses nothing and no file of acme's comes back."""
+    _, chat = replica
+    system = unique_system()
+    messages = [system, {"role": "user", "content": "A long answer, please."}]
+    stream = openai_client(sidecar, "sk-acme").chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=256, temperature=0.0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)  # the engine runs it now
+    with local_client(base_url=sidecar) as http:
+        r = http.post("/admin/purge", json={"tenant": "acme"}, headers=bearer(ADMIN_KEY))
+    running = chat.snapshot_stats().active
+    assert r.status_code == 200, r.text
+    generated = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert running == 1 and generated and generated[-1] > 1  # purged mid-request
+    # The engine stores a finished request's KV after its last token is out: another
+    # tenant's answer says the engine thread is past that (one thread, in order).
+    ask(sidecar, "sk-globex", unique_system(), "After.")
+    assert "acme" not in disk_namespaces(chat)   # the writer's queue drained first
+    assert "acme" not in chat.snapshot_stats().kv_store.by_namespace
+    assert "acme" not in chat.snapshot_stats().conversation_store.by_namespace
+    again = openai_client(sidecar, "sk-acme").chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, temperature=0.0)
+    assert cached(again.usage) == 0
+
+
 def test_the_replicas_purge_needs_its_api_key(replica: tuple[str, MLXBackend]) -> None:
     url, _ = replica
     with local_client(base_url=url) as http:
