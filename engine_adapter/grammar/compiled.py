@@ -1,9 +1,12 @@
-"""Grammars compiled once per grammar text and tokenizer, kept in a bounded LRU; each request
-gets a fresh copy of the compiled matcher (``deep_copy``: microseconds, not a compile).
+"""Grammars compiled once per namespace, grammar text and tokenizer, kept in a bounded LRU;
+each request gets a fresh copy of the compiled matcher (``deep_copy``: microseconds, not a
+compile).
 
-The key is the project's: xxhash (xxh3-128) of the grammar's bytes and the tokenizer's
-fingerprint (``prefix_cache.render.tokenizer_identity``), so a tokenizer changed after first use gets
-its own entries (and its own llguidance tokenizer).
+The key is the project's: the namespace (a tenant never gets another's compiled grammar, so the
+time to its first token cannot tell it what another sent: ARCHITECTURE.md invariant 5; a purge
+drops the namespace's), xxhash (xxh3-128) of the grammar's bytes and the tokenizer's fingerprint
+(``prefix_cache.render.tokenizer_identity``), so a tokenizer changed after first use gets its own
+entries (and its own llguidance tokenizer).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from prefix_cache.render.render import unwrap_tokenizer
 from prefix_cache.render.tokenizer_identity import current_fingerprint
 from prefix_cache.util.lru import ByteLRU
 
+from ..purge_marks import PurgeMarks, stamp
 from .build import UNSUPPORTED, OutputGrammar
 
 DEFAULT_MAX_GRAMMARS = 128
@@ -51,34 +55,47 @@ class GrammarCache:
         self.eos_ids = list(eos_ids)
         self.compiles = self.hits = 0
         self.tokenizer_builds = 0   # llguidance tokenizers built (``prepare``, or a first grammar)
-        self._lru: ByteLRU[str, Any] = ByteLRU(DEFAULT_MAX_GRAMMAR_BYTES, max_entries)
+        self._lru: ByteLRU[tuple[str, str], Any] = ByteLRU(DEFAULT_MAX_GRAMMAR_BYTES, max_entries)
         self._ll_tokenizers: dict[bytes, Any] = {}
+        self._purges = PurgeMarks()
         self._lock = threading.Lock()  # callers are API handlers on several threads
 
-    def run(self, grammar: OutputGrammar) -> GrammarRun:
+    def run(self, grammar: OutputGrammar, namespace: str = "default") -> GrammarRun:
         """A fresh run of the grammar (``matcher``: an ``LLMatcher``)."""
-        return GrammarRun(self.matcher(grammar), tuple(self.eos_ids))
+        return GrammarRun(self.matcher(grammar, namespace), tuple(self.eos_ids))
 
-    def matcher(self, grammar: OutputGrammar) -> Any:
-        """A fresh ``LLMatcher`` for the grammar; InvalidRequestError naming the part that
-        cannot compile."""
+    def matcher(self, grammar: OutputGrammar, namespace: str = "default") -> Any:
+        """A fresh ``LLMatcher`` for the grammar, compiled once per namespace;
+        InvalidRequestError naming the part that cannot compile."""
         if not self.eos_ids:
             raise InvalidRequestError("constrained decoding (a JSON format, tool_choice) needs the "
                                       "model's end-of-turn token, and this one has none",
                                       code=UNSUPPORTED)
         fingerprint = current_fingerprint(self.tokenizer)
-        key = xxhash.xxh3_128_hexdigest(grammar.lark.encode()) + fingerprint.hex()
+        key = (namespace, xxhash.xxh3_128_hexdigest(grammar.lark.encode()) + fingerprint.hex())
+        issued = stamp()   # a purge of the namespace while this compiles: not kept after it
         with self._lock:
             template = self._lru.get(key)
             if template is not None:
                 self.hits += 1
                 return template.deep_copy()
             ll_tokenizer = self._ll_tokenizer(fingerprint)
-        template = self._compile(grammar, ll_tokenizer)
+        try:
+            template = self._compile(grammar, ll_tokenizer)
+        finally:
+            with self._lock:
+                self.compiles += 1
         with self._lock:
-            self.compiles += 1
-            self._lru.put(key, template, len(grammar.lark))
+            if not self._purges.since(namespace, issued):
+                self._lru.put(key, template, len(grammar.lark))
         return template.deep_copy()
+
+    def purge(self, namespace: str | None = None) -> int:
+        """Drop a namespace's compiled grammars (None: every one); the number dropped."""
+        with self._lock:
+            self._purges.mark(namespace)
+            doomed = self._lru.pop_where(lambda k, _: namespace is None or k[0] == namespace)
+        return len(doomed)
 
     def prepare(self) -> None:
         """Build the llguidance tokenizer now, so the first request under a grammar (any

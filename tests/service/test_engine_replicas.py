@@ -6,6 +6,7 @@ kind. Clients are the real OpenAI SDK on loopback; the tiny model's text is neve
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -206,3 +207,45 @@ def test_owned_fields_are_removed_before_any_upstream(recorder_server: tuple[Rec
         assert sent[wire.SPECPREFILL_NAMESPACE] == "globex"
         assert sent[wire.PROMPT_TOKEN_IDS] != [1, 2, 3]
         assert sent[wire.SPECPREFILL_SYSTEM_END] > 2
+
+
+# -- 3. grammars: one tenant's never another's, compiled off the loop, refused before they run -
+
+
+def schema_format(properties: int, *, required: bool = False, tag: str = "") -> dict[str, Any]:
+    """A ``response_format`` of an object with ``properties`` string properties (names carry
+    ``tag``, so each test's schema is its own)."""
+    names = [f"{tag}p{i}" for i in range(properties)]
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False,
+                              "properties": {n: {"type": "string"} for n in names}}
+    if required:
+        schema["required"] = names
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+
+
+def post_chat(url: str, key: str, max_tokens: int = 2, **extra: Any) -> Any:
+    """A chat completion through the sidecar with httpx (its status and error body, as sent)."""
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0.0,
+            "messages": [unique_system(), {"role": "user", "content": "JSON, please."}], **extra}
+    with local_client(base_url=url, timeout=120.0) as http:
+        return http.post("/v1/chat/completions", json=body, headers=bearer(key))
+
+
+def test_a_tenant_never_gets_another_tenants_compiled_grammar(
+        sidecar: str, replica: tuple[str, MLXBackend]) -> None:
+    """Issue 47, defect 3: globex sending the schema acme sent compiles it anew (no timing
+    tells it what acme sent), and acme's purge drops acme's compiled grammars."""
+    grammars = replica[1].grammars
+    fmt = schema_format(6, required=True, tag=uuid.uuid4().hex[:8])
+    counts = []
+    for key in ("sk-acme", "sk-acme", "sk-globex", "sk-globex"):
+        assert post_chat(sidecar, key, response_format=fmt).status_code == 200
+        counts.append(grammars.compiles)
+    assert [b - a for a, b in zip(counts, counts[1:])] == [0, 1, 0]  # per tenant, then hits
+    with local_client(base_url=sidecar) as http:
+        assert http.post("/admin/purge", json={"tenant": "acme"},
+                         headers=bearer(ADMIN_KEY)).status_code == 200
+    assert post_chat(sidecar, "sk-acme", response_format=fmt).status_code == 200
+    assert grammars.compiles == counts[-1] + 1   # acme's was purged
+    assert post_chat(sidecar, "sk-globex", response_format=fmt).status_code == 200
+    assert grammars.compiles == counts[-1] + 1   # globex's was not
