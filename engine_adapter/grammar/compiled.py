@@ -7,6 +7,12 @@ time to its first token cannot tell it what another sent: ARCHITECTURE.md invari
 drops the namespace's), xxhash (xxh3-128) of the grammar's bytes and the tokenizer's fingerprint
 (``prefix_cache.render.tokenizer_identity``), so a tokenizer changed after first use gets its own
 entries (and its own llguidance tokenizer).
+
+What a grammar would refuse is found before anything runs, as a 400: a compiled one walks its
+first steps (``_first_steps``:
+the forced tokens, and a few of the allowed ones at each branch), so one that compiles but cannot
+run (a row of Earley items past llguidance's limit as soon as an object with thousands of
+optional properties opens) is refused instead of failing at its first token as a 500.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import llguidance
+import numpy as np
 import llguidance.hf
 import xxhash
 
@@ -32,6 +39,9 @@ DEFAULT_MAX_GRAMMARS = 128
 # Grammar text is the size counted: compiled state grows with it.
 DEFAULT_MAX_GRAMMAR_BYTES = 64 << 20
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+CANNOT_RUN = "grammar_cannot_run"
+# ``_first_steps``: how many tokens deep, and how many of the allowed tokens at each step.
+PROBE_DEPTH, PROBE_WIDTH = 3, 4
 
 
 @dataclass(slots=True)
@@ -66,7 +76,8 @@ class GrammarCache:
 
     def matcher(self, grammar: OutputGrammar, namespace: str = "default") -> Any:
         """A fresh ``LLMatcher`` for the grammar, compiled once per namespace;
-        InvalidRequestError naming the part that cannot compile."""
+        InvalidRequestError naming the part that cannot compile, or what the grammar would
+        refuse (a first step past llguidance's limits)."""
         if not self.eos_ids:
             raise InvalidRequestError("constrained decoding (a JSON format, tool_choice) needs the "
                                       "model's end-of-turn token, and this one has none",
@@ -117,6 +128,13 @@ class GrammarCache:
         lark = llguidance.LLMatcher.grammar_from_lark(grammar.lark)
         matcher = llguidance.LLMatcher(ll_tokenizer, lark, log_level=0, limits=LIMITS)
         if not matcher.is_error():
+            refused = _first_steps(matcher)
+            if refused is not None:
+                raise InvalidRequestError(
+                    "the output's grammar compiles but cannot run within this engine's limits "
+                    f"for constrained decoding ({_reason(refused)}): an object with fewer "
+                    "optional properties (make them required), or a smaller schema",
+                    code=CANNOT_RUN)
             return matcher
         for field, part in grammar.parts:  # which one: each compiled alone
             alone = llguidance.LLMatcher(ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(part),
@@ -127,6 +145,34 @@ class GrammarCache:
                                           code=UNSUPPORTED)
         raise InvalidRequestError("the output's grammar could not be compiled: "
                                   f"{_reason(matcher.get_error())}", code=UNSUPPORTED)
+
+
+def _first_steps(template: Any) -> str | None:
+    """The error of the grammar's first steps, on copies of ``template``, or None: at each
+    step the tokens it forces, then up to ``PROBE_WIDTH`` of those it allows, ``PROBE_DEPTH``
+    deep. What fails here would fail the request at its first tokens."""
+    frontier = [template.deep_copy()]
+    for _ in range(PROBE_DEPTH):
+        following = []
+        for matcher in frontier:
+            forced = matcher.compute_ff_tokens()
+            if forced:
+                matcher.consume_tokens(forced)
+            mask = None if matcher.is_error() else matcher.compute_bitmask()
+            if matcher.is_error():
+                return str(matcher.get_error())
+            if matcher.is_stopped():
+                continue
+            allowed = np.flatnonzero(np.unpackbits(np.frombuffer(mask, np.uint8),
+                                                   bitorder="little"))
+            for token in allowed[:PROBE_WIDTH]:
+                step = matcher.deep_copy()
+                step.consume_token(int(token))
+                if step.is_error():
+                    return str(step.get_error())
+                following.append(step)
+        frontier = following[:PROBE_WIDTH]
+    return None
 
 
 def _reason(error: str) -> str:

@@ -249,3 +249,25 @@ def test_a_tenant_never_gets_another_tenants_compiled_grammar(
     assert grammars.compiles == counts[-1] + 1   # acme's was purged
     assert post_chat(sidecar, "sk-globex", response_format=fmt).status_code == 200
     assert grammars.compiles == counts[-1] + 1   # globex's was not
+
+
+def test_a_grammar_that_cannot_run_is_a_400_sent_to_one_replica(
+        replica: tuple[str, MLXBackend], tokenizer: Any) -> None:
+    """Issue 47, defect 5: 1,500 optional properties compile, then fail at the first token;
+    that is found at compile time, a 400 naming the limit, and a 400 is never retried on the
+    other replica (two servers of one engine here: one compile, not two)."""
+    url, chat = replica
+    with ServerThread(create_engine_app(chat, trust_namespace=True, api_key=ENGINE_KEY)) as second:
+        replicas = [Upstream(u, "specprefill", api_key=ENGINE_KEY) for u in (url, second)]
+        model = ServedModel(MODEL, model_label(MODEL), tokenizer, replicas[0],
+                            pool=UpstreamPool(replicas))
+        app = sidecar_app(model, api_keys=TENANT_KEYS)
+        with ServerThread(app) as sidecar_url:
+            before = chat.grammars.compiles
+            r = post_chat(sidecar_url, "sk-acme",
+                          response_format=schema_format(1500, tag=uuid.uuid4().hex[:8]))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "grammar_cannot_run"
+            assert "max is 2000" in r.json()["error"]["message"]
+            assert chat.grammars.compiles == before + 1
+            assert post_chat(sidecar_url, "sk-acme").status_code == 200  # no replica ejected
