@@ -8,8 +8,8 @@ drops the namespace's), xxhash (xxh3-128) of the grammar's bytes and the tokeniz
 (``prefix_cache.render.tokenizer_identity``), so a tokenizer changed after first use gets its own
 entries (and its own llguidance tokenizer).
 
-What a grammar would refuse is found before anything runs, as a 400: a compiled one walks its
-first steps (``_first_steps``:
+What a grammar would refuse is found before anything runs, as a 400: a grammar text over
+``MAX_GRAMMAR_TEXT_BYTES`` is not compiled; a compiled one walks its first steps (``_first_steps``:
 the forced tokens, and a few of the allowed ones at each branch), so one that compiles but cannot
 run (a row of Earley items past llguidance's limit as soon as an object with thousands of
 optional properties opens) is refused instead of failing at its first token as a 500.
@@ -39,6 +39,11 @@ DEFAULT_MAX_GRAMMARS = 128
 # Grammar text is the size counted: compiled state grows with it.
 DEFAULT_MAX_GRAMMAR_BYTES = 64 << 20
 LIMITS = llguidance.LLParserLimits(verbose_errors=False)
+# The largest grammar text compiled (Lark, as ``build.py`` writes it): a schema's size is what
+# its compile time grows with (3,500 required properties, ~130 KB, compile in ~2 s; 10,000
+# optional ones took 107 s). Past it, a 400 naming the limit.
+MAX_GRAMMAR_TEXT_BYTES = 128 << 10
+TOO_LARGE = "grammar_too_large"
 CANNOT_RUN = "grammar_cannot_run"
 # ``_first_steps``: how many tokens deep, and how many of the allowed tokens at each step.
 PROBE_DEPTH, PROBE_WIDTH = 3, 4
@@ -64,6 +69,7 @@ class GrammarCache:
         self.vocab_size = vocab_size
         self.eos_ids = list(eos_ids)
         self.compiles = self.hits = 0
+        self.compiling = 0          # compiles running now (API handlers' threads)
         self.tokenizer_builds = 0   # llguidance tokenizers built (``prepare``, or a first grammar)
         self._lru: ByteLRU[tuple[str, str], Any] = ByteLRU(DEFAULT_MAX_GRAMMAR_BYTES, max_entries)
         self._ll_tokenizers: dict[bytes, Any] = {}
@@ -77,11 +83,18 @@ class GrammarCache:
     def matcher(self, grammar: OutputGrammar, namespace: str = "default") -> Any:
         """A fresh ``LLMatcher`` for the grammar, compiled once per namespace;
         InvalidRequestError naming the part that cannot compile, or what the grammar would
-        refuse (a first step past llguidance's limits)."""
+        refuse (its size past ``MAX_GRAMMAR_TEXT_BYTES``, a first step past llguidance's
+        limits)."""
         if not self.eos_ids:
             raise InvalidRequestError("constrained decoding (a JSON format, tool_choice) needs the "
                                       "model's end-of-turn token, and this one has none",
                                       code=UNSUPPORTED)
+        size = len(grammar.lark.encode())
+        if size > MAX_GRAMMAR_TEXT_BYTES:
+            raise InvalidRequestError(
+                f"the output's grammar (a JSON schema, tools) is {size} bytes as a grammar, over "
+                f"the limit of {MAX_GRAMMAR_TEXT_BYTES} bytes ({MAX_GRAMMAR_TEXT_BYTES >> 10} "
+                "KiB) this engine compiles: send a smaller schema", code=TOO_LARGE)
         fingerprint = current_fingerprint(self.tokenizer)
         key = (namespace, xxhash.xxh3_128_hexdigest(grammar.lark.encode()) + fingerprint.hex())
         issued = stamp()   # a purge of the namespace while this compiles: not kept after it
@@ -91,10 +104,12 @@ class GrammarCache:
                 self.hits += 1
                 return template.deep_copy()
             ll_tokenizer = self._ll_tokenizer(fingerprint)
+            self.compiling += 1
         try:
             template = self._compile(grammar, ll_tokenizer)
         finally:
             with self._lock:
+                self.compiling -= 1
                 self.compiles += 1
         with self._lock:
             if not self._purges.since(namespace, issued):

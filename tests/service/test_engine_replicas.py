@@ -6,6 +6,7 @@ kind. Clients are the real OpenAI SDK on loopback; the tiny model's text is neve
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,7 @@ from tests.support.recording_upstream import Recorder  # noqa: E402
 from tests.support.server_thread import ServerThread  # noqa: E402
 from tests.support.sidecar import TENANT_KEYS, bearer, served, sidecar_app, unique_system  # noqa: E402
 from tests.support.tools import make_tools  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
 ENGINE_KEY, ADMIN_KEY = "sk-engine", "sk-admin"
 MODEL = "tiny"
@@ -249,6 +251,33 @@ def test_a_tenant_never_gets_another_tenants_compiled_grammar(
     assert grammars.compiles == counts[-1] + 1   # acme's was purged
     assert post_chat(sidecar, "sk-globex", response_format=fmt).status_code == 200
     assert grammars.compiles == counts[-1] + 1   # globex's was not
+
+
+def test_a_slow_grammar_stalls_nobody_and_an_oversize_one_is_a_400(
+        sidecar: str, replica: tuple[str, MLXBackend]) -> None:
+    """Issue 47, defect 4: while acme's schema of 2,500 optional properties compiles (seconds),
+    the replica's /health and globex's chat are answered; a schema past the grammar size limit
+    is a 400 naming the limit, compiled never."""
+    url, chat = replica
+    slow: list[Any] = []
+    thread = threading.Thread(target=lambda: slow.append(post_chat(
+        sidecar, "sk-acme", response_format=schema_format(2500, tag="slow"))))
+    thread.start()
+    try:
+        wait_until(lambda: chat.grammars.compiling == 1, "the slow schema compiling")
+        with local_client(base_url=url) as http:
+            assert http.get("/health").status_code == 200
+        assert post_chat(sidecar, "sk-globex").status_code == 200
+        assert chat.grammars.compiling == 1   # both answered while it compiled
+    finally:
+        thread.join(timeout=300)
+    assert slow[0].status_code == 400   # and it cannot run (defect 5): refused, not a 500
+    before = chat.grammars.compiles
+    big = post_chat(sidecar, "sk-acme", response_format=schema_format(5000, required=True))
+    assert big.status_code == 400, big.text
+    error = big.json()["error"]
+    assert error["code"] == "grammar_too_large" and "131072 bytes" in error["message"]
+    assert chat.grammars.compiles == before
 
 
 def test_a_grammar_that_cannot_run_is_a_400_sent_to_one_replica(
