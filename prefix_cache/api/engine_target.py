@@ -6,11 +6,12 @@ constrained decoding; every refusal names the field as the client's API spells i
 
 The engine's check of a turn under a grammar (``ChatBackend.check``: the grammar compiled,
 seconds for a large schema) runs in a thread, never on the event loop, so ``/healthz`` and every
-other request are answered meanwhile (a turn without one is checked on the loop: microseconds). It is bounded: the engine refuses a grammar past its size limit, and a check
-not done in ``CHECK_TIMEOUT_S`` is a 400 naming the limit. Checks count against the tenant's own
-share (``_Gates``): one at a time per namespace and engine, a tenant's next waiting (on the loop)
-for its last to end, even past a timeout, so a tenant sending slow schemas holds one thread at
-most, never every other tenant's.
+other request are answered meanwhile (a turn without one is checked on the loop: microseconds).
+It is bounded: the engine refuses a grammar past its size limit, and a check not done in
+``CHECK_TIMEOUT_S`` is a 400 naming the limit. Checks count against the tenant's own share
+(``_Gates``): one at a time per namespace and engine, a tenant's next waiting (on the loop) for
+its last to end, even past a timeout, so a tenant sending slow schemas holds one thread at most,
+never every other tenant's.
 """
 
 from __future__ import annotations
