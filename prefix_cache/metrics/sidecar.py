@@ -134,8 +134,8 @@ class Metrics(CacheObserver):
                                   registry=reg, multiprocess_mode="livemax")
         self.keys_reloads = Counter(
             f"{NS}_keys_reloads_total", "Keys-file re-reads (SIGHUP) by result: ok, invalid "
-            "(the file did not load) or would_open (it held no key that the keys in use hold: "
-            "a file cut short); refused ones keep the keys in use.", ["result"], registry=reg)
+            "(the file did not load, or held no key) or would_open (no tenant key where there "
+            "were some); refused ones keep the keys in use.", ["result"], registry=reg)
         for result in KEYS_RELOAD_RESULTS:  # exposed at zero, so an alert sees the series
             self.keys_reloads.labels(result)
         self.api = RequestMetrics(reg, self.tenant_label)

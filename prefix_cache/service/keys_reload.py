@@ -6,10 +6,10 @@ ones, never a mix; requests already admitted run on. A file that does not load (
 not YAML/JSON, a bad field, a limit naming no tenant) is refused with a log line and the old
 keys stay. A key that is gone is refused from the next request on.
 
-A re-read never opens what the keys in use keep locked: a file that yields no tenant keys where
-there were some (``tenants:`` with nothing under it, a file cut short or emptied by an editor)
-would make ``/v1`` open to anyone, and one with no key at all every endpoint; it is refused
-like a file that does not load. Only a start with no keys runs open. Each re-read is counted
+A re-read never opens what the keys in use keep locked: a file with no key at all (``tenants:``
+with nothing under it, a file cut short or emptied by an editor) does not load, at start either
+(``tenants.py``), and one with no tenant key where there were some (``/v1`` open to anyone) is
+refused like it. Only a start without a keys file runs open. Each re-read is counted
 (``prefix_cache_keys_reloads_total{result}``).
 
 ``prefix-cache serve --workers N`` runs a supervisor that passes a SIGHUP on to each worker
