@@ -6,7 +6,9 @@
   (tool calls cut out of the text) and ``call_stream.py`` (tool calls streamed as written);
   ``grammar/``: constrained decoding.
 - ``registry.py``: engines by name for ``--engine``; ``options.py`` and ``defaults.py``: their
-  options and defaults; ``server.py``: ``prefix-cache serve-engine``, with ``engine_host.py``
+  options and defaults; ``purge_marks.py``: each namespace's last purge, on one clock, so
+  what a request issued before a purge computes (KV, a compiled grammar) is not kept after it;
+  ``server.py``: ``prefix-cache serve-engine``, with ``engine_host.py``
   (the engine server as the API layer's host).
 - ``plugin.py``: routes an engine's own ``specprefill_system_end`` computation through
   ``StaticPrefixCache`` (no mlx).

@@ -10,8 +10,8 @@
 
 A request whose output is bound (``response_format``, ``tool_choice``; and ``auto`` with tools,
 so a call once started is finished under its schema) runs under a grammar (``grammar``):
-compiled once per grammar and tokenizer, a fresh matcher per request, checked (a 400 naming the
-part that cannot compile) before anything runs.
+compiled once per namespace, grammar and tokenizer, a fresh matcher per request, checked (a 400
+naming the part that cannot compile, or what the grammar would refuse) before anything runs.
 
 The model's end-of-turn tokens end a generation with ``"stop"`` and are not returned as text;
 closing the output iterator closes the engine's, which cancels the request.
@@ -117,7 +117,8 @@ class MLXBackend:
                 max_tokens = min(max_tokens, window - len(request.prompt_ids))
         checked = replace(request, sampling=replace(request.sampling, max_tokens=max_tokens))
         grammar = self._grammar(checked)
-        run = self.grammars.run(grammar) if grammar is not None else None  # or refused
+        run = (self.grammars.run(grammar, request.namespace)  # or refused
+               if grammar is not None else None)
         engine_request = check_request(self._engine_request(checked, run), self.vocab_size,
                                        self.context_length)
         return CheckedBackendRequest(checked, _Prepared(engine_request, grammar))
@@ -199,8 +200,9 @@ class MLXBackend:
         return stats
 
     def purge_kv(self, namespace: str | None = None) -> int:
-        """Drop a namespace's KV (or all) from the engine's stores, RAM and disk (the admin
-        purge); the entries dropped."""
+        """Drop a namespace's KV (or all) from the engine's stores, RAM and disk, and its
+        compiled grammars (the admin purge); the KV entries dropped."""
+        self.grammars.purge(namespace)
         stores = (getattr(self.engine, "kv_store", None),
                   getattr(self.engine, "conversation_store", None))
         return sum(s.purge(namespace) for s in stores if s is not None)

@@ -429,7 +429,7 @@ class MLXEngine:
                                                                    self._budget.tokens)
             steps = specprefill_steps(
                 self.reuse, self.model, self.draft_model, self.specprefill,
-                namespace=req.namespace, ids=ids, static=static, conv=conv,
+                namespace=req.namespace, issued=req.issued, ids=ids, static=static, conv=conv,
                 keep_pct=req.specprefill_keep_pct, step=step,
                 shared_layers=self._draft_layers)
             job = SparseJob(seq, ids, static, steps, step)

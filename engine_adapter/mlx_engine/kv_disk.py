@@ -53,6 +53,7 @@ from .kv_file import KVFileError
 from .kv_folder import TierFolder
 from .kv_store import PrefixLRU
 from .layered import LayeredSnapshot
+from ..purge_marks import PurgeMarks, stamp
 from .streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
@@ -69,7 +70,7 @@ class _Write:
     packed_ids: bytes
     snapshot: DiskSnapshot
     supersede: bool
-    generation: int
+    issued: int    # the stamp of the request the KV comes from (``purge_marks``)
 
 
 def _new_index(max_bytes: int) -> PrefixLRU[DiskKey, DiskEntry]:
@@ -104,10 +105,10 @@ class DiskKVStore:
         self._index = _new_index(max_bytes)
         self._lock = threading.Lock()
         self._writing_bytes = 0   # the temporary file being written now (counted in bytes)
-        # A purge bumps the generation of its namespace (or all): queued writes made before it
-        # are dropped instead of bringing purged KV back.
-        self._generation = 0
-        self._purged_at: dict[str | None, int] = {}
+        # A purge marks its namespace (or all): writes of KV made before it (a write queued,
+        # or submitted later for a request issued before it) are dropped instead of bringing
+        # purged KV back (``purge_marks``).
+        self._purges = PurgeMarks()
         self._queue: queue.Queue[_Write | None] = queue.Queue(queue_entries)
         self.scan()
         self._writer = threading.Thread(target=releasing_streams(self._write_loop),
@@ -219,9 +220,11 @@ class DiskKVStore:
     # -- writes (the writer thread) ------------------------------------------------------------
 
     def submit(self, tier: str, namespace: str, model_id: str, prefix_ids: Sequence[int],
-               snapshot: DiskSnapshot, *, supersede: bool = False) -> bool:
+               snapshot: DiskSnapshot, *, supersede: bool = False,
+               issued: int | None = None) -> bool:
         """Queue a snapshot for writing; False (counted) if the queue is full or the snapshot
-        is larger than the whole tier. Never blocks."""
+        is larger than the whole tier, False (not counted) if its namespace was purged since
+        ``issued`` (the stamp of the request it comes from; None: now). Never blocks."""
         if model_id not in self.fingerprints or not self._usable():   # an unknown model, or off
             return False
         packed = pack_ids(prefix_ids)
@@ -231,10 +234,12 @@ class DiskKVStore:
             return False
         if self.contains(tier, namespace, model_id, packed):
             return True
+        issued = stamp() if issued is None else issued
         with self._lock:
-            generation = self._generation
+            if self._purges.since(namespace, issued):
+                return False
         item = _Write(self.key(tier, namespace, model_id, packed), packed, snapshot, supersede,
-                      generation)
+                      issued)
         try:
             self._queue.put_nowait(item)
         except queue.Full:
@@ -285,8 +290,9 @@ class DiskKVStore:
 
     def _write(self, item: _Write) -> None:
         tier, namespace, model_id, _ = item.key
-        if self._purged_since(namespace, item.generation):
-            return
+        with self._lock:
+            if self._purges.since(namespace, item.issued):
+                return
         if self.folder.reopen():   # the root was deleted: its files are gone, and the index
             self.scan()
         rel = self.rel(item.key)
@@ -297,7 +303,7 @@ class DiskKVStore:
         self._write_file(rel, arrays, meta, item.snapshot.nbytes)
         entry = DiskEntry(rel, item.packed_ids, item.snapshot.dense_tokens)
         with self._lock:
-            if self._purged_since(namespace, item.generation):  # purged while it was written
+            if self._purges.since(namespace, item.issued):  # purged while it was written
                 doomed = [rel]
             else:
                 self.stats.writes += 1
@@ -401,17 +407,13 @@ class DiskKVStore:
             if key is not None:
                 self._index.pop(key)
 
-    def _purged_since(self, namespace: str, generation: int) -> bool:
-        return max(self._purged_at.get(namespace, -1), self._purged_at.get(None, -1)) >= generation
-
     # -- purges and figures --------------------------------------------------------------------
 
     def purge(self, tier: str | None = None, namespace: str | None = None) -> int:
         """Delete the files of a tier and a namespace (None: every one), this process's and
         others'; the number of indexed files deleted."""
         with self._lock:
-            self._purged_at[namespace] = self._generation
-            self._generation += 1
+            self._purges.mark(namespace)
             doomed = self._index.pop_where(
                 lambda k, _: (tier is None or k[0] == tier)
                 and (namespace is None or k[1] == namespace))

@@ -31,6 +31,7 @@ from prefix_cache.util.lru import ByteLRU
 from prefix_cache.util.token_ids import pack_ids
 
 from ..defaults import DEFAULT_KV_BYTES
+from ..purge_marks import PurgeMarks
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
@@ -274,6 +275,7 @@ class KVSnapshotStore:
         self.max_bytes = max_bytes
         self.stats = KVStoreCounts()
         self._entries: PrefixLRU[Key, _Entry] = PrefixLRU(max_bytes, _scope, _entry_ids)
+        self._purges = PurgeMarks()
         self._lock = threading.Lock()
 
     @property
@@ -340,8 +342,11 @@ class KVSnapshotStore:
             return n, entry.snapshot
 
     def put(self, namespace: str, model_id: str, prefix_ids: Sequence[int],
-            snapshot: Snapshot, *, supersede: bool = False) -> bool:
-        """Store a snapshot, evicting least recently used entries; False if it cannot fit.
+            snapshot: Snapshot, *, supersede: bool = False, issued: int | None = None) -> bool:
+        """Store a snapshot, evicting least recently used entries; False if it cannot fit, or
+        if its namespace was purged after ``issued`` (the ``purge_marks`` stamp of the request
+        the KV comes from: what a request made before a purge computes is never stored after
+        it; None: always stored).
 
         ``supersede`` also drops the entries of this namespace and model whose ids are a proper
         prefix of these: for ``longest_common_prefix`` lookups (the conversation store) the new
@@ -350,6 +355,8 @@ class KVSnapshotStore:
         size = int(snapshot.nbytes)
         key, packed = prefix_key(namespace, model_id, prefix_ids)
         with self._lock:
+            if self._purges.since(namespace, issued):
+                return False
             if size > self.max_bytes:
                 self.stats.rejected += 1
                 if self.stats.rejected == 1:  # once: it repeats for every such prefix
@@ -373,8 +380,10 @@ class KVSnapshotStore:
             return True
 
     def purge(self, namespace: str | None = None) -> int:
-        """Drop every entry (of one namespace, when given); the number dropped."""
+        """Drop every entry (of one namespace, when given); the number dropped. Puts of KV
+        issued before it are refused from now on (``put``)."""
         with self._lock:
+            self._purges.mark(namespace)
             doomed = self._entries.pop_where(lambda k, _: namespace is None or k[0] == namespace)
             for k, _ in doomed:
                 self._count(k, -1)

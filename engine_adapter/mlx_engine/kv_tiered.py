@@ -15,6 +15,7 @@ from typing import Any
 
 from .kv_disk import DiskKVStore
 from .kv_store import KVSnapshotStore, Snapshot
+from ..purge_marks import stamp
 
 
 class TieredKVStore(KVSnapshotStore):
@@ -30,15 +31,17 @@ class TieredKVStore(KVSnapshotStore):
         snap = super().get(namespace, model_id, prefix_ids)
         if snap is not None:
             return snap
+        issued = stamp()   # a purge while the file is read: not promoted into RAM after it
         snap = self.disk.get(self.tier, namespace, model_id, prefix_ids)
         if snap is not None:
-            super().put(namespace, model_id, prefix_ids, snap)   # promoted; it is on disk
+            super().put(namespace, model_id, prefix_ids, snap, issued=issued)   # promoted
         return snap
 
     def longest_common_prefix(self, namespace: str, model_id: str, ids: Sequence[int],
                               max_tokens: int, min_tokens: int = 0, *,
                               whole: bool = False) -> tuple[int, Any] | None:
         """The longer of RAM's and disk's longest common prefix (RAM's on a tie: no read)."""
+        issued = stamp()
         ram = super().longest_common_prefix(namespace, model_id, ids, max_tokens, min_tokens,
                                             whole=whole)
         floor = ram[0] if ram is not None else min_tokens
@@ -47,14 +50,17 @@ class TieredKVStore(KVSnapshotStore):
         if disk is None:
             return ram
         n, snap, entry_ids = disk
-        super().put(namespace, model_id, entry_ids, snap, supersede=True)
+        super().put(namespace, model_id, entry_ids, snap, supersede=True, issued=issued)
         return n, snap
 
     def put(self, namespace: str, model_id: str, prefix_ids: Sequence[int],
-            snapshot: Snapshot, *, supersede: bool = False) -> bool:
-        stored = super().put(namespace, model_id, prefix_ids, snapshot, supersede=supersede)
+            snapshot: Snapshot, *, supersede: bool = False, issued: int | None = None) -> bool:
+        # Each tier checks ``issued`` against its own purges, under its own lock: a purge
+        # between the two finds the RAM entry to drop, then refuses the write.
+        stored = super().put(namespace, model_id, prefix_ids, snapshot, supersede=supersede,
+                             issued=issued)
         self.disk.submit(self.tier, namespace, model_id, prefix_ids, snapshot,  # type: ignore[arg-type]
-                         supersede=supersede)
+                         supersede=supersede, issued=issued)
         return stored
 
     def purge(self, namespace: str | None = None) -> int:

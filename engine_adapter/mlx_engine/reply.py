@@ -62,7 +62,8 @@ def store_reply(store: KVSnapshotStore, model_id: str, seq: FinishedSequence,
         # A trimmable entry serves any prefix of its ids, so it supersedes the prompt's entry;
         # a layered one restores only whole, and the prompt's stays for a reply sent back
         # changed.
-        return store.put(req.namespace, model_id, ids, snap, supersede=snap.trimmable)
+        return store.put(req.namespace, model_id, ids, snap, supersede=snap.trimmable,
+                         issued=req.issued)
     except Exception:
         log.warning("could not store the reply KV of %s", req.request_id, exc_info=True)
         return False

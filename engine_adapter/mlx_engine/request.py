@@ -12,6 +12,7 @@ from prefix_cache.errors import ContextLengthError, InvalidRequestError
 from prefix_cache.util.token_ids import validate_token_ids
 
 from ..defaults import DEFAULT_MAX_TOKENS, GREEDY
+from ..purge_marks import stamp
 
 SEED_MAX = 2**64 - 1
 PROMPT_IDS_CODE = "invalid_prompt_token_ids"  # a 400's code: the prompt's ids are to blame
@@ -48,6 +49,9 @@ class GenerationRequest:
     # A ``grammar.GrammarRun`` (a fresh llguidance matcher) every generated token must satisfy
     # (None: free text); the engine's sampler advances it, so one serves one request.
     grammar: Any | None = None
+    # When it was made (``purge_marks.stamp``): its KV is not stored once its namespace has
+    # been purged since, so a purge that answered is not undone by a request still running.
+    issued: int = field(default_factory=stamp)
 
     def validate(self, vocab_size: int | None = None,
                  context_length: int | None = None) -> list[int]:

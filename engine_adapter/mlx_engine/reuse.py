@@ -175,9 +175,11 @@ class KVReuse:
         return DensePrefill([ids], kv_cache.make_cache(self.model), plan, 0, 0)
 
     def static_cache_steps(self, model: Any, model_id: str, namespace: str, ids: list[int],
-                           static: int, step: int) -> Generator[None, None, tuple[list[Any], int]]:
+                           static: int, step: int, issued: int | None = None,
+                           ) -> Generator[None, None, tuple[list[Any], int]]:
         """A per-sequence cache holding [0, static) and the tokens reused: restored, or
-        computed chunk by chunk (and stored)."""
+        computed chunk by chunk (and stored, unless ``namespace`` was purged since
+        ``issued``)."""
         if static and self.kv_store is not None:
             snap = self.kv_store.get(namespace, model_id, ids[:static])
             if snap is not None:
@@ -186,7 +188,8 @@ class KVReuse:
         if static:
             yield from dense_prefill_steps(model, ids[:static], cache, step)
             if self.kv_store is not None:
-                self.kv_store.put(namespace, model_id, ids[:static], kv_cache.snapshot(cache, static))
+                self.kv_store.put(namespace, model_id, ids[:static],
+                                  kv_cache.snapshot(cache, static), issued=issued)
         return cache, 0
 
     # -- as the prefill runs -----------------------------------------------------------------
@@ -225,11 +228,12 @@ class KVReuse:
         else:
             snap = kv_cache.snapshot(extracted[0], n)
             if static and self.kv_store is not None:
-                stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap)
+                stored = self.kv_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap,
+                                           issued=seq.request.issued)
             if conversation and self.conversation_store is not None:
                 # One snapshot object for both is fine: snapshots are never written to.
                 self.conversation_store.put(seq.request.namespace, TARGET_ID, ids[:n], snap,
-                                            supersede=True)
+                                            supersede=True, issued=seq.request.issued)
         return self.release(seq, stored, leader_running=True) if static else []
 
     def on_first_token(self, seq: EngineSequence, prompt_cache: Any, extract: Extract) -> None:
@@ -259,7 +263,7 @@ class KVReuse:
                     else kv_cache.snapshot(cache, stored, positions=positions, span=n,
                                      keep_pct=plan.keep_pct))
             store.put(seq.request.namespace, TARGET_ID, seq.request.prompt_ids[:n], snap,
-                      supersede=True)
+                      supersede=True, issued=seq.request.issued)
         except Exception:
             log.warning("could not store the prompt KV of %s", seq.request.request_id,
                         exc_info=True)

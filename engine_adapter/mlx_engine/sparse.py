@@ -79,7 +79,8 @@ def sparse_capable(reuse: KVReuse, config: SpecPrefillConfig) -> bool:
 def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefillConfig, *,
                       namespace: str, ids: list[int], static: int,
                       conv: ConversationHit | None, keep_pct: float | None,
-                      step: int, shared_layers: int = 0) -> Generator[None, None, SparsePrefill]:
+                      step: int, shared_layers: int = 0,
+                      issued: int | None = None) -> Generator[None, None, SparsePrefill]:
     """SpecPrefill of one prompt, a model chunk per step (see the module docstring).
     ``shared_layers``: the draft is the target's first that many layers (``draft_layers``):
     the target reuses what the draft computed instead of running those layers."""
@@ -96,11 +97,11 @@ def specprefill_steps(reuse: KVReuse, target: Any, draft: Any, config: SpecPrefi
     else:
         protected = static
         cache, reused = yield from reuse.static_cache_steps(target, TARGET_ID, namespace, ids,
-                                                            static, step)
+                                                            static, step, issued=issued)
     # The draft has no conversation KV: it reads the prompt from its static prefix on (a
     # twentieth of the target's cost) and scores only what follows the protected part.
     draft_cache, _ = yield from reuse.static_cache_steps(draft, DRAFT_ID, namespace, ids,
-                                                         static, step)
+                                                         static, step, issued=issued)
     hidden: list[mx.array] | None = [] if shared_layers else None
     hidden_start = kv_cache.cache_size(draft_cache)
     importance = yield from score_steps(draft, ids, protected, draft_cache,

@@ -46,6 +46,7 @@ LATENCY_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
                    0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_BUCKETS = (0, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 RESULTS = ("hit", "miss", "none", "error")
+KEYS_RELOAD_RESULTS = ("ok", "invalid", "would_open")
 # The request metrics a tenant's usage (for billing) is read from, and its fields.
 USAGE_FIELDS = {"http_requests_total": "requests", "prompt_tokens_total": "prompt_tokens",
                 "prompt_tokens_cached_total": "cached_tokens",
@@ -138,6 +139,12 @@ class Metrics(CacheObserver):
         self.breaker_open = Gauge(f"{NS}_circuit_breaker_open",
                                   "1 while the shared store's circuit breaker is open.",
                                   registry=reg, multiprocess_mode="livemax")
+        self.keys_reloads = Counter(
+            f"{NS}_keys_reloads_total", "Keys-file re-reads (SIGHUP) by result: ok, invalid "
+            "(the file did not load, or held no key) or would_open (no tenant key where there "
+            "were some); refused ones keep the keys in use.", ["result"], registry=reg)
+        for result in KEYS_RELOAD_RESULTS:  # exposed at zero, so an alert sees the series
+            self.keys_reloads.labels(result)
         self.api = RequestMetrics(reg, self.tenant_label)
         self.history = History()  # the dashboard's, per 10 s interval
 

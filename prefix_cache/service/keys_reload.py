@@ -6,6 +6,12 @@ ones, never a mix; requests already admitted run on. A file that does not load (
 not YAML/JSON, a bad field, a limit naming no tenant) is refused with a log line and the old
 keys stay. A key that is gone is refused from the next request on.
 
+A re-read never opens what the keys in use keep locked: a file with no key at all (``tenants:``
+with nothing under it, a file cut short or emptied by an editor) does not load, at start either
+(``tenants.py``), and one with no tenant key where there were some (``/v1`` open to anyone) is
+refused like it. Only a start without a keys file runs open. Each re-read is counted
+(``prefix_cache_keys_reloads_total{result}``).
+
 ``prefix-cache serve --workers N`` runs a supervisor that passes a SIGHUP on to each worker
 (``server.py``), instead of uvicorn's restart of every worker.
 """
@@ -19,7 +25,7 @@ import threading
 from collections.abc import Callable
 
 from .state import ServiceState
-from .tenants import KeysConfig
+from .tenants import KeyRing, KeysConfig
 
 log = logging.getLogger("prefix_cache.service")
 
@@ -35,19 +41,40 @@ def note_early_sighup() -> None:
 
 
 def reload_keys(state: ServiceState) -> bool:
-    """Re-read the keys file into ``state``; False (and the old keys kept) if it is refused."""
+    """Re-read the keys file into ``state``; False (and the old keys kept) if it is refused:
+    it does not load, or it would open what the keys in use keep locked (``opens``)."""
     source = state.settings.keys_file
+    counted = state.metrics.keys_reloads
     try:
         config = KeysConfig.load(state.settings)
         keyring = config.keyring()
     except (ValueError, OSError) as exc:
         log.error("keys file %s refused, the keys in use are kept: %s", source, exc)
+        counted.labels("invalid").inc()
+        return False
+    opened = opens(state.keyring, keyring)
+    if opened:
+        log.error("keys file %s refused, the keys in use are kept: it would open %s to "
+                  "anyone (a file cut short?); only a start with no keys runs open",
+                  source, opened)
+        counted.labels("would_open").inc()
         return False
     state.limits.update(config.tenant_limits)
     state.keyring = keyring
     log.info("keys file %s re-read: %s", source,
              "open, no tenant keys" if keyring.is_open else f"tenants {keyring.tenants}")
+    counted.labels("ok").inc()
     return True
+
+
+def opens(old: KeyRing, new: KeyRing) -> str | None:
+    """What ``new`` would open that ``old`` keeps locked ("every endpoint", "/v1"), or None.
+    The rule: a locked service stays locked; fewer keys are fine, no keys are not."""
+    if new.is_unlocked and not old.is_unlocked:
+        return "every endpoint"
+    if new.is_open and not old.is_open:
+        return "/v1"
+    return None
 
 
 def reload_keys_on_sighup(state: ServiceState) -> Callable[[], None]:

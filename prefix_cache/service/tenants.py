@@ -224,4 +224,8 @@ def _read_keys_file(path: Path) -> KeysConfig:
         except ValidationError as exc:
             problems = validation_problems(exc, "limits")
             raise ValueError(f"{where}: tenant_limits of {tenant!r}: {problems}") from None
+    if not (tenants or lists["admin_keys"] or lists["metrics_keys"] or overrides):
+        # Empty, or cut short (``tenants:`` alone reads as none): never taken as "run open".
+        raise ValueError(f"{where} holds no key (empty, or cut short?); to run open, start "
+                         "without a keys file")
     return KeysConfig(dict(tenants), lists["admin_keys"], lists["metrics_keys"], overrides)

@@ -6,6 +6,8 @@ kind. Clients are the real OpenAI SDK on loopback; the tiny model's text is neve
 from __future__ import annotations
 
 import json
+import threading
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,7 @@ from tests.support.recording_upstream import Recorder  # noqa: E402
 from tests.support.server_thread import ServerThread  # noqa: E402
 from tests.support.sidecar import TENANT_KEYS, bearer, served, sidecar_app, unique_system  # noqa: E402
 from tests.support.tools import make_tools  # noqa: E402
+from tests.support.waits import wait_until  # noqa: E402
 
 ENGINE_KEY, ADMIN_KEY = "sk-engine", "sk-admin"
 MODEL = "tiny"
@@ -105,6 +108,35 @@ def test_a_tenants_purge_reaches_the_serve_engine_replica(sidecar: str,
     assert cached(ask(sidecar, "sk-globex", system, "Second.")) > 0
 
 
+def test_a_purge_stops_what_is_in_flight(sidecar: str, replica: tuple[str, MLXBackend]) -> None:
+    """Issue 47, defect 2: acme's stream is still running when its purge answers; what that
+    request stores after (its prompt's and reply's KV, in RAM and through the disk writer) is
+    refused, so acme's next turn reuses nothing and no file of acme's comes back."""
+    _, chat = replica
+    system = unique_system()
+    messages = [system, {"role": "user", "content": "A long answer, please."}]
+    stream = openai_client(sidecar, "sk-acme").chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=256, temperature=0.0, stream=True,
+        stream_options={"include_usage": True})
+    chunks = iter(stream)
+    next(chunks)  # the engine runs it now
+    with local_client(base_url=sidecar) as http:
+        r = http.post("/admin/purge", json={"tenant": "acme"}, headers=bearer(ADMIN_KEY))
+    running = chat.snapshot_stats().active
+    assert r.status_code == 200, r.text
+    generated = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert running == 1 and generated and generated[-1] > 1  # purged mid-request
+    # The engine stores a finished request's KV after its last token is out: another
+    # tenant's answer says the engine thread is past that (one thread, in order).
+    ask(sidecar, "sk-globex", unique_system(), "After.")
+    assert "acme" not in disk_namespaces(chat)   # the writer's queue drained first
+    assert "acme" not in chat.snapshot_stats().kv_store.by_namespace
+    assert "acme" not in chat.snapshot_stats().conversation_store.by_namespace
+    again = openai_client(sidecar, "sk-acme").chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, temperature=0.0)
+    assert cached(again.usage) == 0
+
+
 def test_the_replicas_purge_needs_its_api_key(replica: tuple[str, MLXBackend]) -> None:
     url, _ = replica
     with local_client(base_url=url) as http:
@@ -177,3 +209,94 @@ def test_owned_fields_are_removed_before_any_upstream(recorder_server: tuple[Rec
         assert sent[wire.SPECPREFILL_NAMESPACE] == "globex"
         assert sent[wire.PROMPT_TOKEN_IDS] != [1, 2, 3]
         assert sent[wire.SPECPREFILL_SYSTEM_END] > 2
+
+
+# -- 3. grammars: one tenant's never another's, compiled off the loop, refused before they run -
+
+
+def schema_format(properties: int, *, required: bool = False, tag: str = "") -> dict[str, Any]:
+    """A ``response_format`` of an object with ``properties`` string properties (names carry
+    ``tag``, so each test's schema is its own)."""
+    names = [f"{tag}p{i}" for i in range(properties)]
+    schema: dict[str, Any] = {"type": "object", "additionalProperties": False,
+                              "properties": {n: {"type": "string"} for n in names}}
+    if required:
+        schema["required"] = names
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema}}
+
+
+def post_chat(url: str, key: str, max_tokens: int = 2, **extra: Any) -> Any:
+    """A chat completion through the sidecar with httpx (its status and error body, as sent)."""
+    body = {"model": MODEL, "max_tokens": max_tokens, "temperature": 0.0,
+            "messages": [unique_system(), {"role": "user", "content": "JSON, please."}], **extra}
+    with local_client(base_url=url, timeout=120.0) as http:
+        return http.post("/v1/chat/completions", json=body, headers=bearer(key))
+
+
+def test_a_tenant_never_gets_another_tenants_compiled_grammar(
+        sidecar: str, replica: tuple[str, MLXBackend]) -> None:
+    """Issue 47, defect 3: globex sending the schema acme sent compiles it anew (no timing
+    tells it what acme sent), and acme's purge drops acme's compiled grammars."""
+    grammars = replica[1].grammars
+    fmt = schema_format(6, required=True, tag=uuid.uuid4().hex[:8])
+    counts = []
+    for key in ("sk-acme", "sk-acme", "sk-globex", "sk-globex"):
+        assert post_chat(sidecar, key, response_format=fmt).status_code == 200
+        counts.append(grammars.compiles)
+    assert [b - a for a, b in zip(counts, counts[1:])] == [0, 1, 0]  # per tenant, then hits
+    with local_client(base_url=sidecar) as http:
+        assert http.post("/admin/purge", json={"tenant": "acme"},
+                         headers=bearer(ADMIN_KEY)).status_code == 200
+    assert post_chat(sidecar, "sk-acme", response_format=fmt).status_code == 200
+    assert grammars.compiles == counts[-1] + 1   # acme's was purged
+    assert post_chat(sidecar, "sk-globex", response_format=fmt).status_code == 200
+    assert grammars.compiles == counts[-1] + 1   # globex's was not
+
+
+def test_a_slow_grammar_stalls_nobody_and_an_oversize_one_is_a_400(
+        sidecar: str, replica: tuple[str, MLXBackend]) -> None:
+    """Issue 47, defect 4: while acme's schema of 2,500 optional properties compiles (seconds),
+    the replica's /health and globex's chat are answered; a schema past the grammar size limit
+    is a 400 naming the limit, compiled never."""
+    url, chat = replica
+    slow: list[Any] = []
+    thread = threading.Thread(target=lambda: slow.append(post_chat(
+        sidecar, "sk-acme", response_format=schema_format(2500, tag="slow"))))
+    thread.start()
+    try:
+        wait_until(lambda: chat.grammars.compiling == 1, "the slow schema compiling")
+        with local_client(base_url=url) as http:
+            assert http.get("/health").status_code == 200
+        assert post_chat(sidecar, "sk-globex").status_code == 200
+        assert chat.grammars.compiling == 1   # both answered while it compiled
+    finally:
+        thread.join(timeout=300)
+    assert slow[0].status_code == 400   # and it cannot run (defect 5): refused, not a 500
+    before = chat.grammars.compiles
+    big = post_chat(sidecar, "sk-acme", response_format=schema_format(5000, required=True))
+    assert big.status_code == 400, big.text
+    error = big.json()["error"]
+    assert error["code"] == "grammar_too_large" and "131072 bytes" in error["message"]
+    assert chat.grammars.compiles == before
+
+
+def test_a_grammar_that_cannot_run_is_a_400_sent_to_one_replica(
+        replica: tuple[str, MLXBackend], tokenizer: Any) -> None:
+    """Issue 47, defect 5: 1,500 optional properties compile, then fail at the first token;
+    that is found at compile time, a 400 naming the limit, and a 400 is never retried on the
+    other replica (two servers of one engine here: one compile, not two)."""
+    url, chat = replica
+    with ServerThread(create_engine_app(chat, trust_namespace=True, api_key=ENGINE_KEY)) as second:
+        replicas = [Upstream(u, "specprefill", api_key=ENGINE_KEY) for u in (url, second)]
+        model = ServedModel(MODEL, model_label(MODEL), tokenizer, replicas[0],
+                            pool=UpstreamPool(replicas))
+        app = sidecar_app(model, api_keys=TENANT_KEYS)
+        with ServerThread(app) as sidecar_url:
+            before = chat.grammars.compiles
+            r = post_chat(sidecar_url, "sk-acme",
+                          response_format=schema_format(1500, tag=uuid.uuid4().hex[:8]))
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "grammar_cannot_run"
+            assert "max is 2000" in r.json()["error"]["message"]
+            assert chat.grammars.compiles == before + 1
+            assert post_chat(sidecar_url, "sk-acme").status_code == 200  # no replica ejected

@@ -1,10 +1,13 @@
 """Tenants managed live (issue 40, part 4): the keys file re-read on SIGHUP in every worker of
 ``prefix-cache serve --workers 2``, while requests keep being answered; a removed key refused
-at once, a new one served; a bad file refused with a log line, the old keys kept."""
+at once, a new one served; a bad file refused with a log line, the old keys kept. Issue 47,
+defect 1: a file cut short (``tenants:`` and nothing more) would open the service; it is
+refused and counted, the service stays locked."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from pathlib import Path
@@ -18,11 +21,27 @@ WORKERS = 2
 TRIES = 12  # fresh connections per check: each lands on whichever worker accepts it
 
 
-def status(url: str, key: str) -> int:
-    """A boundary request on a connection of its own."""
+def status(url: str, key: str | None) -> int:
+    """A boundary request on a connection of its own (no Authorization header: ``None``)."""
     with local_client(base_url=url) as client:
-        return client.post("/v1/prefix/boundary", headers=bearer(key), json={
+        return client.post("/v1/prefix/boundary", headers=bearer(key) if key else {}, json={
             "messages": [unique_system(), {"role": "user", "content": "hi"}]}).status_code
+
+
+def metrics_status(url: str) -> int:
+    """``GET /metrics`` with no key, on a connection of its own."""
+    with local_client(base_url=url) as client:
+        return client.get("/metrics").status_code
+
+
+def reloads(url: str, result: str) -> float:
+    """``prefix_cache_keys_reloads_total{result}`` of the worker that answers."""
+    with local_client(base_url=url) as client:
+        text = client.get("/metrics", headers=bearer(ADMIN)).text
+    match = re.search(rf'^prefix_cache_keys_reloads_total{{result="{result}"}} (\S+)$', text,
+                      re.MULTILINE)
+    assert match, text
+    return float(match.group(1))
 
 
 def hup(server: ServeProcess, pattern: str) -> None:
@@ -59,6 +78,19 @@ def test_sighup_rereads_the_keys_file_in_every_worker(tmp_path: Path) -> None:
         hup(server, r"keys file .* refused, the keys in use are kept")
         assert {status(url, NEW) for _ in range(TRIES)} == {200}
         assert {status(url, OLD) for _ in range(TRIES)} == {401}
+
+        keys.write_text("tenants:\n")  # cut short: no tenant, no admin key (issue 47, 1)
+        hup(server, r"keys file .* refused, the keys in use are kept: .* holds no key")
+        assert {status(url, None) for _ in range(TRIES)} == {401}
+        assert {metrics_status(url) for _ in range(TRIES)} == {401}
+        assert {status(url, NEW) for _ in range(TRIES)} == {200}
+        keys.write_text(f"admin_keys:\n  - {ADMIN}\n")  # the admin key alone: /v1 would open
+        hup(server, r"keys file .* refused, the keys in use are kept: it would open /v1")
+        assert {status(url, None) for _ in range(TRIES)} == {401}
+        assert {status(url, NEW) for _ in range(TRIES)} == {200}
+        # Whichever worker answers: each counts its own (no PROMETHEUS_MULTIPROC_DIR here).
+        assert (reloads(url, "would_open"), reloads(url, "invalid"), reloads(url, "ok")
+                ) == (1, 2, 1)
         stop.set()
         loader.join(timeout=30)
         assert seen and set(seen) == {200}

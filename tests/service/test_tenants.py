@@ -263,6 +263,11 @@ def test_bad_keys_file_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tenant": {}}))
     with pytest.raises(ValueError, match="unknown fields"):
         KeyRing.from_settings(ServiceSettings(keys_file=path))
+    cut_short = tmp_path / "keys.yaml"   # a start never takes it as "run open" (issue 47, 1)
+    for text in ("tenants:\n", ""):
+        cut_short.write_text(text)
+        with pytest.raises(ValueError, match="holds no key|must hold a mapping"):
+            KeyRing.from_settings(ServiceSettings(keys_file=cut_short))
 
 
 def test_quota_store_keeps_each_tenant_within_its_entries() -> None:
