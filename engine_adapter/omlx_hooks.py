@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 import sys
 import threading
 from collections import OrderedDict
@@ -53,6 +54,7 @@ TEXT_RENDER = "_apply_chat_template"      # BatchedEngine: messages -> prompt st
 VISION_RENDER = "_process_chat_messages"  # VLMBatchedEngine: messages -> (ids, embeds, ...)
 SENDS = ("stream_generate", "generate")   # where a request goes to the scheduler
 KWARG = "specprefill_system_end"
+INLINE = re.compile(r"""\[["']specprefill_system_end["']\]\s*=""")  # stream_chat subtracts
 PENDING = 256  # renders waiting for their send (a render never sent, e.g. a token count, ages out)
 
 
@@ -98,11 +100,12 @@ class _Refused(RuntimeError):
 
 
 def omlx_version(engine: Any) -> str:
-    """The installed oMLX distribution and version the engine comes from, as best known."""
+    """The installed distribution and version the engine (or engine class) comes from."""
     from importlib import metadata
 
-    root = type(engine).__module__.split(".")[0]
-    for dist in ("flyto-mlx", "fusion-mlx", "omlx"):
+    kind = engine if isinstance(engine, type) else type(engine)
+    root = kind.__module__.split(".")[0]
+    for dist in metadata.packages_distributions().get(root, []):
         try:
             return f"{dist} {metadata.version(dist)}"
         except metadata.PackageNotFoundError:
@@ -120,27 +123,30 @@ def _source(method: Any) -> str:
 
 def shape(engine: Any) -> str:
     """Which of oMLX's shapes the engine has, the first that fits: "seam" (upstream's seam,
-    async sends), "vision" / "text" (flyto-mlx 0.7.0, fusion-mlx 0.10.24: the inline
-    subtraction in ``stream_chat``), "seam-sync" (the seam and no async send: the seam
-    computes, blocking); OmlxShapeError naming the version and what is missing otherwise."""
+    async sends), "vision" / "text" (a render method, and a ``stream_generate`` that hands
+    ``specprefill_system_end`` to the scheduler: flyto-mlx 0.7.0 and fusion-mlx 0.10.24, whose
+    ``stream_chat`` subtracts inline, or not at all: fusion's vision engine), "seam-sync" (the
+    seam and no async send: the seam computes, blocking); OmlxShapeError naming the version
+    and what is missing otherwise."""
     kind = type(engine)
     has = {name: callable(getattr(kind, name, None))
            for name in (SEAM, TEXT_RENDER, VISION_RENDER, *SENDS)}
     sends = all(has[name] for name in SENDS)
-    render = has[VISION_RENDER] or has[TEXT_RENDER]
-    if has[SEAM] and sends and render:
+    if has[SEAM] and sends and (has[VISION_RENDER] or has[TEXT_RENDER]):
         return "seam"
-    inline = KWARG in _source(getattr(kind, "stream_chat", None))
-    if inline and sends and has[VISION_RENDER]:
+    forwards = sends and KWARG in _source(getattr(kind, "stream_generate"))
+    if forwards and has[VISION_RENDER]:
         return "vision"
-    if inline and sends and has[TEXT_RENDER]:
+    if forwards and has[TEXT_RENDER]:
         return "text"
     if has[SEAM]:
         return "seam-sync"
     missing = [f"{SEAM}()"]
-    if not inline:
-        missing.append(f"the inline {KWARG} computation in stream_chat()")
-    missing += [f"{name}()" for name in (TEXT_RENDER, *SENDS) if not has[name]]
+    missing += [f"{name}()" for name in SENDS if not has[name]]
+    if sends and not forwards:
+        missing.append(f"a stream_generate() that hands {KWARG} to the scheduler")
+    if not (has[VISION_RENDER] or has[TEXT_RENDER]):
+        missing.append(f"{TEXT_RENDER}() or {VISION_RENDER}()")
     raise OmlxShapeError(
         f"install: {kind.__module__}.{kind.__qualname__} ({omlx_version(engine)}) is not an "
         f"oMLX engine shape this plug-in knows: not found: {', '.join(missing)}; the "
@@ -188,6 +194,8 @@ def install_hooks(engine: Any, boundary: Boundary, tokenizer_attr: str) -> str:
     """Hook ``boundary`` into ``engine`` (its instance attributes only); the shape found."""
     found = shape(engine)
     pending = _Pending()
+    inline = found == "text" and \
+        INLINE.search(_source(getattr(type(engine), "stream_chat", None))) is not None
 
     def tokenizer() -> Any:
         return boundary.tokenizer or getattr(engine, tokenizer_attr, None)
@@ -218,7 +226,7 @@ def install_hooks(engine: Any, boundary: Boundary, tokenizer_attr: str) -> str:
         @functools.wraps(render)
         def text_render(messages: Any, tools: Any = None, chat_template_kwargs: Any = None,
                         is_partial: bool | None = None) -> Any:
-            if found == "text" and _is_subtraction(messages, pending.last()):
+            if inline and _is_subtraction(messages, pending.last()):
                 raise _Refused("the plug-in computes specprefill_system_end")
             partial = _partial(messages) if is_partial is None else bool(is_partial)
             prompt = render(messages, tools, chat_template_kwargs=chat_template_kwargs,

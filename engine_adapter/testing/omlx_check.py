@@ -100,9 +100,22 @@ def cases() -> list[dict[str, Any]]:
     return out
 
 
+def omlx_api() -> tuple[Any, Any, Any]:
+    """BatchedEngine, convert_tools_for_template and ModelSettings of the oMLX installed here:
+    ``omlx`` (flyto-mlx) or its fork ``fusion_mlx``."""
+    try:
+        from omlx.api.tool_calling import convert_tools_for_template
+        from omlx.engine.batched import BatchedEngine
+        from omlx.model_settings import ModelSettings
+    except ImportError:
+        from fusion_mlx.api.tool_calling import convert_tools_for_template
+        from fusion_mlx.engines.batched import BatchedEngine
+        from fusion_mlx.model_settings import ModelSettings
+    return BatchedEngine, convert_tools_for_template, ModelSettings
+
+
 async def run(models: Path, template: str | None, out: Path) -> None:
-    from omlx.engine.batched import BatchedEngine, convert_tools_for_template
-    from omlx.model_settings import ModelSettings
+    BatchedEngine, convert_tools_for_template, ModelSettings = omlx_api()
 
     from engine_adapter.omlx_hooks import omlx_version
     from engine_adapter.plugin import SpecPrefillBoundary, install
@@ -182,10 +195,19 @@ async def run(models: Path, template: str | None, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="engine_adapter.testing.omlx_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("out", type=Path, help="JSON file to write")
-    parser.add_argument("--models", type=Path, required=True, help="folder for the tiny models")
+    parser.add_argument("out", type=Path, nargs="?", help="JSON file to write")
+    parser.add_argument("--models", type=Path, help="folder for the tiny models")
     parser.add_argument("--template", type=Path, default=None, help="chat template file")
+    parser.add_argument("--probe", action="store_true",
+                        help="only check that oMLX imports here (exit 0), and print its version")
     args = parser.parse_args(argv)
+    if args.probe:
+        omlx_api()
+        from engine_adapter.omlx_hooks import omlx_version
+        print(omlx_version(omlx_api()[0]))
+        return 0
+    if args.out is None or args.models is None:
+        parser.error("OUT and --models are required")
     template = args.template.read_text(encoding="utf-8") if args.template else None
     asyncio.run(run(args.models, template, args.out))
     # The report is written; oMLX's MLX threads can abort the interpreter's teardown

@@ -37,8 +37,9 @@ def _pythons() -> list[str]:
 
 
 def _has_omlx(python: str) -> bool:
-    probe = subprocess.run([python, "-c", "import omlx.engine.batched"], capture_output=True,
-                           timeout=120, check=False)
+    probe = subprocess.run([python, "-m", "engine_adapter.testing.omlx_check", "--probe"],
+                           capture_output=True, timeout=300, check=False, cwd=REPO,
+                           env={**os.environ, "PYTHONPATH": str(REPO)})
     return probe.returncode == 0
 
 
@@ -120,5 +121,5 @@ def test_unknown_engine_is_refused_with_the_version() -> None:
         install(NotOmlx(), SpecPrefillBoundary(StaticPrefixCache()))
     text = str(raised.value)
     assert "NotOmlx" in text and "_inject_specprefill_system_end" in text
-    assert "stream_chat" in text and "stream_generate" in text
+    assert "stream_generate" in text and "_apply_chat_template" in text
 
