@@ -100,6 +100,37 @@ def cases() -> list[dict[str, Any]]:
     return out
 
 
+async def tenants(engine: Any, cache: Any, case: dict[str, Any], send: Any
+                  ) -> list[dict[str, Any]]:
+    """The same request from API keys A, A, B and A again (as x-api-key), through an HTTP app
+    behind ``TenantFromKey`` that calls ``engine.stream_chat`` as oMLX's server does."""
+    import httpx
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    from engine_adapter.omlx_tenant import TenantFromKey
+
+    app = FastAPI()
+    rows: list[dict[str, Any]] = []
+
+    @app.post("/v1/chat/completions")
+    async def chat() -> StreamingResponse:
+        async def body() -> Any:
+            rows.append(await send(case))  # stream_chat, inside this request's context
+            yield "ok"
+        return StreamingResponse(body())
+
+    transport = httpx.ASGITransport(app=TenantFromKey(app))
+    sent = [("A", {"authorization": "Bearer key-a"}), ("A", {"authorization": "Bearer key-a"}),
+            ("B", {"authorization": "Bearer key-b"}), ("A", {"x-api-key": "key-a"})]
+    async with httpx.AsyncClient(transport=transport, base_url="http://omlx") as client:
+        for who, headers in sent:
+            answer = await client.post("/v1/chat/completions", json={}, headers=headers)
+            assert answer.status_code == 200, answer.text
+            rows[-1]["who"] = who
+    return rows
+
+
 def omlx_api() -> tuple[Any, Any, Any]:
     """BatchedEngine, convert_tools_for_template and ModelSettings of the oMLX installed here:
     ``omlx`` (flyto-mlx) or its fork ``fusion_mlx``."""
@@ -118,6 +149,7 @@ async def run(models: Path, template: str | None, out: Path) -> None:
     BatchedEngine, convert_tools_for_template, ModelSettings = omlx_api()
 
     from engine_adapter.omlx_hooks import omlx_version
+    from engine_adapter.omlx_tenant import tenant_namespace
     from engine_adapter.plugin import SpecPrefillBoundary, install
     from prefix_cache import StaticPrefixCache
 
@@ -130,7 +162,7 @@ async def run(models: Path, template: str | None, out: Path) -> None:
     await engine.start()
     stock_render = engine._apply_chat_template  # oMLX's own, for the truth
     cache = StaticPrefixCache()
-    boundary = SpecPrefillBoundary(cache)
+    boundary = SpecPrefillBoundary(cache, namespace=tenant_namespace)
     report: dict[str, Any] = {"version": omlx_version(engine),
                               "shape": install(engine, boundary), "cases": {}}
     scheduler = engine._engine.engine.scheduler
@@ -155,15 +187,20 @@ async def run(models: Path, template: str | None, out: Path) -> None:
     scheduler.add_request = recorded_add
     scheduler._try_specprefill_scoring = recorded_score
 
-    async def send(case: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    async def send(case: dict[str, Any], streamed: bool = True, **extra: Any
+                   ) -> dict[str, Any]:
         before = (cache.stats.renders, cache.stats.hits, cache.stats.misses,
                   cache.render_thread_calls)
         ct = case.get("chat_template_kwargs")
         kwargs = {"chat_template_kwargs": dict(ct)} if ct else {}
-        async for _ in engine.stream_chat([dict(m) for m in case["messages"]], max_tokens=1,
-                                          tools=case["tools"], specprefill_threshold=1,
-                                          **kwargs, **extra):
-            pass
+        messages = [dict(m) for m in case["messages"]]
+        if streamed:
+            async for _ in engine.stream_chat(messages, max_tokens=1, tools=case["tools"],
+                                              specprefill_threshold=1, **kwargs, **extra):
+                pass
+        else:  # the non-streaming API (oMLX 0.7.0's generate() forwards no SpecPrefill kwarg)
+            await engine.chat(messages, max_tokens=1, tools=case["tools"],
+                              specprefill_threshold=1, **kwargs, **extra)
         row = got[-1]
         tools = convert_tools_for_template(case["tools"]) if case["tools"] else None
         own = list(engine._tokenizer.encode(stock_render(
@@ -182,6 +219,8 @@ async def run(models: Path, template: str | None, out: Path) -> None:
     again = dict(cases()[3])  # tools_16 again, another user text: a hit
     again["messages"] = [again["messages"][0], {"role": "user", "content": "And under tests/?"}]
     report["cases"]["hit"] = await send(again)
+    report["cases"]["chat"] = await send(cases()[2], streamed=False)
+    report["tenants"] = await tenants(engine, cache, cases()[2], send)
     report["cache_calls_on"] = cache.stats.hits + cache.stats.misses + cache.stats.none
     report["cases"]["off_request"] = await send(cases()[3], specprefill=False)
     settings.specprefill_enabled = False

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from engine_adapter.omlx_hooks import OmlxShapeError
+from engine_adapter.omlx_tenant import key_tenant, tenant_of
 from engine_adapter.plugin import SpecPrefillBoundary, install
 from prefix_cache import StaticPrefixCache
 
@@ -84,6 +85,11 @@ def test_scheduler_gets_the_exact_boundary_in_omlx_ids(report: dict[str, Any], c
     assert row["ids_given"] and row["ids_equal_own"]
 
 
+def test_non_streaming_chat_gets_omlx_ids(report: dict[str, Any]) -> None:
+    row = report["cases"]["chat"]
+    assert row["ids_given"] and row["ids_equal_own"] and (row["hit"], row["miss"]) == (1, 0)
+
+
 def test_tools_grow_the_boundary(report: dict[str, Any]) -> None:
     ends = [report["cases"][c]["system_end"] for c in TOOL_CASES]
     assert ends == sorted(ends) and len(set(ends)) == len(ends)
@@ -123,3 +129,22 @@ def test_unknown_engine_is_refused_with_the_version() -> None:
     assert "NotOmlx" in text and "_inject_specprefill_system_end" in text
     assert "stream_generate" in text and "_apply_chat_template" in text
 
+
+
+def test_each_api_key_is_a_tenant_with_its_own_entries(report: dict[str, Any]) -> None:
+    rows = report["tenants"]
+    assert [r["who"] for r in rows] == ["A", "A", "B", "A"]
+    # The static prefix was stored under "default" before: each key's first request misses.
+    assert [(r["hit"], r["miss"]) for r in rows] == [(0, 1), (1, 0), (0, 1), (1, 0)]
+    assert all(r["system_end"] == r["truth"] > 0 for r in rows)
+
+
+def test_tenant_of_a_request() -> None:
+    assert tenant_of({"authorization": "Bearer sk-1"}) == key_tenant("sk-1")
+    assert tenant_of({"x-api-key": "sk-1"}) == key_tenant("sk-1")
+    assert tenant_of({"authorization": "bearer sk-2"}) != key_tenant("sk-1")
+    assert "sk-1" not in key_tenant("sk-1")
+    assert tenant_of({}) == "default"
+    assert tenant_of({"x-tenant": "team-7", "authorization": "Bearer sk-1"},
+                     header="X-Tenant") == "team-7"
+    assert tenant_of({"authorization": "Bearer sk-1"}, header="x-tenant") == "default"
