@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engine_adapter.omlx_hooks import unwrapped  # noqa: E402
 from engine_adapter.plugin import SpecPrefillBoundary  # noqa: E402
 from engine_adapter.testing.omlx_check import SYSTEM, make_tools, omlx_api  # noqa: E402
 from engine_adapter.testing.tiny_model import tiny_model_folder  # noqa: E402
@@ -73,6 +74,7 @@ async def bench(tools_counts: list[int], requests: int, template: str | None,
                                                  chat_template=template)))
     await engine.start()
     tok = engine._tokenizer
+    bare, ct = unwrapped(tok, None)  # what the installed hook hands the cache
     print(f"{omlx_version(engine)}; tokenizer qwen3 (real); {requests} requests per row; "
           f"load average {os.getloadavg()[0]:.1f}\n")
     print("| tools | prompt tokens | stock subtraction | + scheduler encode | plug-in hit "
@@ -81,8 +83,8 @@ async def bench(tools_counts: list[int], requests: int, template: str | None,
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n in tools_counts:
         tools = convert_tools(make_tools(n)) if n else None
-        warm = SpecPrefillBoundary(StaticPrefixCache(), tokenizer=tok)
-        await warm.aprompt(messages(-1), "", tools, None, {})  # the static prefix stored
+        warm = SpecPrefillBoundary(StaticPrefixCache(), tokenizer=bare)
+        await warm.aprompt(messages(-1), "", tools, ct, {})  # the static prefix stored
         times: dict[str, list[float]] = {"stock": [], "encode": [], "hit": [], "miss": [],
                                          "stall": []}
         tokens = 0
@@ -105,15 +107,15 @@ async def bench(tools_counts: list[int], requests: int, template: str | None,
                     assert end > 0
                 elif method == "hit":
                     t0 = time.perf_counter()
-                    got = await warm.aprompt(msgs, prompt, tools, None, {})
+                    got = await warm.aprompt(msgs, prompt, tools, ct, {})
                     times["hit"].append(time.perf_counter() - t0)
                     assert got is not None and warm.last is not None and warm.last.hit
                     assert got.ids == own
                     tokens = len(got.ids)
                 else:
-                    cold = SpecPrefillBoundary(StaticPrefixCache(), tokenizer=tok)
+                    cold = SpecPrefillBoundary(StaticPrefixCache(), tokenizer=bare)
                     t0 = time.perf_counter()
-                    got, stall = await stall_during(cold.aprompt(msgs, prompt, tools, None, {}))
+                    got, stall = await stall_during(cold.aprompt(msgs, prompt, tools, ct, {}))
                     times["miss"].append(time.perf_counter() - t0)
                     times["stall"].append(stall / 1000)
                     cold.cache.close()

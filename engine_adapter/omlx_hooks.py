@@ -174,6 +174,23 @@ def _template_kwargs(engine: Any, given: Mapping[str, Any] | None) -> dict[str, 
     return merged or None
 
 
+def unwrapped(tokenizer: Any, kwargs: dict[str, Any] | None
+              ) -> tuple[Any, dict[str, Any] | None]:
+    """mlx-lm's ``TokenizerWrapper`` (what oMLX holds) as the transformers tokenizer inside it,
+    with what its ``apply_chat_template`` adds (``enable_thinking``, defaulted to its
+    ``has_thinking``): the same render, and the cache renders a bare tokenizer's template
+    directly, the static part reused (through the wrapper, every hit re-rendered all of it).
+    A wrapper with its own template callable is kept as it is."""
+    inner = getattr(tokenizer, "_tokenizer", None)
+    if inner is None or not type(tokenizer).__module__.startswith("mlx_lm") or \
+            getattr(tokenizer, "_chat_template", None) is not None or \
+            not type(inner).__module__.startswith("transformers"):
+        return tokenizer, kwargs
+    merged = dict(kwargs or {})
+    merged.setdefault("enable_thinking", getattr(tokenizer, "has_thinking", False))
+    return inner, merged
+
+
 def _partial(messages: list[Any]) -> bool:
     """oMLX's partial mode, as its render detects it when the server did not say."""
     return bool(messages) and isinstance(messages[-1], Mapping) and \
@@ -248,9 +265,9 @@ def install_hooks(engine: Any, boundary: Boundary, tokenizer_attr: str) -> str:
         if not specprefill_on(engine, kwargs):
             return args  # SpecPrefill off: nothing computed
         kwargs.pop(KWARG, None)  # the engine's own (vision) subtraction: replaced
-        got = await boundary.aprompt(held.messages, prompt, held.tools,
-                                     held.chat_template_kwargs, kwargs, tokenizer=tokenizer(),
-                                     partial=held.partial)
+        tok, template_kwargs = unwrapped(tokenizer(), held.chat_template_kwargs)
+        got = await boundary.aprompt(held.messages, prompt, held.tools, template_kwargs, kwargs,
+                                     tokenizer=tok, partial=held.partial)
         if got is None or not isinstance(prompt, str):
             return args
         if "prompt" in kwargs:  # the ids, so oMLX's scheduler does not encode the prompt
