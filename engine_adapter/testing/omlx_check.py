@@ -113,7 +113,7 @@ async def tenants(engine: Any, cache: Any, case: dict[str, Any], send: Any
     app = FastAPI()
     rows: list[dict[str, Any]] = []
 
-    @app.post("/v1/chat/completions")
+    @app.post("/chat")
     async def chat() -> StreamingResponse:
         async def body() -> Any:
             rows.append(await send(case))  # stream_chat, inside this request's context
@@ -125,7 +125,7 @@ async def tenants(engine: Any, cache: Any, case: dict[str, Any], send: Any
             ("B", {"authorization": "Bearer key-b"}), ("A", {"x-api-key": "key-a"})]
     async with httpx.AsyncClient(transport=transport, base_url="http://omlx") as client:
         for who, headers in sent:
-            answer = await client.post("/v1/chat/completions", json={}, headers=headers)
+            answer = await client.post("/chat", json={}, headers=headers)
             assert answer.status_code == 200, answer.text
             rows[-1]["who"] = who
     return rows
