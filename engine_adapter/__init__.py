@@ -11,7 +11,8 @@
   ``server.py``: ``prefix-cache serve-engine``, with ``engine_host.py``
   (the engine server as the API layer's host).
 - ``plugin.py``: routes an engine's own ``specprefill_system_end`` computation through
-  ``StaticPrefixCache`` (no mlx).
+  ``StaticPrefixCache`` (no mlx); ``omlx_hooks.py``: where ``install`` hooks it into each oMLX
+  engine shape; ``omlx_tenant.py``: oMLX's API key as the tenant.
 - ``demo_model.py``: the demo chat model folder, converted from a GGUF (``gguf/``);
   ``folder_cli.py``: the end of a command that writes a model folder.
 - ``testing/``: tiny random-weights model folders and reference computations for tests.
