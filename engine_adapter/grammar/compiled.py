@@ -19,7 +19,7 @@ import xxhash
 
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.render.render import unwrap_tokenizer
-from prefix_cache.render.tokenizer_identity import current_fingerprint
+from prefix_cache.render.tokenizer_identity import TokenizerStates
 from prefix_cache.util.lru import ByteLRU
 
 from .build import UNSUPPORTED, OutputGrammar
@@ -54,6 +54,7 @@ class GrammarCache:
         self._lru: ByteLRU[str, Any] = ByteLRU(DEFAULT_MAX_GRAMMAR_BYTES, max_entries)
         self._ll_tokenizers: dict[bytes, Any] = {}
         self._lock = threading.Lock()  # callers are API handlers on several threads
+        self._states = TokenizerStates()  # the tokenizer's state, re-read per grammar
 
     def run(self, grammar: OutputGrammar) -> GrammarRun:
         """A fresh run of the grammar (``matcher``: an ``LLMatcher``)."""
@@ -66,7 +67,7 @@ class GrammarCache:
             raise InvalidRequestError("constrained decoding (a JSON format, tool_choice) needs the "
                                       "model's end-of-turn token, and this one has none",
                                       code=UNSUPPORTED)
-        fingerprint = current_fingerprint(self.tokenizer)
+        fingerprint = self._states.fingerprint(self.tokenizer)
         key = xxhash.xxh3_128_hexdigest(grammar.lark.encode()) + fingerprint.hex()
         with self._lock:
             template = self._lru.get(key)
@@ -84,7 +85,7 @@ class GrammarCache:
         """Build the llguidance tokenizer now, so the first request under a grammar (any
         request with tools) does not wait for it."""
         with self._lock:
-            self._ll_tokenizer(current_fingerprint(self.tokenizer))
+            self._ll_tokenizer(self._states.fingerprint(self.tokenizer))
 
     def _ll_tokenizer(self, fingerprint: bytes) -> Any:
         ll = self._ll_tokenizers.get(fingerprint)
