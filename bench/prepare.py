@@ -141,9 +141,9 @@ def breakdown(label: str, tok: Any, template: str, tools: list[dict[str, Any]],
     from prefix_cache.render.render import get_renderer
 
     fast = Accelerators()
-    renderer = get_renderer(tok, template, tools, fast=fast)
+    renderer = get_renderer(tok, template, tools)
     plan = make_plan(tok, messages, tools, None, template, "default", None, prefix=cache.prefix,
-                     protect_default_prefix=False, fast=fast)
+                     protect_default_prefix=False, renderers=cache._renderers, fast=fast)
     entry = decode_entry(cache.store.get(plan.key), plan.key, plan.check)
     text = renderer.render_text(messages, tools, {}, fast=fast, memo_key=plan.memo_key)
     indent = 4 if "tojson(indent=4)" in template else None

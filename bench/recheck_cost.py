@@ -1,12 +1,12 @@
 """What the hit path's cheap checks cost, side by side in one run: the tokenizer fingerprint's
-re-check without the added-tokens table, with the whole table (issue 23), and as it is now (the
-table compared only after a call that can change it, ``tokenizer_watch``: issue 30); and the
-key's canonical bytes with and without the binary-value check.
+re-check without the added-tokens table, with the whole table (issue 23), the pipeline's reading
+alone, and the whole re-check as it is now (table and pipeline read on every call, nothing
+watched: issue 48); and the key's canonical bytes with and without the binary-value check.
 
     PYTHONPATH=$PWD python bench/recheck_cost.py [--reps 2000]
 
 Per tokenizer (real ones, offline), in microseconds per request. Per tools count:
-``msgpack.packb`` alone against ``canonical_bytes`` (the pack plus the binary-value scan).
+``msgpack.packb`` alone against the fast key packer (the pack, the binary-value scan, the\nnesting memo's hash and lookup).
 Medians of interleaved batches, printed as Markdown tables.
 """
 
@@ -40,41 +40,47 @@ def median_us(calls: dict[str, Callable[[], Any]], reps: int, batch: int = 50) -
     return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
+def table_settings(tokenizer: Any) -> tuple[Any, ...]:
+    """The re-check of issue 23: the fields above and the whole added-tokens table."""
+    return (*old_settings(tokenizer), tokenizer.backend_tokenizer.get_added_tokens_decoder())
+
+
 def recheck_rows(reps: int) -> list[str]:
-    from prefix_cache.fastpath import Accelerators
+    from prefix_cache.render.tokenizer_identity import TokenizerStates, pipeline_settings
     from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer
-    from prefix_cache.render.tokenizer_identity import current_fingerprint, encode_settings
 
-    fast = Accelerators()  # the re-check as a cache makes it (the tokenizer watch on)
-
-    rows = ["| tokenizer | added tokens | before issue 23 (no table) | the whole table "
-            "(issue 23) | the re-check now (issue 30) |", "|---|---:|---:|---:|---:|"]
+    rows = ["| tokenizer | added tokens | before issue 23 (no table) | with the table (issue 23) "
+            "| the pipeline alone | the re-check now (issue 48) |",
+            "|---|---:|---:|---:|---:|---:|"]
     for name in TOKENIZERS:
         tok = load_offline_tokenizer(name)
         added = len(tok.backend_tokenizer.get_added_tokens_decoder())
-        current_fingerprint(tok, fast=fast)  # fingerprinted once; the calls below re-check
+        states = TokenizerStates()
+        states.state(tok)  # fingerprinted once; the calls below re-check
         us = median_us({"old": lambda t=tok: old_settings(t),
-                        "table": lambda t=tok: encode_settings(t),
-                        "now": lambda t=tok: current_fingerprint(t, fast=fast)}, reps)
+                        "table": lambda t=tok: table_settings(t),
+                        "pipeline": lambda t=tok: pipeline_settings(t.backend_tokenizer),
+                        "now": lambda t=tok: states.state(t)}, reps)
         rows.append(f"| {name} | {added} | {us['old']:.1f} µs | {us['table']:.1f} µs | "
-                    f"{us['now']:.1f} µs |")
+                    f"{us['pipeline']:.1f} µs | {us['now']:.1f} µs |")
     return rows
 
 
 def canonical_rows(reps: int) -> list[str]:
     import msgpack
 
-    from prefix_cache.cache.keys import canonical_bytes
+    from prefix_cache.fastpath import FastKeyPacker
     from prefix_cache.testing.benchmark import SYSTEM_PROMPT, bench_tools
 
     rows = ["| tools | packed bytes | pack alone | canonical_bytes | ratio |",
             "|---:|---:|---:|---:|---:|"]
     static = [{"role": "system", "content": SYSTEM_PROMPT}]
+    packer = FastKeyPacker()  # as a cache packs: in C, each new packing walked once
     for n in (0, 4, 64):
         tools = bench_tools(n) or None
         fields = [static, tools, None]
         us = median_us({"pack": lambda f=fields: msgpack.packb(f, strict_types=True),
-                        "canonical": lambda t=tools: canonical_bytes(static, t, None)}, reps)
+                        "canonical": lambda t=tools: packer.fields(static, t, None)}, reps)
         size = len(msgpack.packb(fields, strict_types=True))
         rows.append(f"| {n} | {size} | {us['pack']:.1f} µs | {us['canonical']:.1f} µs | "
                     f"{us['canonical'] / us['pack']:.2f}x |")

@@ -200,7 +200,7 @@ def test_the_fast_path_is_reached_only_through_its_seam() -> None:
 
 # The accelerators (issue 37): they live in the fastpath package, none at the core's root.
 ACCELERATORS = ("body_parts", "known_parts", "tail_pieces", "direct_render", "frozen_tools",
-                "tokenizer_watch")
+                "key_packer")
 
 
 def test_no_accelerator_module_is_left_in_the_core() -> None:

@@ -29,7 +29,7 @@ import xxhash
 
 from prefix_cache.errors import InvalidRequestError
 from prefix_cache.render.render import unwrap_tokenizer
-from prefix_cache.render.tokenizer_identity import current_fingerprint
+from prefix_cache.render.tokenizer_identity import TokenizerStates
 from prefix_cache.util.lru import ByteLRU
 
 from ..purge_marks import PurgeMarks, stamp
@@ -75,6 +75,7 @@ class GrammarCache:
         self._ll_tokenizers: dict[bytes, Any] = {}
         self._purges = PurgeMarks()
         self._lock = threading.Lock()  # callers are API handlers on several threads
+        self._states = TokenizerStates()  # the tokenizer's state, re-read per grammar
 
     def run(self, grammar: OutputGrammar, namespace: str = "default") -> GrammarRun:
         """A fresh run of the grammar (``matcher``: an ``LLMatcher``)."""
@@ -95,7 +96,7 @@ class GrammarCache:
                 f"the output's grammar (a JSON schema, tools) is {size} bytes as a grammar, over "
                 f"the limit of {MAX_GRAMMAR_TEXT_BYTES} bytes ({MAX_GRAMMAR_TEXT_BYTES >> 10} "
                 "KiB) this engine compiles: send a smaller schema", code=TOO_LARGE)
-        fingerprint = current_fingerprint(self.tokenizer)
+        fingerprint = self._states.fingerprint(self.tokenizer)
         key = (namespace, xxhash.xxh3_128_hexdigest(grammar.lark.encode()) + fingerprint.hex())
         issued = stamp()   # a purge of the namespace while this compiles: not kept after it
         with self._lock:
@@ -127,7 +128,7 @@ class GrammarCache:
         """Build the llguidance tokenizer now, so the first request under a grammar (any
         request with tools) does not wait for it."""
         with self._lock:
-            self._ll_tokenizer(current_fingerprint(self.tokenizer))
+            self._ll_tokenizer(self._states.fingerprint(self.tokenizer))
 
     def _ll_tokenizer(self, fingerprint: bytes) -> Any:
         ll = self._ll_tokenizers.get(fingerprint)

@@ -411,6 +411,15 @@ class MLXEngine:
         self._start(seq)
 
     def _start(self, seq: EngineSequence, may_park: bool = True) -> None:
+        """Admit one request: decide how its prompt is prefilled.
+
+        The rule, in order: the protected static part ends at ``specprefill_system_end`` (never
+        the last prompt token); a conversation this engine served before gives back its KV
+        (``conversation_hit``), else the static prefix's snapshot is what is reused. With no
+        conversation hit, a request whose static prefix is being computed by another waits
+        for it (parked, ``may_park``). What is left to compute is prefilled sparse
+        (SpecPrefill) when the request asks for it and it is long enough, else dense, with the
+        reason it could not be sparse recorded as its fallback."""
         req = seq.request
         ids = list(req.prompt_ids)
         # The last prompt token is the one generation starts from: it is never part of a snapshot.

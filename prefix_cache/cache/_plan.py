@@ -10,7 +10,13 @@ from typing import Any
 from . import boundary, keys
 from ..util.hints import FastPath, Hints
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
-from ..render.render import DEFAULT_OPTIONS, RenderOptions, TemplateRenderer, get_renderer
+from ..render.render import (
+    DEFAULT_OPTIONS,
+    Renderers,
+    RenderOptions,
+    TemplateRenderer,
+    default_renderers,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +58,18 @@ class Plan:
 def make_plan(tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
               chat_template: str | None, namespace: str, model: str | None,
               options: RenderOptions = DEFAULT_OPTIONS, *, prefix: str,
-              protect_default_prefix: bool, hints: Hints | None = None,
+              protect_default_prefix: bool, renderers: Renderers | None = None,
+              packer: keys.KeyPacker | None = None, hints: Hints | None = None,
               fast: FastPath | None = None) -> Plan:
     """Validates a request's inputs, picks its renderer and computes its key (none when there
 is nothing static to protect, or when the render cannot be reproduced). ``hints``: parts of the
-key material its body's parse (or a frozen tool list) already packed. ``fast``: the
+key material its body's parse (or a frozen tool list) already packed. ``renderers``: the
+cache's own (its renderers and tokenizer states; the process default when None); ``packer``:
+what packs the key's fields (the plain packer when None). ``fast``: the
 accelerators; None (off): no hints are used, and the key is packed by the plain walk."""
     started = time.perf_counter()
+    renderers = renderers or default_renderers()
+    packer = keys.KeyPacker() if packer is None else packer
     keys.validate_label(namespace, "namespace")
     messages = validate_messages(messages)
     if fast is None:
@@ -66,24 +77,24 @@ accelerators; None (off): no hints are used, and the key is packed by the plain 
     json_messages = hints is not None and hints.all_json(messages)
     tools = validate_tools(tools, hints)
     kwargs = validate_kwargs(kwargs)
-    renderer = get_renderer(tokenizer, chat_template, tools, fast=fast)
+    renderer = renderers.get(tokenizer, chat_template, tools)
     n_static = count_static(messages)
     everything_static = n_static == len(messages)
     label = keys.model_label(model or getattr(renderer.tokenizer, "name_or_path", "") or "model")
     if everything_static or (n_static == 0 and not protect_default_prefix):
         # Not keyed, but refused alike: what would be refused in a key is refused here too.
-        keys.canonical_bytes(messages[:n_static], tools, kwargs, hints, fast=fast is not None)
+        packer.fields(messages[:n_static], tools, kwargs)
         return Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
                      namespace, label, started, options, json_messages, fast)
     static = messages[:n_static]
     if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
-        keys.canonical_bytes(static, tools, kwargs, hints, fast=fast is not None)
+        packer.fields(static, tools, kwargs)
         return Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
                      namespace, label, started, options, json_messages, fast)
     date = renderer.date_tag()
     material = keys.key_material(
         namespace=namespace, identity=renderer.identity, static=static,
-        tools=tools, kwargs=kwargs, date=date, hints=hints, fast=fast is not None,
+        tools=tools, kwargs=kwargs, date=date, packer=packer,
     )
     key = keys.format_key(prefix, namespace, label, keys.key_hash(material))
     return Plan(renderer, messages, tools, kwargs, n_static, static, key,

@@ -28,13 +28,14 @@ from typing import Any, Unpack
 from . import boundary, keys
 from .entry import DecodedEntries, Entry, decode_entry, encode_entry
 from ..errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
-from ..fastpath import Accelerators, fast_path_setting, plain_tools
+from ..fastpath import Accelerators, FastKeyPacker, fast_path_setting, plain_tools
 from .messages import dynamic_chars
 from .observer import CacheObserver, ObserverGroup
 from ._plan import Plan as _Plan
 from ._plan import make_plan
 from ._probes import probe
 from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
+from ..render.render import Renderers
 from ._request import (
     Driven,
     Flight,
@@ -79,6 +80,8 @@ class StaticPrefixCache:
         # PREFIX_CACHE_FAST_PATH=off; off gives the same answers by the plain computation.
         self.fast_path = fast_path_setting(fast_path)
         self._fast = Accelerators() if self.fast_path else None
+        # The key's fields packed the plain way, or in C (the same bytes and refusals).
+        self._packer: keys.KeyPacker = FastKeyPacker() if self.fast_path else keys.KeyPacker()
         self.store: Store = store if store is not None else MemoryStore()
         self.prefix = keys.validate_label(prefix, "key prefix")
         if ttl_seconds is not None and ttl_seconds <= 0:
@@ -96,6 +99,7 @@ class StaticPrefixCache:
         # Rendered prompts are tokenized from the entry's split, checked at this sampled rate.
         self._tokens = PromptTokenizer(self._events, tokenize_check_rate)
         self._flights, self._decoded = SingleFlight(), DecodedEntries()
+        self._renderers = Renderers()  # this cache's renderers and tokenizer states
         self._executor = ThreadPoolExecutor(
             max_workers=max_render_threads or min(8, (os.cpu_count() or 2) + 2),
             thread_name_prefix="prefix-render",
@@ -217,13 +221,14 @@ class StaticPrefixCache:
 
     def _plan(self, r: PrefixRequest) -> _Plan:
         if self._fast is None:  # off: a frozen tool list is read back as a plain one
-            tools, hints = plain_tools(r.tools), None
+            tools, hints, packer = plain_tools(r.tools), None, self._packer
         else:
             tools, hints = r.tools, self._fast.with_frozen(r.tools, r.hints)
+            packer = self._packer.hinted(hints)  # type: ignore[attr-defined]
         return make_plan(r.tokenizer, r.messages, tools, r.chat_template_kwargs,
                          r.chat_template, r.namespace, r.model, r.options, prefix=self.prefix,
-                         protect_default_prefix=self.protect_default_prefix, hints=hints,
-                         fast=self._fast)
+                         protect_default_prefix=self.protect_default_prefix,
+                         renderers=self._renderers, packer=packer, hints=hints, fast=self._fast)
 
     def _render(self, plan: _Plan) -> RenderedText:
         """The request's prompt text, with the documented tools fallback (tools and kwargs are

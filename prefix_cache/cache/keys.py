@@ -19,7 +19,6 @@ import msgpack
 import xxhash
 
 from ..errors import InvalidRequestError
-from ..util.hints import Hints
 
 KEY_VERSION = b"spc-key-v2"
 DEFAULT_PREFIX = "spc"
@@ -48,8 +47,7 @@ def model_label(name: str) -> str:
 
 
 def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None,
-                    kwargs: Mapping[str, Any] | None, hints: Hints | None = None,
-                    *, fast: bool = True) -> bytes:
+                    kwargs: Mapping[str, Any] | None) -> bytes:
     """Exact bytes of the plain data a template is given; InvalidRequestError for anything else.
 
     Plain data is what a JSON body parses to: exactly dict, list, str, int, float, bool and None
@@ -59,31 +57,33 @@ def canonical_bytes(static: Sequence[Mapping[str, Any]], tools: Sequence[Mapping
     would serialize to, because the template does not see them as that JSON. Key order, int vs
     float, bool vs int, NaN, -0.0 and integers of any size all stay distinct. ``tools`` is kept
     as given: ``[]`` and ``None`` render differently on real templates (``tools is not none``,
-    the ``tool_use`` named template), so they key differently.
+    the ``tool_use`` named template), so they key differently. Nesting deeper than
+    ``MAX_DEPTH`` levels is refused (one limit, one error, wherever the value is: a render
+    walks it recursively).
 
     Binary values (``bytes``, ``bytearray``, ``memoryview``) and msgpack's own ``ExtType`` and
     ``Timestamp`` are refused too: msgpack would pack them, but the first three alike and an
     ``ExtType`` like one of our big integers, while the template sees each differently. So are
     strings that are not valid Unicode text (a lone surrogate).
 
-    The bytes are a msgpack array of the fields of ``KEY_FIELDS``, in its order. msgpack with
-    ``strict_types`` does the type check and the encoding in one C pass; only data it cannot
-    take (integers beyond 64 bits, a lone surrogate, a type to refuse) goes through the Python
-    walk. The one refused kind it does take -- binary and extension values -- is found in its
-    output (``_has_binary``). Parts the hints know are put in as they are (``_array``: a
-    msgpack array is its header, then each element's own packing).
-
-    ``hints``: parts (the tools, static messages) a body parser (or a frozen tool list)
-    already packed; the same bytes, without packing those parts again.
-    ``fast=False``: the Python walk alone (the reference the C pass and ``hints`` must equal).
+    The bytes are a msgpack array of the fields of ``KEY_FIELDS``, in its order, each value
+    walked in Python (``_plain``) and packed. The accelerated packer (``fastpath``) packs the
+    same bytes in C and must refuse exactly what this refuses.
     """
     given = (static, tools, kwargs or None)
-    if fast:
-        packed = _hinted_fields(given, hints) if hints else packed_part(_values(given))
-        if packed is not None:
-            return packed
     return _pack([_plain(value, field.name)
-                  for value, field in zip(_values(given), KEY_FIELDS, strict=True)])
+                  for value, field in zip(values(given), KEY_FIELDS, strict=True)])
+
+
+class KeyPacker:
+    """The key's field bytes, the plain way (``canonical_bytes``). The accelerated packer
+    (``prefix_cache.fastpath``) wraps one and gives the same bytes and the same refusals."""
+
+    def fields(self, static: Sequence[Mapping[str, Any]],
+               tools: Sequence[Mapping[str, Any]] | None,
+               kwargs: Mapping[str, Any] | None) -> bytes:
+        """The key's field bytes for these inputs; InvalidRequestError for what is refused."""
+        return canonical_bytes(static, tools, kwargs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,31 +102,13 @@ KEY_FIELDS = (KeyField("messages", list, by_item=True), KeyField("tools", list),
               KeyField("chat_template_kwargs", dict))
 
 
-def _values(given: tuple[Any, ...]) -> list[Any]:
+def values(given: tuple[Any, ...]) -> list[Any]:
     """The fields as the template gets them, in the table's shapes (None stays None)."""
     return [None if value is None else field.shape(value)
             for value, field in zip(given, KEY_FIELDS, strict=True)]
 
 
-def _hinted_fields(given: tuple[Any, ...], hints: Hints) -> bytes | None:
-    """The fields packed in C, the parts ``hints`` know put in as they are; None when a part
-    is not plain data as it is (the Python walk then decides, and names what it refuses)."""
-    parts = []
-    for value, field in zip(given, KEY_FIELDS, strict=True):
-        if value is None:
-            part: bytes | None = _NIL
-        elif field.by_item:
-            items = [hints.packed(item) or packed_part(item) for item in value]
-            part = None if None in items else _array(items)  # type: ignore[arg-type]
-        else:
-            part = hints.packed(value) or packed_part(field.shape(value))
-        if part is None:
-            return None
-        parts.append(part)
-    return _array(parts)
-
-
-def _array(parts: list[bytes]) -> bytes:
+def packed_array(parts: list[bytes]) -> bytes:
     """A msgpack array of already packed elements: its header, then each element's bytes
     (what msgpack itself writes for the array of their values)."""
     return b"".join([_array_header(len(parts)), *parts])
@@ -134,7 +116,8 @@ def _array(parts: list[bytes]) -> bytes:
 
 def packed_part(value: Any) -> bytes | None:
     """``value`` packed as ``canonical_bytes`` packs it among its fields, when it is plain data
-    msgpack takes as it is (no integer beyond 64 bits, no lone surrogate); else None."""
+    msgpack takes as it is (no integer beyond 64 bits, no lone surrogate); else None. Its
+    nesting is not checked: msgpack packs up to 1024 levels, past ``MAX_DEPTH``."""
     try:
         packed = _pack(value)
     except (TypeError, OverflowError, ValueError):
@@ -145,8 +128,8 @@ def packed_part(value: Any) -> bytes | None:
 def packed_field(value: Any, what: str) -> bytes:
     """``value`` packed exactly as ``canonical_bytes`` packs it as its field ``what`` (one of
     ``messages``, ``tools``, ``chat_template_kwargs``), integers beyond 64 bits included;
-    InvalidRequestError for what it refuses."""
-    return packed_part(value) or _pack(_plain(value, what))
+    InvalidRequestError for what it refuses (walked in Python: its nesting is checked)."""
+    return _pack(_plain(value, what))
 
 
 def unpack_ext(code: int, data: bytes) -> Any:
@@ -205,15 +188,15 @@ def _pack(value: Any) -> bytes:
 
 
 _PLAIN_SCALARS = (float, bool, type(None))
-_MAX_DEPTH = 256
+MAX_DEPTH = 256
 _INT64_MIN, _UINT64_MAX = -(2**63), 2**64 - 1
 _BIG_INT = 1  # msgpack extension type code for an integer beyond 64 bits (decimal digits)
 
 
 def _plain(value: Any, path: str, depth: int = 0) -> Any:
     """A copy of ``value`` with big integers as msgpack extensions; refuses non-plain types."""
-    if depth > _MAX_DEPTH:
-        raise InvalidRequestError(f"{path}: nested more than {_MAX_DEPTH} levels deep")
+    if depth > MAX_DEPTH:
+        raise InvalidRequestError(f"{path}: nested more than {MAX_DEPTH} levels deep")
     kind = type(value)
     if kind is int:
         if _INT64_MIN <= value <= _UINT64_MAX:
@@ -258,13 +241,16 @@ def key_material(
     tools: Sequence[Mapping[str, Any]] | None,
     kwargs: Mapping[str, Any] | None,
     date: str | None = None,
-    hints: Hints | None = None,
-    fast: bool = True,
+    packer: KeyPacker | None = None,
 ) -> bytes:
-    """Length-prefixed fields, so no field's bytes can run into the next one's."""
-    fields = (KEY_VERSION, namespace.encode(), identity, (date or "").encode(),
-              canonical_bytes(static, tools, kwargs, hints, fast=fast))
+    """Length-prefixed fields, so no field's bytes can run into the next one's. ``packer``:
+    what packs the static messages, tools and kwargs (the plain one when None)."""
+    packed = (_PLAIN if packer is None else packer).fields(static, tools, kwargs)
+    fields = (KEY_VERSION, namespace.encode(), identity, (date or "").encode(), packed)
     return b"".join([len(f).to_bytes(4, "little") + f for f in fields])
+
+
+_PLAIN = KeyPacker()
 
 
 def key_hash(material: bytes) -> str:

@@ -68,7 +68,16 @@ class PromptTokenizer:
                  model: str, official: Callable[[], str] | None = None,
                  check: bool | None = None, scope: str = "", fast: FastPath | None = None
                  ) -> TokenIds:
-        """The prompt's ids, equal to ``renderer.tokenize(text)``. ``official``: the prompt
+        """The prompt's ids, equal to ``renderer.tokenize(text)``.
+
+        The rule: off (no accelerators) -> the whole text tokenized. Else the stored ids up to
+        the entry's split plus the tail tokenized, where the split allows it (``_fast``); a
+        call drawn for the sampled check also renders the prompt the official way, tokenizes
+        it whole and compares: a different render turns the direct render off, different ids
+        turn this tokenizer's fast path off, and either way the whole tokenization is the
+        answer. Not drawn: the fast ids when there are some, else the whole tokenization.
+
+        ``official``: the prompt
         rendered through ``apply_chat_template`` itself, for a sampled check of a direct render
         (the direct render) along with the tokenization. ``check``: whether this call is one of
         the sampled checks, drawn beforehand with ``sampled()`` (None: drawn here). ``scope``:

@@ -10,20 +10,21 @@ imports this package only, from at most three modules (``tests/test_architecture
 Its modules: ``switch.py`` (the switch) and ``typed_keys.py`` (memo keys that carry types), and
 private ones: ``_body_parts.py`` (a body parsed part by part, large parts' exact bytes
 remembered per tenant), ``_known_parts.py`` (the hints those parts give), ``_frozen_tools.py``
-(a tool list packed once), ``_direct_render.py`` (transformers' render without its copies, its
+(a tool list packed once), ``_key_packer.py`` (the key's field bytes packed in C, each new
+packing walked once the plain way), ``_direct_render.py`` (transformers' render without its copies, its
 ``tojson`` memo), ``_tail_pieces.py`` (a hit's tail tokenized piece by piece, pieces remembered
-per tenant), ``_tokenizer_watch.py`` (a count of the calls that change a Rust tokenizer's added
-tokens), ``_accelerators.py`` (them as one cache's ``FastPath``).
+per tenant), ``_accelerators.py`` (them as one cache's ``FastPath``).
 """
 
 from ._accelerators import Accelerators, plain_tools
 from ._body_parts import REMEMBERED_BYTES, PartMemo, parse_body
 from ._frozen_tools import FrozenTools
+from ._key_packer import FastKeyPacker
 from ._known_parts import KnownParts
 from ._tail_pieces import PieceMemo, piece_cuts, pieces
 from .switch import FAST_PATH_ENV, fast_path_setting
 from .typed_keys import Unkeyable, typed_key
 
-__all__ = ["FAST_PATH_ENV", "REMEMBERED_BYTES", "Accelerators", "FrozenTools", "KnownParts",
-           "PartMemo", "PieceMemo", "Unkeyable", "fast_path_setting", "parse_body", "piece_cuts",
+__all__ = ["FAST_PATH_ENV", "REMEMBERED_BYTES", "Accelerators", "FastKeyPacker", "FrozenTools",
+           "KnownParts", "PartMemo", "PieceMemo", "Unkeyable", "fast_path_setting", "parse_body", "piece_cuts",
            "pieces", "plain_tools", "typed_key"]

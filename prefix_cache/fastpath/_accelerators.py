@@ -6,21 +6,18 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..util.hints import Hints
-from . import _direct_render, _tokenizer_watch
+from . import _direct_render
 from ._frozen_tools import FrozenTools
 from ._known_parts import KnownParts
 from ._tail_pieces import PieceMemo
 
 
 class Accelerators:
-    """The tokenizer watch, the direct render (its ``tojson`` memo is per process, keyed by
+    """The direct render (its ``tojson`` memo is per process, keyed by
     the cache key) and this cache's tail pieces."""
 
     def __init__(self) -> None:
         self._pieces = PieceMemo()
-
-    def added_token_changes(self, backend: Any) -> int | None:
-        return _tokenizer_watch.generation() if _tokenizer_watch.watches(backend) else None
 
     def compile_template(self, tokenizer: Any, template: str | None) -> Any:
         return _direct_render.compiled(tokenizer, template)

@@ -42,7 +42,7 @@ from ._template_clock import (
     randomness_seen,
     watch_randomness,
 )
-from .tokenizer_identity import TokenizerState, current_state
+from .tokenizer_identity import TokenizerState, TokenizerStates
 from .tokenizer_model import TokenizerModel, tokenizer_model
 
 log = logging.getLogger("prefix_cache")
@@ -389,52 +389,84 @@ def _template_message(exc: Exception) -> str:
     return f"chat template error: {message}"
 
 
-# -- memo: fingerprints per tokenizer, renderers per renderer object -----------------------------
+# -- memo: the renderers of one owner ----------------------------------------------------------
 
 MAX_TEMPLATES_PER_TOKENIZER = 256
 
-_renderers: weakref.WeakKeyDictionary[Any, dict[tuple[bytes, bytes, str], TemplateRenderer]] = (
-    weakref.WeakKeyDictionary())
-_lock = threading.Lock()
+
+class Renderers:
+    """One owner's renderers (a cache's, or the process default of ``get_renderer``): per
+    tokenizer or wrapper (weakly held), one ``TemplateRenderer`` per (tokenizer state, wrapper,
+    template), and the tokenizer states they were made for."""
+
+    def __init__(self) -> None:
+        self.states = TokenizerStates()
+        self._table: weakref.WeakKeyDictionary[
+            Any, dict[tuple[bytes, bytes, str], TemplateRenderer]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def get(self, tokenizer: Any, chat_template: str | None = None,
+            tools: Tools = None) -> TemplateRenderer:
+        """The renderer for this tokenizer (or wrapper) and template (the tokenizer's own when
+        none is given), for the tokenizer's state as it is now.
+
+        ``chat_template`` may be template text or the name of one of the tokenizer's templates;
+        with several named templates, requests with tools (``[]`` included) get ``tool_use`` if
+        present, as in transformers."""
+        inner = unwrap_tokenizer(tokenizer)
+        function = python_renderer(tokenizer, inner)
+        template, template_id = _template(inner, function, chat_template, tools)
+        state = self.states.state(inner)  # read once: the key and the renderer share it
+        descriptor = wrapper_descriptor(tokenizer) if inner is not tokenizer else b""
+        memo_key = (state.fingerprint, descriptor, template_id)
+        table = self._table.get(tokenizer)
+        renderer = table.get(memo_key) if table is not None else None
+        if renderer is None:
+            renderer = _new_renderer(tokenizer, template, function, memo_key, state)
+            with self._lock:
+                table = self._table.setdefault(tokenizer, {})
+                if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
+                    # Per-request templates could grow this without end; the oldest is dropped.
+                    table.pop(next(iter(table)))
+                renderer = table.setdefault(memo_key, renderer)
+        return renderer
+
+
+_default: Renderers | None = None
+
+
+def default_renderers() -> Renderers:
+    """The process default ``Renderers``, for callers that own no cache (the engine's own
+    renders, tools, benchmarks); a cache owns its own."""
+    global _default
+    if _default is None:
+        _default = Renderers()
+    return _default
 
 
 def get_renderer(tokenizer: Any, chat_template: str | None = None,
-                 tools: Tools = None, *, fast: FastPath | None = None) -> TemplateRenderer:
-    """The renderer for this tokenizer (or wrapper) and template (the tokenizer's own when none
-    is given).
+                 tools: Tools = None) -> TemplateRenderer:
+    """``Renderers.get`` of the process default (``default_renderers``)."""
+    return default_renderers().get(tokenizer, chat_template, tools)
 
-    ``chat_template`` may be template text or the name of one of the tokenizer's templates; with
-    several named templates, requests with tools (``[]`` included) get ``tool_use`` if present,
-    as in transformers. ``fast``: the accelerators; with them the tokenizer's added-tokens table
-    is trusted unchanged while no watched call changed it, without them it is compared every
-    call.
-    """
-    inner = unwrap_tokenizer(tokenizer)
-    function = python_renderer(tokenizer, inner)
-    template: str | None = None
+
+def _template(inner: Any, function: Callable[..., Any] | None, chat_template: str | None,
+              tools: Tools) -> tuple[str | None, str]:
+    """The template text (None for a Python renderer) and what identifies it."""
     if function is not None:
         if chat_template is not None:
             raise InvalidRequestError(
                 "this tokenizer renders with mlx-lm's Python chat template "
                 f"({getattr(function, '__module__', '?')}); a chat_template cannot be given")
-        template_id = _function_identity(function)[0]
-    else:
-        try:
-            # transformers only asks whether tools is None: [] picks tool_use too.
-            template = inner.get_chat_template(chat_template, tools)
-        except ValueError as exc:
-            raise NoChatTemplateError(str(exc)) from exc
-        if not template:
-            raise NoChatTemplateError("the tokenizer has no chat template and none was given")
-        template_id = template
-    state = current_state(inner, fast=fast)  # read once: the key and the renderer share it
-    descriptor = wrapper_descriptor(tokenizer) if inner is not tokenizer else b""
-    memo_key = (state.fingerprint, descriptor, template_id)
-    table = _renderers.get(tokenizer)
-    renderer = table.get(memo_key) if table is not None else None
-    if renderer is None:
-        renderer = _new_renderer(tokenizer, template, function, memo_key, state)
-    return renderer
+        return None, _function_identity(function)[0]
+    try:
+        # transformers only asks whether tools is None: [] picks tool_use too.
+        template = inner.get_chat_template(chat_template, tools)
+    except ValueError as exc:
+        raise NoChatTemplateError(str(exc)) from exc
+    if not template:
+        raise NoChatTemplateError("the tokenizer has no chat template and none was given")
+    return template, template
 
 
 def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., Any] | None,
@@ -447,13 +479,8 @@ def _new_renderer(tokenizer: Any, template: str | None, function: Callable[..., 
     else:
         _watch_template(template or "")  # before the direct render copies its filters
         clock = _template_clock(template or "")
-    with _lock:
-        table = _renderers.setdefault(tokenizer, {})
-        if len(table) >= MAX_TEMPLATES_PER_TOKENIZER:
-            # Per-request templates could grow this without end; the oldest is dropped.
-            table.pop(next(iter(table)))
-        return table.setdefault(memo_key, TemplateRenderer(tokenizer, template, identity, clock,
-                                                           digest, state.split_special_tokens))
+    return TemplateRenderer(tokenizer, template, identity, clock, digest,
+                            state.split_special_tokens)
 
 
 def _template_clock(template: str) -> ClockUse:

@@ -1,47 +1,100 @@
 """A tokenizer's identity in the key: a stable fingerprint of everything that can change how it
-renders and tokenizes, computed once per tokenizer state and re-checked cheaply on every call
-(vocabulary size, special tokens, ``split_special_tokens``, the added-tokens table and its
-flags), so a tokenizer changed after first use (``add_tokens``) gets a new one.
+renders and tokenizes, computed once per tokenizer state and re-checked on every call, so a
+tokenizer changed after first use gets a new one.
 
-With the accelerators (``FastPath.added_token_changes``), the added-tokens table of a fast
-tokenizer is compared again only when a call that can change it has returned since the last
-comparison; without them, on every call. Every other field is read on every call.
+The re-check (``encode_settings``) reads, at the moment the key is made, every settable part of
+the tokenizer that changes its encode: the backend object, the vocabulary size with added
+tokens, special tokens, ``split_special_tokens``, the added-tokens table with every token's
+flags, and the backend's pipeline -- normalizer, pre-tokenizer, post-processor and decoder
+(each as its serialized state: replacing one, or setting one of its fields in place, changes
+it), padding, truncation, and the model (its kind, every setting it exposes, its vocabulary size
+and tokens sampled across it). Nothing is watched or patched: the same reading runs with the
+fast path on and off (docs/benchmarks.md, ``bench/recheck_cost.py``, for what it costs).
+
+The one change the reading does not see in full is a model replaced by another of the same kind,
+settings and vocabulary size whose tokens differ only away from the sampled ids: reading a
+whole vocabulary costs ~0.4 s (Qwen3), so it is read when the fingerprint is made, not on every
+call.
+
+The memo of states is an object (``TokenizerStates``) its owner keeps: a cache, the grammar
+compiler.
 """
 
 from __future__ import annotations
 
 import threading
+import types
 import weakref
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 import orjson
 import xxhash
 
-from ..util.hints import FastPath
+__all__ = ["TokenizerState", "TokenizerStates", "encode_settings", "pipeline_settings",
+           "tokenizer_fingerprint"]
 
-__all__ = ["TokenizerState", "current_fingerprint", "current_state", "encode_settings",
-           "quick_settings", "tokenizer_fingerprint"]
+_VOCAB_SAMPLES = 4   # tokens of the model's vocabulary read on every call (and its last one)
+
 
 def encode_settings(tokenizer: Any) -> tuple[Any, ...]:
     """What can change how an already fingerprinted tokenizer encodes, read in microseconds: its
-    backend object, vocabulary size with added tokens, special tokens (template variables),
-    ``split_special_tokens``, and the added-tokens table with every token's flags.
+    backend object, special tokens (template variables), ``split_special_tokens``, the
+    added-tokens table with every token's flags, and the backend's pipeline
+    (``pipeline_settings``, its model's vocabulary size included); a slow tokenizer's
+    vocabulary size with added tokens and its added-tokens table.
 
     The table is what ``add_tokens`` changes even when the vocabulary size does not (a token
     already in the vocabulary made an added one, or an added token re-added with other flags).
     It is compared whole (``AddedToken`` equality covers content, special, normalized, lstrip,
-    rstrip and single_word): about 0.4 us per added token (docs/benchmarks.md)."""
+    rstrip and single_word): about 0.15 us per added token (docs/benchmarks.md)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    table = (backend.get_added_tokens_decoder() if backend is not None
-             else dict(getattr(tokenizer, "added_tokens_decoder", {})))
+    if backend is None:
+        table: Any = dict(getattr(tokenizer, "added_tokens_decoder", {}))
+        pipeline: tuple[Any, ...] = (len(tokenizer),)
+    else:  # (its size with added tokens is the model's and the table's)
+        table = backend.get_added_tokens_decoder()
+        pipeline = pipeline_settings(backend)
     return (
-        id(backend),
-        len(tokenizer),
+        backend,  # the object, not its id: the memo keeps it, so no new one takes its address
         bool(getattr(tokenizer, "split_special_tokens", False)),
         tokenizer.special_tokens_map,
         table,
+        pipeline,
     )
+
+
+def pipeline_settings(backend: Any) -> tuple[Any, ...]:
+    """Every settable part of a ``tokenizers.Tokenizer`` that changes its encode, as values:
+    the serialized state of its normalizer, pre-tokenizer, post-processor and decoder, its
+    padding and truncation, and its model's kind, settings, vocabulary size and sampled tokens
+    (``encode_special_tokens`` is transformers' ``split_special_tokens``, read there)."""
+    model = backend.model
+    kind = type(model)
+    size = backend.get_vocab_size(with_added_tokens=False)
+    token = model.id_to_token
+    return (
+        *[None if part is None else part.__getstate__()
+          for part in (backend.normalizer, backend.pre_tokenizer, backend.post_processor,
+                       backend.decoder)],
+        backend.padding,
+        backend.truncation,
+        kind,
+        [getattr(model, name) for name in _model_settings(kind)],
+        size,
+        [token(size * k // _VOCAB_SAMPLES) for k in range(_VOCAB_SAMPLES)],
+        token(size - 1),
+    )
+
+
+@lru_cache(maxsize=16)
+def _model_settings(kind: type) -> tuple[str, ...]:
+    """The settable fields a tokenizers model class exposes (BPE's ``dropout``, ``unk_token``,
+    ``byte_fallback``...; WordPiece's ``max_input_chars_per_word``...), read from the class."""
+    return tuple(sorted(name for klass in kind.__mro__ for name, value in vars(klass).items()
+                        if isinstance(value, types.GetSetDescriptorType)
+                        and not name.startswith("__")))
 
 
 def tokenizer_fingerprint(tokenizer: Any, split_special_tokens: bool | None = None) -> bytes:
@@ -87,42 +140,6 @@ _SLOW_FLAGS = ("legacy", "add_prefix_space", "do_lower_case", "add_dummy_prefix"
                "sp_model_kwargs", "spaces_between_special_tokens")
 
 
-class _Memo:
-    """One tokenizer's state, the full settings it was made from, and the quick reading
-    under which those settings were last compared."""
-
-    __slots__ = ("quick", "settings", "state")
-
-    def __init__(self, quick: tuple[Any, ...] | None, settings: tuple[Any, ...],
-                 state: TokenizerState) -> None:
-        self.quick = quick
-        self.settings = settings
-        self.state = state
-
-
-def quick_settings(tokenizer: Any, fast: FastPath) -> tuple[Any, ...] | None:
-    """What changes whenever ``encode_settings`` may have changed, read in about a microsecond:
-    the backend object, the count of watched calls (``fast.added_token_changes``: what changes
-    the added-tokens table), the backend's base vocabulary size, ``split_special_tokens`` and
-    the special tokens. None for a tokenizer without a watched Rust backend (a slow one): its
-    table is compared on every call."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    changes = None if backend is None else fast.added_token_changes(backend)
-    if changes is None:
-        return None
-    return (
-        backend,  # the object, not its id: the memo keeps it, so no new one takes its address
-        changes,
-        backend.get_vocab_size(with_added_tokens=False),
-        bool(getattr(tokenizer, "split_special_tokens", False)),
-        tokenizer.special_tokens_map,
-    )
-
-
-_fingerprints: weakref.WeakKeyDictionary[Any, _Memo] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-
-
 @dataclass(frozen=True, slots=True)
 class TokenizerState:
     """What one call reads of a tokenizer, once, at the moment its key is made: the fingerprint,
@@ -134,29 +151,30 @@ class TokenizerState:
     split_special_tokens: bool
 
 
-def current_fingerprint(tokenizer: Any, *, fast: FastPath | None = None) -> bytes:
-    """The tokenizer's fingerprint (``current_state``)."""
-    return current_state(tokenizer, fast=fast).fingerprint
+class TokenizerStates:
+    """One owner's memo of tokenizer states: per tokenizer (weakly held), the settings last
+    read and the state made from them; the fingerprint is made again only when a call reads
+    other settings."""
 
+    def __init__(self) -> None:
+        self._memos: weakref.WeakKeyDictionary[Any, tuple[tuple[Any, ...], TokenizerState]] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
 
-def current_state(tokenizer: Any, *, fast: FastPath | None = None) -> TokenizerState:
-    """The tokenizer's state, its fingerprint recomputed only when its encode settings changed;
-    those are compared in full only when the quick reading (``fast``'s) says they may have
-    (without ``fast``: always)."""
-    quick = quick_settings(tokenizer, fast) if fast is not None else None
-    memo = _fingerprints.get(tokenizer)  # (quick is read first: a change in between is seen
-    if memo is not None and quick is not None and memo.quick == quick:  # by the next call)
-        return memo.state
-    settings = encode_settings(tokenizer)
-    if memo is not None and memo.settings == settings:
-        memo.quick = quick
-        return memo.state
-    with _lock:  # fingerprinting a large vocab takes a while: once per tokenizer state
-        memo = _fingerprints.get(tokenizer)
-        if memo is None or memo.settings != settings:
-            split = settings[2]
-            state = TokenizerState(tokenizer_fingerprint(tokenizer, split), split)
-            memo = _fingerprints[tokenizer] = _Memo(quick, settings, state)
-        else:
-            memo.quick = quick
-    return memo.state
+    def state(self, tokenizer: Any) -> TokenizerState:
+        """The tokenizer's state as it is now (its settings read whole on every call)."""
+        settings = encode_settings(tokenizer)
+        memo = self._memos.get(tokenizer)
+        if memo is not None and memo[0] == settings:
+            return memo[1]
+        with self._lock:  # fingerprinting a large vocab takes a while: once per tokenizer state
+            memo = self._memos.get(tokenizer)
+            if memo is None or memo[0] != settings:
+                split = settings[1]
+                memo = self._memos[tokenizer] = (
+                    settings, TokenizerState(tokenizer_fingerprint(tokenizer, split), split))
+        return memo[1]
+
+    def fingerprint(self, tokenizer: Any) -> bytes:
+        """The tokenizer's fingerprint as it is now (``state``)."""
+        return self.state(tokenizer).fingerprint

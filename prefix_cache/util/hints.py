@@ -3,7 +3,7 @@
 - ``Hints``: what a request's body parse (or a frozen tool list) already worked out for some of
   the objects the request holds -- their key material packed, parser-made JSON. One value per
   request; it crosses from the body parser to the cache in ``PrefixRequest.hints``.
-- ``FastPath``: the accelerators of one cache (the tokenizer watch, the direct render and its
+- ``FastPath``: the accelerators of one cache (the direct render and its
   ``tojson`` memo, the tail pieces). The core holds one, or None when the fast path is off
   (``PREFIX_CACHE_FAST_PATH=off``): then every step runs the plain computation.
 
@@ -38,10 +38,6 @@ class Hints(Protocol):
 
 class FastPath(Protocol):
     """The accelerators of one cache, as the render, key and tokenization code ask them."""
-
-    def added_token_changes(self, backend: Any) -> int | None:
-        """How many calls that can change a Rust backend's added tokens have returned (None:
-        ``backend``'s are not counted, so its table is compared on every call)."""
 
     def compile_template(self, tokenizer: Any, template: str | None) -> Any:
         """``template`` compiled for ``render``, or None where it cannot render directly."""

@@ -124,7 +124,7 @@ def test_the_cap_from_the_split_equals_the_full_tokenization(stem: str) -> None:
     for name in NAMES:
         tok = load_offline_tokenizer(name)
         for tools in (None, make_tools(3)):
-            renderer = get_renderer(tok, template, tools, fast=FAST)
+            renderer = get_renderer(tok, template, tools)
             try:  # as a cache with its accelerators probes: the split looked for
                 probed = probe(renderer, [SYSTEM], tools, KWARGS, fast=FAST)
             except TemplateRenderError:
