@@ -265,3 +265,17 @@ def test_a_request_without_a_limit_gets_the_model_s_default(
     assert window is not None
     near_full = backend.check(BackendRequest(prompt_ids=[1] * (window - 3)))
     assert near_full.request.sampling.max_tokens == 3
+
+
+def test_hosted_tools_alone_leave_a_request_without_tools() -> None:
+    from prefix_cache.chat.anthropic_params import parse_messages_body
+    from prefix_cache.chat.responses_params import parse_responses_body
+
+    responses = parse_responses_body({"input": "x", "tools": [{"type": "web_search"}]},
+                                     lambda _: None).call
+    assert (responses.conversation.tools, responses.hosted_tools) == (None, ("web_search",))
+    messages = parse_messages_body({"model": "m", "max_tokens": 1, "tools": [
+        {"type": "web_search_20250305", "name": "web_search"}],
+        "messages": [{"role": "user", "content": "x"}]})
+    assert (messages.conversation.tools, messages.hosted_tools) == (
+        None, ("web_search_20250305",))
