@@ -171,3 +171,32 @@ def test_hosted_tools_alone_leave_a_request_without_tools() -> None:
         "messages": [{"role": "user", "content": "x"}]})
     assert (messages.conversation.tools, messages.hosted_tools) == (
         None, ("web_search_20250305",))
+
+
+def test_an_upstream_default_limit_where_the_client_sends_none(
+        rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> None:
+    """``upstream_default_max_tokens``: a request naming no limit gets it, in its API's field
+    (chat relayed, Responses relayed or converted); one naming a limit goes as it came."""
+    rec, url = rec_server
+    rec.reset()
+    app = sidecar_app(
+        served("chat-only", demo_tokenizer, Upstream(url, default_max_tokens=64)),
+        served("native", demo_tokenizer, Upstream(url, apis=("responses",),
+                                                  default_max_tokens=64)),
+        api_keys=TENANT_KEYS)
+    with ServerThread(app) as base:
+        sdk = openai_client(base, "sk-acme")
+        sdk.chat.completions.create(model="chat-only", messages=[{"role": "user",
+                                                                  "content": "x"}])
+        assert rec.last("chat").body["max_tokens"] == 64
+        raw = json.dumps({"model": "chat-only", "max_completion_tokens": 5, "messages": [
+            {"role": "user", "content": "x"}]}, indent=1).encode()
+        headers = {"authorization": "Bearer sk-acme", "content-type": "application/json"}
+        with local_client(base_url=base, headers=headers) as http:
+            assert http.post("/v1/chat/completions", content=raw).status_code == 200
+        assert rec.last("chat").raw == raw  # a limit named: byte for byte
+        fields = {**codex_fields(unique_system()["content"]), "stream": False}
+        sdk.responses.create(**sdk_fields(sdk.responses.create, {**fields, "model": "chat-only"}))
+        assert rec.last("chat").body["max_tokens"] == 64
+        sdk.responses.create(**sdk_fields(sdk.responses.create, {**fields, "model": "native"}))
+        assert rec.last("responses").body["max_output_tokens"] == 64
