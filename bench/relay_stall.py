@@ -194,6 +194,29 @@ def measure(upstream: str, sidecars: dict[str, str], rounds: int) -> dict[str, l
     return samples
 
 
+def leg(upstream: str, rounds: int) -> dict[str, float]:
+    """The upstream leg alone (what the fix changes, apart from the hit's CPU work): the body
+    posted on one kept-alive connection of each client, interleaved; medians."""
+    hit = body(SYSTEM_PROMPT * 10)
+    limits = httpx.Limits(max_connections=4)
+
+    async def run() -> dict[str, float]:
+        clients = {"httpx defaults (before)": httpx_defaults(httpx.Timeout(60), limits),
+                   "NODELAY + QUICKACK (now)": upstream_client_module.upstream_client(
+                       httpx.Timeout(60), limits)}
+        samples: dict[str, list[float]] = {name: [] for name in clients}
+        for _ in range(rounds):
+            for name, client in random.sample(list(clients.items()), len(clients)):
+                start = time.perf_counter()
+                (await client.post(upstream + "/v1/chat/completions", content=hit)).read()
+                samples[name].append(time.perf_counter() - start)
+        for client in clients.values():
+            await client.aclose()
+        return {name: statistics.median(values[5:]) for name, values in samples.items()}
+
+    return asyncio.run(run())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
@@ -201,10 +224,19 @@ def main() -> None:
     folder = demo_model_dir()
     print(f"{machine()}; load {os.getloadavg()[0]:.2f}; body {len(body(SYSTEM_PROMPT * 10))} "
           f"bytes; {args.rounds} rounds\n")
+    kinds = (("http.server", stdlib_upstream), ("uvicorn", lambda: on_uvicorn(asgi_upstream)))
+    print("The upstream leg alone (the sidecar's client to the upstream, kept alive):\n")
+    print("| upstream | client | median |")
+    print("|---|---|---|")
+    for kind, upstream_of in kinds:
+        with upstream_of() as upstream:
+            for name, median in leg(upstream, args.rounds).items():
+                print(f"| {kind} | {name} | {median * 1e3:.2f} ms |")
+    print("\nThrough the sidecar (a hit renders and tokenizes the prompt after its static "
+          "prefix; a miss also the two probes):\n")
     print("| upstream | call | median | added to direct |")
     print("|---|---|---|---|")
-    for kind, upstream_of in (("http.server", stdlib_upstream),
-                              ("uvicorn", lambda: on_uvicorn(asgi_upstream))):
+    for kind, upstream_of in kinds:
         with upstream_of() as upstream, \
                 sidecar(upstream, folder, httpx_defaults) as before, \
                 sidecar(upstream, folder, upstream_client_module.upstream_client) as now:

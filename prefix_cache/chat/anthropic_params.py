@@ -102,6 +102,8 @@ def _conversation(req: MessagesConversation) -> Conversation:
     tools = None if req.tools is None else [
         _tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)
         if not is_hosted(t.get("type"), MESSAGES_HOSTED)]
+    if req.tools and not tools:  # only hosted tools: as a request without tools
+        tools = None
     return Conversation(fold_late_system(messages, 1 if system else 0), tools,
                         req.chat_template_kwargs)
 

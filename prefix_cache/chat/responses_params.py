@@ -293,7 +293,8 @@ def _tools(tools: list[dict[str, Any]] | None
             hosted.append(str(kind))
         else:
             out.append(_tool(tool, where))
-    return out, tuple(hosted), namespaces
+    # Only hosted tools: the prompt lists none, as for a request without tools.
+    return (None if hosted and not out else out), tuple(hosted), namespaces
 
 
 def _tool(tool: Any, where: str) -> dict[str, Any]:

@@ -45,7 +45,8 @@ class ProxyTarget:
         if upstream.speaks(turn.api):
             content = upstream.forward_content(relay.raw, relay.body, prompt,
                                                namespace=turn.namespace,
-                                               with_prompt_ids=relay.with_prompt_ids)
+                                               with_prompt_ids=relay.with_prompt_ids,
+                                               api=turn.api)
             return Relayed(await self._open(turn, relay, turn.api, content))
         chat = turn.call.chat_body(turn.call.model or self.model.name)
         content = upstream.forward_content(json_io.dumps(chat), chat, prompt,

@@ -16,6 +16,7 @@ A model comes from ``--model DIR`` (named after its folder) or from a ``--models
       upstream_api_key: ...           # optional: the sidecar's key for that upstream
       upstream_health_path: /health   # optional: what GET /readyz probes
       upstream_apis: [messages, responses]  # optional: agent APIs the upstream serves itself
+      upstream_default_max_tokens: 4096     # optional: the output limit of a request naming none
       engine: mlx                     # or: completions run in-process on the MLX engine
       draft_model: /models/Qwen3-0.6B # optional, with engine: the SpecPrefill draft
       engine_options: {kv_bytes: 8GiB} # optional, with engine: over --engine-option's
@@ -78,6 +79,7 @@ class ModelSpec(BaseModel):
     upstream_api_key: str | None = None
     upstream_health_path: str = DEFAULT_HEALTH_PATH
     upstream_apis: list[AgentApi] | None = None
+    upstream_default_max_tokens: int | None = Field(default=None, ge=1)
     engine: str | None = None
     draft_model: Path | None = None
     engine_options: dict[str, Any] = Field(default_factory=dict)
@@ -103,6 +105,7 @@ def load_model_specs(settings: ServiceSettings,
         "upstream_model": settings.upstream_model,
         "upstream_api_key": settings.upstream_api_key,
         "upstream_apis": settings.upstream_apis,
+        "upstream_default_max_tokens": settings.upstream_default_max_tokens,
         "engine": settings.engine,
         "draft_model": settings.draft_model,
         "engine_options": settings.engine_options,
@@ -261,7 +264,8 @@ def load_model(spec: ModelSpec, loader: Callable[..., Any] | None = None) -> Ser
         apis = None if spec.upstream_apis is None else tuple(spec.upstream_apis)
         replicas = [Upstream(url, spec.upstream_kind, model=spec.upstream_model,
                              api_key=spec.upstream_api_key,
-                             health_path=spec.upstream_health_path, apis=apis)
+                             health_path=spec.upstream_health_path, apis=apis,
+                             default_max_tokens=spec.upstream_default_max_tokens)
                     for url in spec.upstream_urls]
         upstream = replicas[0]
         pool = UpstreamPool(replicas, spec.routing, load_factor=spec.routing_load_factor,

@@ -120,6 +120,10 @@ class ServiceSettings(BaseSettings):
         default=None, description="agent APIs the upstream serves itself, sent there as they "
         "are: messages, responses (comma-separated or JSON; default: both for kind "
         "specprefill, none for openai, whose agent requests go as chat completions)")
+    upstream_default_max_tokens: int | None = Field(
+        default=None, ge=1, description="output tokens the sidecar asks an upstream for when "
+        "a request names no limit (chat max_tokens, Responses max_output_tokens); default: "
+        "none sent, the upstream's own default applies (vLLM's: the context's end)")
     strict_hosted_tools: bool = Field(
         default=False, description="refuse (400) an agent request whose hosted tools "
         "(web_search ...) the target cannot run, instead of leaving them out of the prompt "

@@ -52,6 +52,9 @@ KINDS: tuple[str, ...] = ("openai", "specprefill")
 AGENT_APIS: tuple[str, ...] = ("messages", "responses")
 API_PATHS = {"chat": "/chat/completions", "messages": "/messages", "responses": "/responses"}
 DEFAULT_HEALTH_PATH = "/health"
+# Each API's output limit fields (the first is the one a default is written in).
+LIMIT_FIELDS = {"chat": ("max_tokens", "max_completion_tokens"),
+                "responses": ("max_output_tokens",)}
 MAX_RELAYED_ERROR_BYTES = 64 * 1024  # an upstream error body is relayed, never hoarded
 
 
@@ -82,6 +85,9 @@ class Upstream:
     api_key: str | None = None        # the sidecar's own key for the upstream, never the client's
     health_path: str = DEFAULT_HEALTH_PATH
     apis: tuple[str, ...] | None = None  # agent APIs served as they are; None: by kind
+    # Output tokens asked for on a request that names no limit (None: the upstream's default;
+    # vLLM's runs to the context's end).
+    default_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -113,16 +119,20 @@ class Upstream:
         return urlunsplit((parts.scheme, parts.netloc, self.health_path, "", ""))
 
     def forward_content(self, raw: bytes, body: Mapping[str, Any], result: PreparedPrompt,
-                        namespace: str = "default", with_prompt_ids: bool = True) -> bytes:
+                        namespace: str = "default", with_prompt_ids: bool = True,
+                        api: str = "chat") -> bytes:
         """The bytes to send upstream for a client body (``raw`` parsed is ``body``) of a
-        request in tenant ``namespace`` (``with_prompt_ids`` False: the upstream renders the
-        prompt itself, the ids cut here being not the whole of it)."""
+        request of ``api`` in tenant ``namespace`` (``with_prompt_ids`` False: the upstream
+        renders the prompt itself, the ids cut here being not the whole of it)."""
         owned = any(wire.is_owned_field(name) for name in body)
-        if self.kind == "openai" and self.model is None and not owned:
+        limit = self._missing_limit(body, api)
+        if self.kind == "openai" and self.model is None and not owned and limit is None:
             return raw  # unchanged, byte for byte
         # Whatever the kind: a field the sidecar owns never comes from the client (a plain
         # OpenAI upstream may be one of our engines, trusting the namespace it is sent).
         out = wire.without_owned_fields(body) if owned else dict(body)
+        if limit is not None:
+            out[limit] = self.default_max_tokens
         if self.model is not None:
             out["model"] = self.model
         if self.kind == "specprefill":
@@ -131,6 +141,15 @@ class Upstream:
                 out[wire.PROMPT_TOKEN_IDS] = result.ids.ids
             out[wire.SPECPREFILL_NAMESPACE] = namespace
         return json_io.dumps(out)
+
+    def _missing_limit(self, body: Mapping[str, Any], api: str) -> str | None:
+        """The field that gets ``default_max_tokens``: the API's output limit when the body
+        names none (Messages always does) and a default is set; else None."""
+        fields = LIMIT_FIELDS.get(api, ())
+        if self.default_max_tokens is None or not fields \
+                or any(body.get(name) is not None for name in fields):
+            return None
+        return fields[0]
 
     def headers(self) -> dict[str, str]:
         headers = {

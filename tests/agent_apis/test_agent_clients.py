@@ -4,13 +4,12 @@ recording upstream and on the in-process MLX engine, with the real ``anthropic``
 ``openai`` SDKs: every field accepted; Claude Code's mid-conversation ``system`` message folded
 into a user turn, outside the static prefix and its key; Codex's namespaces callable and their
 calls back in the shape sent; hosted tools left out and said so, or refused when the operator
-asks, or passed through to an upstream that runs them; context overflow in each API's words."""
+asks, or passed through to an upstream that runs them. (The same bodies on the engine:
+``test_engine.py``, which has the engine already loaded.)"""
 
 from __future__ import annotations
 
-import inspect
 import json
-import re
 from typing import Any
 
 import pytest
@@ -19,7 +18,14 @@ from prefix_cache.chat.anthropic_params import messages_conversation
 from prefix_cache.chat.conversation import fold_late_system
 from prefix_cache.service.upstream import Upstream
 
-from tests.support.agent_clients import ENV_BLOCK, claude_code_fields, codex_fields
+from tests.support.agent_clients import (
+    DROPPED,
+    ENV_BLOCK,
+    claude_code_fields,
+    codex_fields,
+    create_message,
+    sdk_fields,
+)
 from tests.support.agent_upstream import AgentRecorder
 from tests.support.loopback import anthropic_client, local_client, openai_client
 from tests.support.server_thread import ServerThread
@@ -28,31 +34,9 @@ from tests.support.sidecar import TENANT_KEYS, served, sidecar_app, unique_syste
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
 
-DROPPED = "x-prefix-cache-dropped-tools"
-
-
 @pytest.fixture(scope="module")
 def app(agent_app: Any) -> Any:
     return agent_app  # the sidecar the module's ``base`` serves (tests/support/service_fixtures)
-
-
-def create_message(sdk: Any, fields: dict[str, Any]) -> Any:
-    """``fields`` sent with the SDK's beta client (``?beta=true``, as Claude Code sends them),
-    streamed: the raw response (headers) and the final message."""
-    known = ("model", "max_tokens", "system", "messages", "tools", "metadata", "thinking")
-    extra = {k: v for k, v in fields.items() if k not in known and k != "stream"}
-    with sdk.beta.messages.with_streaming_response.create(
-            **{k: fields[k] for k in known if k in fields}, stream=True,
-            extra_body=extra) as raw:
-        events = [json.loads(line[5:]) for line in raw.iter_lines() if line.startswith("data:")]
-    return raw, events
-
-
-def sdk_fields(method: Any, fields: dict[str, Any]) -> dict[str, Any]:
-    """``fields`` as an SDK method takes them: those it does not name go in ``extra_body``."""
-    named = inspect.signature(method).parameters
-    extra = {k: v for k, v in fields.items() if k not in named}
-    return {**{k: v for k, v in fields.items() if k in named}, "extra_body": extra}
 
 
 def test_the_fold_keeps_static_messages_and_every_template_s_order() -> None:
@@ -175,93 +159,44 @@ def test_the_operator_may_refuse_hosted_tools(rec_server: tuple[AgentRecorder, s
         assert answer.status == "completed"
 
 
-# -- on the in-process engine (tiny random-weights model: plumbing, counts, never text) ------
+def test_hosted_tools_alone_leave_a_request_without_tools() -> None:
+    from prefix_cache.chat.anthropic_params import parse_messages_body
+    from prefix_cache.chat.responses_params import parse_responses_body
+
+    responses = parse_responses_body({"input": "x", "tools": [{"type": "web_search"}]},
+                                     lambda _: None).call
+    assert (responses.conversation.tools, responses.hosted_tools) == (None, ("web_search",))
+    messages = parse_messages_body({"model": "m", "max_tokens": 1, "tools": [
+        {"type": "web_search_20250305", "name": "web_search"}],
+        "messages": [{"role": "user", "content": "x"}]})
+    assert (messages.conversation.tools, messages.hosted_tools) == (
+        None, ("web_search_20250305",))
 
 
-@pytest.fixture(scope="module")
-def engine_url(engine_sidecar: tuple[str, Any]) -> str:
-    pytest.importorskip("mlx_lm")
-    return engine_sidecar[0]
-
-
-def test_claude_code_s_request_on_the_engine(engine_url: str) -> None:
-    from tests.support.service_fixtures import TINY_MODEL
-
-    sdk = anthropic_client(engine_url)
-    system = unique_system()["content"]
-    raw, events = create_message(sdk, claude_code_fields(system, model=TINY_MODEL,
-                                                         max_tokens=3))
-    assert raw.headers["x-prefix-cache"] == "miss" and events[-1]["type"] == "message_stop"
-    boundary = raw.headers["x-specprefill-system-end"]
-    raw, events = create_message(sdk, claude_code_fields(system, env="<env>elsewhere</env>",
-                                                         model=TINY_MODEL, max_tokens=3))
-    assert raw.headers["x-prefix-cache"] == "hit"
-    assert raw.headers["x-specprefill-system-end"] == boundary
-    usage = [e for e in events if e["type"] == "message_delta"][-1]["usage"]
-    assert usage["cache_read_input_tokens"] >= int(boundary)  # the engine's own reuse
-    # Claude Code asks for 32,000 tokens (here the whole context): over what the context leaves, in the words its
-    # retry reads (it lowers max_tokens to what is left).
-    with pytest.raises(anthropic.BadRequestError) as info:
-        create_message(sdk, claude_code_fields(system, model=TINY_MODEL, max_tokens=32768))
-    assert info.value.body["error"]["type"] == "invalid_request_error"
-    message = info.value.body["error"]["message"]
-    assert message.startswith("input length and `max_tokens` exceed context limit: ")
-    assert message.endswith(" + 32768 > 32768, decrease input length or `max_tokens` and "
-                            "try again")
-
-
-def test_a_prompt_over_the_context_in_each_api_s_words(engine_url: str) -> None:
-    from tests.support.service_fixtures import TINY_MODEL
-
-    long = "word " * 33_000  # over the tiny model's 32,768
-    with pytest.raises(anthropic.BadRequestError) as info:
-        anthropic_client(engine_url).messages.create(
-            model=TINY_MODEL, max_tokens=1, messages=[{"role": "user", "content": long}])
-    assert info.value.body["error"]["type"] == "invalid_request_error"
-    assert re.fullmatch(r"prompt is too long: \d+ tokens > 32768 maximum",
-                        info.value.body["error"]["message"])
-    sdk = openai_client(engine_url, "sk-acme")
-    with pytest.raises(openai.BadRequestError) as oai:
-        sdk.responses.create(model=TINY_MODEL, input=long)
-    assert oai.value.code == "context_length_exceeded"
-    assert "maximum context length is 32768 tokens" in oai.value.message
-    with pytest.raises(openai.BadRequestError) as chat:
-        sdk.chat.completions.create(model=TINY_MODEL, messages=[{"role": "user",
-                                                                 "content": long}])
-    assert chat.value.code == "context_length_exceeded"
-
-
-def test_codex_s_request_on_the_engine(engine_url: str) -> None:
-    from tests.support.service_fixtures import TINY_MODEL
-
-    sdk = openai_client(engine_url, "sk-acme")
-    fields = {**codex_fields(unique_system()["content"]), "model": TINY_MODEL,
-              "stream": False, "max_output_tokens": 48,
-              "tool_choice": {"type": "function", "name": "multi_agent.close_agent"}}
-    raw = sdk.responses.with_raw_response.create(**sdk_fields(sdk.responses.create, fields))
-    assert raw.headers["x-prefix-cache"] == "miss" and raw.headers[DROPPED] == "web_search"
-    calls = [i for i in raw.parse().output if i.type == "function_call"]
-    if calls:  # written under the grammar (a random model may run out of tokens first)
-        assert (calls[0].name, calls[0].namespace) == ("close_agent", "multi_agent")
-
-
-def test_a_request_without_a_limit_gets_the_model_s_default(
-        engine_sidecar: tuple[str, Any]) -> None:
-    """Codex and opencode's title requests name no limit: the engine's per-model default
-    (``--engine-option default_max_tokens=N``, mlx_lm.server's 512 unless set), cut to the
-    context left."""
-    pytest.importorskip("mlx_lm")
-    from engine_adapter.backend import MLXBackend
-    from engine_adapter.options import EngineOptions
-    from prefix_cache.engine.protocol import BackendRequest
-
-    assert EngineOptions.parse({}).engine_kwargs()["default_max_tokens"] == 512
-    options = EngineOptions.parse({"default_max_tokens": 7}).engine_kwargs()
-    backend = MLXBackend(engine_sidecar[1].engine, default_max_tokens=options[
-        "default_max_tokens"])
-    checked = backend.check(BackendRequest(prompt_ids=[1, 2, 3]))
-    assert checked.request.sampling.max_tokens == 7
-    window = backend.context_length
-    assert window is not None
-    near_full = backend.check(BackendRequest(prompt_ids=[1] * (window - 3)))
-    assert near_full.request.sampling.max_tokens == 3
+def test_an_upstream_default_limit_where_the_client_sends_none(
+        rec_server: tuple[AgentRecorder, str], demo_tokenizer: Any) -> None:
+    """``upstream_default_max_tokens``: a request naming no limit gets it, in its API's field
+    (chat relayed, Responses relayed or converted); one naming a limit goes as it came."""
+    rec, url = rec_server
+    rec.reset()
+    app = sidecar_app(
+        served("chat-only", demo_tokenizer, Upstream(url, default_max_tokens=64)),
+        served("native", demo_tokenizer, Upstream(url, apis=("responses",),
+                                                  default_max_tokens=64)),
+        api_keys=TENANT_KEYS)
+    with ServerThread(app) as base:
+        sdk = openai_client(base, "sk-acme")
+        sdk.chat.completions.create(model="chat-only", messages=[{"role": "user",
+                                                                  "content": "x"}])
+        assert rec.last("chat").body["max_tokens"] == 64
+        raw = json.dumps({"model": "chat-only", "max_completion_tokens": 5, "messages": [
+            {"role": "user", "content": "x"}]}, indent=1).encode()
+        headers = {"authorization": "Bearer sk-acme", "content-type": "application/json"}
+        with local_client(base_url=base, headers=headers) as http:
+            assert http.post("/v1/chat/completions", content=raw).status_code == 200
+        assert rec.last("chat").raw == raw  # a limit named: byte for byte
+        fields = {**codex_fields(unique_system()["content"]), "stream": False}
+        sdk.responses.create(**sdk_fields(sdk.responses.create, {**fields, "model": "chat-only"}))
+        assert rec.last("chat").body["max_tokens"] == 64
+        sdk.responses.create(**sdk_fields(sdk.responses.create, {**fields, "model": "native"}))
+        assert rec.last("responses").body["max_output_tokens"] == 64

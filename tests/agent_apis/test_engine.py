@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+import re
 from typing import Any
 
 import pytest
@@ -22,6 +23,13 @@ from prefix_cache.chat.events import backend_events  # noqa: E402
 from prefix_cache.engine.protocol import BackendRequest, SamplingParams, Usage  # noqa: E402
 from prefix_cache.model_folders.model_dir import load_tokenizer  # noqa: E402
 from prefix_cache.service.upstream import Upstream  # noqa: E402
+from tests.support.agent_clients import (  # noqa: E402
+    DROPPED,
+    claude_code_fields,
+    codex_fields,
+    create_message,
+    sdk_fields,
+)
 from tests.support.agent_upstream import READ, READ_CHAT, READ_RESPONSES  # noqa: E402
 from tests.support.loopback import anthropic_client, openai_client  # noqa: E402
 from tests.support.scripted_engine import ScriptedEngine  # noqa: E402
@@ -359,3 +367,84 @@ async def test_what_is_not_a_tool_call_stays_text(tool_tokenizer: Any, text: str
     message = await message_json(META, backend_events(backend, request))
     assert message["content"] == [{"type": "text", "text": text}]
     assert message["stop_reason"] == "end_turn"
+
+
+# -- what the agent clients send (tests/support/agent_clients.py), on the engine ------------
+
+
+def test_claude_code_s_request_on_the_engine(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    engine_url = engine_sidecar[0]
+    sdk = anthropic_client(engine_url)
+    system = unique_system()["content"]
+    raw, events = create_message(sdk, claude_code_fields(system, model=TINY_MODEL,
+                                                         max_tokens=3))
+    assert raw.headers["x-prefix-cache"] == "miss" and events[-1]["type"] == "message_stop"
+    boundary = raw.headers["x-specprefill-system-end"]
+    raw, events = create_message(sdk, claude_code_fields(system, env="<env>elsewhere</env>",
+                                                         model=TINY_MODEL, max_tokens=3))
+    assert raw.headers["x-prefix-cache"] == "hit"
+    assert raw.headers["x-specprefill-system-end"] == boundary
+    usage = [e for e in events if e["type"] == "message_delta"][-1]["usage"]
+    assert usage["cache_read_input_tokens"] >= int(boundary)  # the engine's own reuse
+    # Claude Code asks for 32,000 tokens (here the whole context): over what the context
+    # leaves, in the words its retry reads (it lowers max_tokens to what is left).
+    with pytest.raises(anthropic.BadRequestError) as info:
+        create_message(sdk, claude_code_fields(system, model=TINY_MODEL, max_tokens=32768))
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    message = info.value.body["error"]["message"]
+    assert message.startswith("input length and `max_tokens` exceed context limit: ")
+    assert message.endswith(" + 32768 > 32768, decrease input length or `max_tokens` and "
+                            "try again")
+
+
+def test_a_prompt_over_the_context_in_each_api_s_words(
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
+    engine_url = engine_sidecar[0]
+    long = "word " * 33_000  # over the tiny model's 32,768
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client(engine_url).messages.create(
+            model=TINY_MODEL, max_tokens=1, messages=[{"role": "user", "content": long}])
+    assert info.value.body["error"]["type"] == "invalid_request_error"
+    assert re.fullmatch(r"prompt is too long: \d+ tokens > 32768 maximum",
+                        info.value.body["error"]["message"])
+    sdk = openai_client(engine_url, "sk-acme")
+    with pytest.raises(openai.BadRequestError) as oai:
+        sdk.responses.create(model=TINY_MODEL, input=long)
+    assert oai.value.code == "context_length_exceeded"
+    assert "maximum context length is 32768 tokens" in oai.value.message
+    with pytest.raises(openai.BadRequestError) as chat:
+        sdk.chat.completions.create(model=TINY_MODEL, messages=[{"role": "user",
+                                                                 "content": long}])
+    assert chat.value.code == "context_length_exceeded"
+
+
+def test_codex_s_request_on_the_engine(engine_sidecar: tuple[str, MLXBackend]) -> None:
+    engine_url = engine_sidecar[0]
+    sdk = openai_client(engine_url, "sk-acme")
+    fields = {**codex_fields(unique_system()["content"]), "model": TINY_MODEL,
+              "stream": False, "max_output_tokens": 48,
+              "tool_choice": {"type": "function", "name": "multi_agent.close_agent"}}
+    raw = sdk.responses.with_raw_response.create(**sdk_fields(sdk.responses.create, fields))
+    assert raw.headers["x-prefix-cache"] == "miss" and raw.headers[DROPPED] == "web_search"
+    calls = [i for i in raw.parse().output if i.type == "function_call"]
+    if calls:  # written under the grammar (a random model may run out of tokens first)
+        assert (calls[0].name, calls[0].namespace) == ("close_agent", "multi_agent")
+
+
+def test_a_request_without_a_limit_gets_the_model_s_default(
+        engine_sidecar: tuple[str, MLXBackend]) -> None:
+    """Codex and opencode's title requests name no limit: the engine's per-model default
+    (``--engine-option default_max_tokens=N``, mlx_lm.server's 512 unless set), cut to the
+    context left."""
+    from engine_adapter.options import EngineOptions
+
+    assert EngineOptions.parse({}).engine_kwargs()["default_max_tokens"] == 512
+    options = EngineOptions.parse({"default_max_tokens": 7}).engine_kwargs()
+    backend = MLXBackend(engine_sidecar[1].engine, default_max_tokens=options[
+        "default_max_tokens"])
+    checked = backend.check(BackendRequest(prompt_ids=[1, 2, 3]))
+    assert checked.request.sampling.max_tokens == 7
+    window = backend.context_length
+    assert window is not None
+    near_full = backend.check(BackendRequest(prompt_ids=[1] * (window - 3)))
+    assert near_full.request.sampling.max_tokens == 3

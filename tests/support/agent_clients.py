@@ -5,6 +5,7 @@ take these shapes' place where node is installed; these stay as the hand-made, l
 
 from __future__ import annotations
 
+import inspect
 import json
 from typing import Any
 
@@ -29,6 +30,7 @@ MULTI_AGENT = {"type": "namespace", "name": "multi_agent", "description": "Sub-a
                           "parameters": {"type": "object", "properties": {
                               "id": {"type": "string"}}, "required": ["id"]}}]}
 WEB_SEARCH = {"type": "web_search", "external_web_access": False}
+DROPPED = "x-prefix-cache-dropped-tools"  # the header naming the hosted tools left out
 
 
 def claude_code_fields(system: str, env: str = ENV_BLOCK, max_tokens: int = 32000,
@@ -77,3 +79,22 @@ def codex_fields(developer: str, task: str = "Read a.txt.") -> dict[str, Any]:
         "client_metadata": {"originator": "codex_exec"},
         "text": {"format": {"type": "text"}},
     }
+
+
+def create_message(sdk: Any, fields: dict[str, Any]) -> Any:
+    """``fields`` sent with the SDK's beta client (``?beta=true``, as Claude Code sends them),
+    streamed: the raw response (headers) and the final message."""
+    known = ("model", "max_tokens", "system", "messages", "tools", "metadata", "thinking")
+    extra = {k: v for k, v in fields.items() if k not in known and k != "stream"}
+    with sdk.beta.messages.with_streaming_response.create(
+            **{k: fields[k] for k in known if k in fields}, stream=True,
+            extra_body=extra) as raw:
+        events = [json.loads(line[5:]) for line in raw.iter_lines() if line.startswith("data:")]
+    return raw, events
+
+
+def sdk_fields(method: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` as an SDK method takes them: those it does not name go in ``extra_body``."""
+    named = inspect.signature(method).parameters
+    extra = {k: v for k, v in fields.items() if k not in named}
+    return {**{k: v for k, v in fields.items() if k in named}, "extra_body": extra}
