@@ -162,18 +162,20 @@ def cmd_serve_engine(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .engine.lookup import engine_factory
+    from .http.listen import check_can_listen
     from .service.flags import flag_overrides
     from .service.settings import EngineServerSettings
 
     try:
         settings = EngineServerSettings(**flag_overrides(vars(args), EngineServerSettings))
+        check_can_listen(settings.host, settings.port)  # before a model loads (or converts)
         factory = engine_factory("mlx")
         # No --model: the engine's default (the demo chat model, converted on first use).
         model = settings.model or factory.default_model()
         return factory.serve(model, settings.draft_model, host=settings.host,
                              port=settings.port, trust_namespace=settings.trust_namespace,
                              api_key=settings.api_key, options=settings.options)
-    except (ValueError, ValidationError) as exc:   # no mlx: one line, as `serve --engine mlx`
+    except (ValueError, ValidationError, OSError) as exc:   # one line, as `serve` says it
         print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
