@@ -5,6 +5,7 @@ own server in ``engine_adapter.server``). Neither server's modules are imported 
 size, nesting), ``relay.py`` (an upstream's answer relayed, disconnects), ``sse.py`` (server-sent
 events out and in), ``auth.py`` (credentials from the headers), ``logs.py`` (uvicorn's logging with
 the project's loggers), ``request_id.py``, ``shutdown.py`` (graceful shutdown, idle and slow
-connections), ``request_record.py`` (what a request cost, noted as it goes), ``usage_tap.py``
+connections), ``listen.py`` (a port in use found before a server loads anything),
+``request_record.py`` (what a request cost, noted as it goes), ``usage_tap.py``
 (usage and the first byte read from a relayed answer).
 """
