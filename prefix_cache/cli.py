@@ -1,4 +1,5 @@
-"""The ``prefix-cache`` command line: ``boundary``, ``serve``, ``serve-engine``, ``bench``, ``stats``.
+"""The ``prefix-cache`` command line: ``boundary``, ``serve``, ``serve-engine``, ``demo-model``,
+``bench``, ``stats``.
 
 stdout carries only result lines (one JSON object per request, in input order); logs go to stderr.
 """
@@ -196,6 +197,12 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# Plain text for --help (the module docstring is reStructuredText); every command is named.
+DESCRIPTION = ("Caches the static-prefix boundary (specprefill_system_end) of chat requests for "
+               "MLX inference engines. Commands: boundary, serve, serve-engine, demo-model, "
+               "bench, stats; 'prefix-cache COMMAND --help' for each.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .cache.prompt_tokens import DEFAULT_CHECK_RATE
     from .service.flags import add_flags, add_serve_flags
@@ -204,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     redis_env = env_name("redis_url")
     from .api.openapi_docs import package_version
 
-    parser = argparse.ArgumentParser(prog="prefix-cache", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="prefix-cache", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     parser.add_argument("--version", action="version",
                         version=f"prefix-cache {package_version()}")
@@ -231,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_boundary)
 
     bench = sub.add_parser("bench", help="benchmark cached vs uncached boundaries")
-    bench.add_argument("--requests-per-case", type=int, default=200, metavar="N")
+    bench.add_argument("--requests-per-case", type=int, default=200, metavar="N",
+                       help="requests of one agent timed for each tool count, by each method "
+                            "(medians reported); default 200")
     bench.add_argument("--tools", default="0,1,4,16,64", help="comma-separated tool counts")
     bench.add_argument("--tokenizer", default="qwen3.5", help="offline tokenizer name (real vocab)")
     bench.add_argument("--chat-template", metavar="FILE", help="template (default: the demo one)")

@@ -18,10 +18,11 @@ import pytest
 from prefix_cache import cli
 from prefix_cache.model_folders.demo import DEMO_TEMPLATE
 from prefix_cache.service.flags import flag_overrides
+from prefix_cache.service.limits import TenantLimitOverride
 from prefix_cache.service.served_models import load_model_specs
 from prefix_cache.service.server import make_settings, note_store_at_start, startup_warnings
 from prefix_cache.service.settings import ServiceSettings
-from prefix_cache.service.tenants import KeyRing
+from prefix_cache.service.tenants import KeyRing, KeysConfig
 from prefix_cache.service.upstream import Upstream, normalize_base_url
 from prefix_cache.testing.offline_tokenizers import make_model_dir
 
@@ -353,3 +354,8 @@ def test_deploy_examples_are_valid() -> None:
     ring = KeyRing.from_settings(ServiceSettings(keys_file=deploy / "keys.example.yaml"))
     assert ring.tenants == ["acme", "globex"]
     ring.require_admin("Bearer sk-admin-CHANGE-ME")
+    # Every per-tenant limit is shown in the example, the rates included.
+    limits = KeysConfig.load(ServiceSettings(keys_file=deploy / "keys.example.yaml")).tenant_limits
+    shown = {key for override in limits.values() for key in override.model_dump(exclude_unset=True)}
+    assert shown == set(TenantLimitOverride.model_fields), shown
+    assert limits["globex"].requests_per_minute == 60
