@@ -46,3 +46,10 @@ def use_openblas() -> str | None:
         return None
     ctypes.CDLL(blas, mode=os.RTLD_GLOBAL)
     return blas
+
+
+def blas_env() -> dict[str, str]:
+    """What a server process a test starts needs in its environment to run mlx on OpenBLAS
+    (nothing where it is not installed)."""
+    blas = openblas()
+    return {"LD_PRELOAD": blas} if blas else {}
