@@ -29,8 +29,9 @@ class ServeProcess:
     """``python -m prefix_cache.cli serve`` on a free port, its log read line by line."""
 
     def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None) -> None:
+        engine = blas_env() if "--engine" in args else {}   # mlx on OpenBLAS; else as is
         env = {**os.environ, "PREFIX_CACHE_HOME": str(home), "HF_HUB_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false", **blas_env(), **(env or {})}
+               "TOKENIZERS_PARALLELISM": "false", **engine, **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefix_cache.cli", "serve", "--port", "0", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
