@@ -22,6 +22,9 @@
     GET  /health                {"status": "ok"} (with "disk_full": true while the KV disk
                                 is full), or a 503 once the engine thread is down
                                 (what the sidecar's /readyz probes)
+    GET  /healthz, GET /readyz  as the sidecar's: the process is up ({"status": "ok"}); the
+                                engine serves ({"status": "ready"}, else a 503 "not_ready"
+                                with the engine's report). No key needed; 503 while draining.
     POST /admin/purge           {"namespace": NAME or null}: that namespace's KV (RAM and disk)
                                 and stored responses deleted (null: all); the API key as for
                                 every call. The sidecar's admin purge calls it on each replica.
@@ -98,13 +101,25 @@ def create_engine_app(chat: MLXBackend, *, trust_namespace: bool = False,
     app.add_middleware(RequestIdMiddleware)
     mount(app, host)  # /v1/models, chat completions, Messages, Responses: the sidecar's routes
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    def readiness(ready: str, not_ready: str) -> JSONResponse:
         report = chat.health()
         if report["ok"]:   # a full KV disk costs recomputes, not readiness: said, still 200
             full = {"disk_full": True} if report.get("disk_full") else {}
-            return JSONResponse({"status": "ok", **full})
-        return JSONResponse({"status": "unavailable", "engine": report}, status_code=503)
+            return JSONResponse({"status": ready, **full})
+        return JSONResponse({"status": not_ready, "engine": report}, status_code=503)
+
+    # The probes need no key. While draining, the drain answers all three with a 503.
+    @app.get("/health")
+    async def health() -> JSONResponse:   # what sidecars' /readyz probe (kept as it was)
+        return readiness("ok", "unavailable")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:   # the process is up: as the sidecar's
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:   # the engine serves: as the sidecar's statuses
+        return readiness("ready", "not_ready")
 
     @app.post(wire.PURGE_PATH)
     async def purge(request: Request) -> dict[str, Any]:

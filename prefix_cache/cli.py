@@ -1,4 +1,5 @@
-"""The ``prefix-cache`` command line: ``boundary``, ``serve``, ``serve-engine``, ``bench``, ``stats``.
+"""The ``prefix-cache`` command line: ``boundary``, ``serve``, ``serve-engine``, ``demo-model``,
+``bench``, ``stats``.
 
 stdout carries only result lines (one JSON object per request, in input order); logs go to stderr.
 """
@@ -162,18 +163,20 @@ def cmd_serve_engine(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from .engine.lookup import engine_factory
+    from .http.listen import check_can_listen
     from .service.flags import flag_overrides
     from .service.settings import EngineServerSettings
 
     try:
         settings = EngineServerSettings(**flag_overrides(vars(args), EngineServerSettings))
+        check_can_listen(settings.host, settings.port)  # before a model loads (or converts)
         factory = engine_factory("mlx")
         # No --model: the engine's default (the demo chat model, converted on first use).
         model = settings.model or factory.default_model()
         return factory.serve(model, settings.draft_model, host=settings.host,
                              port=settings.port, trust_namespace=settings.trust_namespace,
                              api_key=settings.api_key, options=settings.options)
-    except (ValueError, ValidationError) as exc:   # no mlx: one line, as `serve --engine mlx`
+    except (ValueError, ValidationError, OSError) as exc:   # one line, as `serve` says it
         print(f"prefix-cache serve-engine: {exc}", file=sys.stderr)
         return EXIT_FAILED
 
@@ -194,6 +197,12 @@ def cmd_demo_model(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# Plain text for --help (the module docstring is reStructuredText); every command is named.
+DESCRIPTION = ("Caches the static-prefix boundary (specprefill_system_end) of chat requests for "
+               "MLX inference engines. Commands: boundary, serve, serve-engine, demo-model, "
+               "bench, stats; 'prefix-cache COMMAND --help' for each.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .cache.prompt_tokens import DEFAULT_CHECK_RATE
     from .service.flags import add_flags, add_serve_flags
@@ -202,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     redis_env = env_name("redis_url")
     from .api.openapi_docs import package_version
 
-    parser = argparse.ArgumentParser(prog="prefix-cache", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="prefix-cache", description=DESCRIPTION)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
     parser.add_argument("--version", action="version",
                         version=f"prefix-cache {package_version()}")
@@ -229,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=cmd_boundary)
 
     bench = sub.add_parser("bench", help="benchmark cached vs uncached boundaries")
-    bench.add_argument("--requests-per-case", type=int, default=200, metavar="N")
+    bench.add_argument("--requests-per-case", type=int, default=200, metavar="N",
+                       help="requests of one agent timed for each tool count, by each method "
+                            "(medians reported); default 200")
     bench.add_argument("--tools", default="0,1,4,16,64", help="comma-separated tool counts")
     bench.add_argument("--tokenizer", default="qwen3.5", help="offline tokenizer name (real vocab)")
     bench.add_argument("--chat-template", metavar="FILE", help="template (default: the demo one)")

@@ -17,6 +17,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Helper modules whose asserts test modules call: rewrite them for pytest's assert messages.
 pytest.register_assert_rewrite("tests.support")
 
+from tests.support.paths import use_openblas  # noqa: E402 (after the rewrite hook)
+
+# The in-process engine tests' matmuls on OpenBLAS, not mlx's bundled reference BLAS (before any
+# test module imports mlx; see tests/support/paths.py).
+use_openblas()
+
 # Session fixtures live in these plugins, so each exists once per run however many folders use
 # it. None of them imports mlx at load: the tests that need it skip themselves without it.
 pytest_plugins = [

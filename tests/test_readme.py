@@ -7,6 +7,7 @@ import json
 import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -145,3 +146,133 @@ def test_the_shown_boundary_is_what_the_cli_answers(
     key = second.pop("key")
     assert key.startswith(expected.pop("key")) and key == first["key"]
     assert {k: second[k] for k in expected} == expected
+
+
+# -- the tour, run ------------------------------------------------------------------------------
+
+TOUR_TIMEOUT_S = 900.0   # each install or server start: a bound against hangs, not a timing
+SERVERS = ("prefix-cache serve",)   # serve and serve-engine: they run until stopped
+
+
+class Tour:
+    """The tour's commands run in order, as a newcomer's shells would, in a fresh venv: each
+    ``&&`` part in turn; a server in the background (the one before it on its port stopped, as
+    the tour says to), ready once its ``/healthz`` answers. The README's ports 8000 and 8001 are
+    replaced by free ones (a shared machine may hold them); nothing else is changed."""
+
+    def __init__(self, venv: Path) -> None:
+        import os
+
+        from tests.support.loopback import free_port
+        from tests.support.paths import blas_env
+
+        self.ports = {"8000": str(free_port()), "8001": str(free_port())}
+        self.env = {**os.environ, **blas_env(), "VIRTUAL_ENV": str(venv),
+                    "PATH": f"{venv / 'bin'}:{os.environ['PATH']}",
+                    "PIP_DISABLE_PIP_VERSION_CHECK": "1", "NO_PROXY": "*", "no_proxy": "*"}
+        for name in ("PYTHONPATH", "PYTHONHOME"):   # only what the venv installed is found
+            self.env.pop(name, None)
+        self.servers: dict[str, tuple[str, Any]] = {}   # port -> (command, process)
+        self.log = venv.parent / "tour.log"
+
+    def port_of(self, command: str) -> str:
+        words = shlex.split(command)
+        return words[words.index("--port") + 1] if "--port" in words else self.ports["8000"]
+
+    def localize(self, command: str) -> str:
+        for written, free in self.ports.items():
+            command = command.replace(f"localhost:{written}", f"localhost:{free}")
+            command = command.replace(f"--port {written}", f"--port {free}")
+        if command.startswith(SERVERS) and "--port" not in command:
+            command += f" --port {self.ports['8000']}"
+        return command
+
+    def run(self, command: str) -> str:
+        """One part of a tour line; its stdout (a server: its readiness)."""
+        import subprocess
+
+        command = self.localize(command)
+        with self.log.open("a") as log:
+            log.write(f"\n$ {command}\n")
+        if command.startswith(SERVERS):
+            return self.serve(command)
+        done = subprocess.run(["bash", "-c", command], cwd=REPO, env=self.env, text=True,
+                              capture_output=True, timeout=TOUR_TIMEOUT_S)
+        with self.log.open("a") as log:
+            log.write(done.stdout[-4000:] + done.stderr[-4000:])
+        assert done.returncode == 0, f"{command!r} exited {done.returncode}: {done.stderr[-3000:]}"
+        return done.stdout
+
+    def serve(self, command: str) -> str:
+        import subprocess
+        import time
+
+        import httpx
+
+        port = self.port_of(command)
+        if port in self.servers and self.servers[port][0] == command:
+            return "ready"   # the tour names the running one again (step 1: the first command)
+        self.stop(port)
+        out = self.log.with_name(f"server-{port}-{len(self.servers)}.log")
+        with out.open("w") as log:
+            process = subprocess.Popen(["bash", "-c", f"exec {command}"], cwd=REPO,
+                                       env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.servers[port] = (command, process)
+        deadline = time.monotonic() + TOUR_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert process.poll() is None, f"{command!r} exited: {out.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5).status_code == 200:
+                    return "ready"
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"{command!r} never became ready: {out.read_text()[-3000:]}")
+
+    def stop(self, port: str | None = None) -> None:
+        import signal
+
+        for held in [p for p in self.servers if port is None or p == port]:
+            _, process = self.servers.pop(held)
+            process.send_signal(signal.SIGINT)
+            try:
+                process.wait(60)
+            except Exception:
+                process.kill()
+                process.wait(10)
+
+
+def test_the_tour_runs_step_by_step_in_a_fresh_venv(tmp_path: Path) -> None:
+    """Every command of the tour, in the order written, from the first one alone (not the test
+    command: the tour does not run it), in a new venv: each step installs what it needs. Pip's
+    cache and the converted demo models in the project's cache folder are reused. The answers
+    are checked where the tour shows them: the boundary's miss then hit, the sidecar's headers
+    in front of the engine, and the engine's answer (greedy: Paris)."""
+    import subprocess
+    import sys
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    tour = Tour(venv)
+    answers: list[tuple[str, str]] = []
+    try:
+        twice = False   # "... and from a third, twice:" before a command shown once
+        for kind, line in blocks():
+            if kind == "text":
+                twice = line.rstrip().endswith("twice:")
+            if kind != "code" or line == TEST_COMMAND:
+                continue
+            for part in line.split("&&") * (2 if twice else 1):
+                answers.append((part.strip(), tour.run(part.strip())))
+    finally:
+        tour.stop()
+    boundary = [json.loads(out) for cmd, out in answers
+                if cmd.startswith("curl") and "/v1/prefix/boundary" in cmd]
+    assert [b["cache"] for b in boundary] == ["miss", "hit"]
+    behind = [out.lower() for cmd, out in answers if cmd.startswith("curl -si")]
+    assert len(behind) == 2 and "x-prefix-cache: miss" in behind[0]
+    assert "x-prefix-cache: hit" in behind[1] and "x-specprefill-system-end:" in behind[1]
+    engine = [out for cmd, out in answers
+              if "/v1/chat/completions" in cmd and not cmd.startswith("curl -si")]
+    sdk = [out for cmd, out in answers if "completions.create(" in cmd]
+    assert engine and sdk and all("Paris" in out for out in engine + sdk), answers[-3:]

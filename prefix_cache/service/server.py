@@ -19,9 +19,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..errors import validation_problems
+from ..http.listen import check_can_listen
 from ..http.logs import uvicorn_log_config
 from ..http.connections import GuardedH11Protocol, connection_options
 from ..metrics.multiprocess import clear_multiprocess_dir
+from ..store.factory import open_store
 from .app import create_app, open_backing_store
 from .keys_reload import note_early_sighup
 from .served_models import ModelRegistry, load_model_specs
@@ -55,6 +57,24 @@ def startup_warnings(settings: ServiceSettings) -> list[str]:
     return warnings
 
 
+def note_store_at_start(settings: ServiceSettings) -> bool:
+    """Ping the shared store once at start and log it if it does not answer (serving goes on:
+    every lookup is then a miss until it is back), rather than at the first request; whether
+    it answered."""
+    store = open_store(settings.redis_url, tiered=False,
+                       timeout_seconds=settings.redis_timeout_s,
+                       connect_timeout_seconds=settings.redis_connect_timeout_s)
+    try:
+        answered = store.ping()
+    finally:
+        store.close()
+    if not answered:
+        log.warning("the shared store %s does not answer at start: requests are served without "
+                    "the cache (each a miss) until it does; GET /readyz says not_ready meanwhile",
+                    store.stats().remote.url)
+    return answered
+
+
 def serve(overrides: Mapping[str, Any]) -> int:
     """Run until stopped; the exit code (2: the configuration cannot be served)."""
     import uvicorn
@@ -65,6 +85,7 @@ def serve(overrides: Mapping[str, Any]) -> int:
     note_early_sighup()  # a SIGHUP while starting re-reads the keys once serving, not a death
     try:
         settings = make_settings(overrides)
+        check_can_listen(settings.host, settings.port)  # before models load (or convert)
         # The servers' logging from the first line on (JSON lines with --log-format json),
         # before models load: a download or a conversion, and the engine, log as they go.
         log_config = uvicorn_log_config(settings.log_level, LOGGERS,
@@ -86,6 +107,8 @@ def serve(overrides: Mapping[str, Any]) -> int:
         log.info("removed %d metric files an earlier run left in the multiprocess folder", cleared)
     for warning in startup_warnings(settings):
         log.warning(warning)
+    if not settings.uses_memory_store:
+        note_store_at_start(settings)
     log.info("serving %s; %s; %s store", ", ".join(m.name for m in registry),
              "open, namespace 'default'" if keyring.is_open else f"tenants {keyring.tenants}",
              "memory" if settings.uses_memory_store else "redis")

@@ -137,3 +137,19 @@ def test_version_prints_the_installed_version() -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == f"prefix-cache {metadata.version('prefix-cache')}"
+
+
+def test_help_is_plain_text_naming_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """The top-level --help: no reStructuredText markup, every command named in its description
+    as in its list; every option of every command has help text."""
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    text = capsys.readouterr().out
+    assert "``" not in text
+    parser = cli.build_parser()
+    (commands,) = [a for a in parser._actions if a.dest == "command"]
+    description = " ".join(parser.description.split())
+    for name in commands.choices:
+        assert name in description, name
+        for action in commands.choices[name]._actions:
+            assert action.help, f"prefix-cache {name} {action.option_strings}: no help text"

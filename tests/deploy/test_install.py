@@ -109,3 +109,16 @@ def test_the_pins_match_what_this_environment_runs() -> None:
         name = canonicalize_name(requirement.name)
         installed = Version(metadata.version(name))
         assert installed == pinned[name], f"{name} {installed} installed, {pinned[name]} pinned"
+
+
+def test_the_license_is_an_spdx_expression_with_its_files() -> None:
+    """PEP 639: ``license`` a SPDX string, not the TOML table setuptools stops building on
+    2027-02-18; the files it names ship; and the build backend is one that reads both."""
+    from packaging.licenses import canonicalize_license_expression
+
+    project, build = pyproject()["project"], pyproject()["build-system"]
+    assert isinstance(project["license"], str)
+    assert canonicalize_license_expression(project["license"]) == project["license"]
+    assert project["license-files"] and all((ROOT / f).is_file() for f in project["license-files"])
+    (setuptools,) = [Requirement(r) for r in build["requires"] if r.startswith("setuptools")]
+    assert not setuptools.specifier.contains("76.9"), "license-files needs setuptools >= 77"

@@ -8,6 +8,7 @@ stream finishes or is cut at the grace)."""
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -22,7 +23,7 @@ pytest.importorskip("mlx_lm")
 
 from engine_adapter.gguf import fetch  # noqa: E402
 from tests.support.loopback import free_port, local_client  # noqa: E402
-from tests.support.paths import REPO  # noqa: E402
+from tests.support.paths import REPO, blas_env  # noqa: E402
 from tests.support.serve_process import ServeProcess  # noqa: E402
 from tests.support.service_fixtures import TINY_MODEL  # noqa: E402
 
@@ -36,7 +37,7 @@ class Command:
     def __init__(self, args: list[str], home: Path, **env: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefix_cache.cli", *args], cwd=REPO,
-            env={**os.environ, "PREFIX_CACHE_HOME": str(home), **env},
+            env={**os.environ, "PREFIX_CACHE_HOME": str(home), **blas_env(), **env},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.err: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -159,7 +160,13 @@ def test_the_engine_names_its_kv_disk_tier_and_stops_on_ctrl_c(tiny_model_dir: P
     finally:
         server.stop()
     log = server.output()
-    assert log.count("draining:") == 1 and "SIGINT: draining: 0 request(s)" in log, log
+    # One drain line. Its count is not asserted: it counts request handlers that have not yet
+    # returned, which the drain rightly waits for, and the readiness probe's handler may still
+    # be returning when the signal lands (its answer already read by the probe; under load, an
+    # earlier probe the client gave up on may still run). That race made "0 request(s)" flaky.
+    assert log.count("draining:") == 1, log
+    assert re.search(r"SIGINT: draining: \d+ request\(s\) in flight", log), log
+    assert "drained in" in log, log
     assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
 
 

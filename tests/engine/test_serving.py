@@ -259,10 +259,15 @@ def test_a_closed_engine_is_not_healthy(tokenizer: Any) -> None:
     assert chat_engine.health() == {"ok": True}         # an engine without a report of its own
     with ServerThread(create_engine_app(chat_engine)) as url, local_client(base_url=url) as http:
         assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/healthz").json() == {"status": "ok"}     # as the sidecar's probes
+        assert http.get("/readyz").json() == {"status": "ready"}
         chat_engine.close()
-        r = http.get("/health")
+        r, live, ready = http.get("/health"), http.get("/healthz"), http.get("/readyz")
     assert r.status_code == 503 and r.json()["status"] == "unavailable"
     assert r.json()["engine"]["ok"] is False and chat_engine.engine.closed
+    assert live.status_code == 200 and live.json() == {"status": "ok"}  # the process is up
+    assert ready.status_code == 503 and ready.json()["status"] == "not_ready"
+    assert ready.json()["engine"]["ok"] is False
 
 
 def test_serve_engine_mlx_command_streams_a_chat_completion(tiny_model_dir: Path,
@@ -541,7 +546,8 @@ def test_serve_engine_api_key(engine_server: tuple[str, MLXBackend]) -> None:
             openai_client(url, "sk-wrong").models.list()
         assert [m.id for m in openai_client(url, "sk-engine").models.list()] == ["tiny-engine"]
         with local_client(base_url=url) as http:
-            assert http.get("/health").status_code == 200  # the probe needs no key
+            for probe in ("/health", "/healthz", "/readyz"):   # the probes need no key
+                assert http.get(probe).status_code == 200, probe
     assert not chat_engine.closed
 
 

@@ -4,8 +4,10 @@ the real command on loopback (curl flow, several workers)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,14 +18,15 @@ import pytest
 from prefix_cache import cli
 from prefix_cache.model_folders.demo import DEMO_TEMPLATE
 from prefix_cache.service.flags import flag_overrides
+from prefix_cache.service.limits import TenantLimitOverride
 from prefix_cache.service.served_models import load_model_specs
-from prefix_cache.service.server import make_settings, startup_warnings
+from prefix_cache.service.server import make_settings, note_store_at_start, startup_warnings
 from prefix_cache.service.settings import ServiceSettings
-from prefix_cache.service.tenants import KeyRing
+from prefix_cache.service.tenants import KeyRing, KeysConfig
 from prefix_cache.service.upstream import Upstream, normalize_base_url
 from prefix_cache.testing.offline_tokenizers import make_model_dir
 
-from tests.support.loopback import local_client
+from tests.support.loopback import free_port, local_client
 from tests.support.paths import REPO
 from tests.support.serve_process import ServeProcess
 
@@ -235,6 +238,43 @@ def test_serve_exits_2_on_what_it_cannot_serve(model_dir: Path, capsys: pytest.C
     assert fragment in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["serve", "serve-engine"])
+def test_a_port_in_use_is_found_before_any_model_loads(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The port is checked first: a folder that does not exist (what loading would find) is
+    not reached, and the one line names the address."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = cli.main([command, "--model", "/no/such/folder", "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err, err
+    assert "does not exist" not in err and "Traceback" not in err
+
+
+def test_the_shared_store_is_pinged_at_start(redis: Any) -> None:
+    """A Redis that does not answer is logged at start, not at the first request; one that
+    answers says nothing. (The service's logger itself: a server run in this process before
+    may have stopped it propagating to pytest's handler.)"""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("prefix_cache.service")
+    logger.addHandler(handler)
+    try:
+        assert note_store_at_start(ServiceSettings(redis_url=redis.url)) is True
+        assert not records
+        down = f"redis://127.0.0.1:{free_port()}/0"
+        assert note_store_at_start(ServiceSettings(redis_url=down,
+                                                   redis_connect_timeout_s=0.5)) is False
+    finally:
+        logger.removeHandler(handler)
+    (record,) = records
+    assert record.levelname == "WARNING"
+    assert f"{down} does not answer at start" in record.getMessage()
+
+
 @pytest.fixture
 def serve_process(tmp_path: Path) -> Iterator[Any]:
     started: list[ServeProcess] = []
@@ -284,6 +324,15 @@ def test_serve_the_demo_model_and_curl_twice(serve_process: Any) -> None:
     assert server.stop() == 0
 
 
+def test_serve_logs_a_redis_down_at_start(serve_process: Any, model_dir: Path) -> None:
+    server = serve_process("--model", str(model_dir), "--redis",
+                           f"redis://127.0.0.1:{free_port()}/0")
+    server.wait_for(r"WARNING.*the shared store redis://127\.0\.0\.1:\d+/0 does not answer at "
+                    r"start")
+    server.wait_for("Uvicorn running on")   # and serves meanwhile
+    assert server.stop() == 0
+
+
 def test_serve_with_several_workers_warns_and_serves(serve_process: Any, model_dir: Path) -> None:
     server = serve_process("--workers", "2", "--model", str(model_dir))
     server.wait_for(r"WARNING.*--workers 2 with the in-process memory store.*--redis")
@@ -305,3 +354,8 @@ def test_deploy_examples_are_valid() -> None:
     ring = KeyRing.from_settings(ServiceSettings(keys_file=deploy / "keys.example.yaml"))
     assert ring.tenants == ["acme", "globex"]
     ring.require_admin("Bearer sk-admin-CHANGE-ME")
+    # Every per-tenant limit is shown in the example, the rates included.
+    limits = KeysConfig.load(ServiceSettings(keys_file=deploy / "keys.example.yaml")).tenant_limits
+    shown = {key for override in limits.values() for key in override.model_dump(exclude_unset=True)}
+    assert shown == set(TenantLimitOverride.model_fields), shown
+    assert limits["globex"].requests_per_minute == 60

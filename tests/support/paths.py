@@ -22,8 +22,9 @@ TEMPLATE_STEMS = (sorted(p.stem for p in TEMPLATES_DIR.glob("*.jinja"))
                   if TEMPLATES_DIR.is_dir() else [])
 needs_templates = pytest.mark.skipif(not TEMPLATE_STEMS, reason=f"no chat templates at {TEMPLATES_DIR}")
 
-# mlx's CPU backend is slow on its reference BLAS; OpenBLAS, where installed, is not (a server
-# process started by a test gets it preloaded; this process keeps what it was started with).
+# mlx's CPU wheel bundles the reference BLAS, ~20-40x slower at a model's matmuls than OpenBLAS
+# where installed: a server process a test starts gets it preloaded (LD_PRELOAD), and the test
+# process loads it itself before anything imports mlx (use_openblas, called by the root conftest).
 OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
             "/lib/x86_64-linux-gnu/libopenblas.so.0")
 
@@ -31,3 +32,24 @@ OPENBLAS = ("/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
 def openblas() -> str | None:
     """The first OpenBLAS library installed here, if any."""
     return next((p for p in OPENBLAS if os.path.isfile(p)), None)
+
+
+def use_openblas() -> str | None:
+    """Load OpenBLAS into this process's global symbol scope, where installed, so mlx (imported
+    later) resolves its BLAS calls there before its bundled reference BLAS: in-process engine
+    tests then run at the speed a server process with LD_PRELOAD does. Returns the library."""
+    import ctypes
+    import sys
+
+    blas = openblas()
+    if blas is None or "mlx.core" in sys.modules:  # too late: its symbols are already bound
+        return None
+    ctypes.CDLL(blas, mode=os.RTLD_GLOBAL)
+    return blas
+
+
+def blas_env() -> dict[str, str]:
+    """What a server process a test starts needs in its environment to run mlx on OpenBLAS
+    (nothing where it is not installed)."""
+    blas = openblas()
+    return {"LD_PRELOAD": blas} if blas else {}

@@ -18,18 +18,20 @@ from pathlib import Path
 import httpx
 
 from .loopback import free_port, local_client
-from .paths import REPO, openblas
+from .paths import REPO, blas_env, openblas
 from .server_thread import STARTUP_TIMEOUT_S
 
-SERVE_STARTUP_TIMEOUT_S = 60.0  # a `prefix-cache serve` process: imports, model, engine
+SERVE_STARTUP_TIMEOUT_S = 180.0  # a `prefix-cache serve` process: imports, model, engine (2 min
+# seen at load 15 on 2 cores: a bound against hangs, not a timing)
 
 
 class ServeProcess:
     """``python -m prefix_cache.cli serve`` on a free port, its log read line by line."""
 
     def __init__(self, args: list[str], home: Path, env: dict[str, str] | None = None) -> None:
+        engine = blas_env() if "--engine" in args else {}   # mlx on OpenBLAS; else as is
         env = {**os.environ, "PREFIX_CACHE_HOME": str(home), "HF_HUB_OFFLINE": "1",
-               "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+               "TOKENIZERS_PARALLELISM": "false", **engine, **(env or {})}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prefix_cache.cli", "serve", "--port", "0", *args],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
