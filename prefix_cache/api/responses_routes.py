@@ -68,6 +68,8 @@ async def responses(request: Request, host: HostDep, tenant: Caller) -> Response
     async with host.slot(tenant):
         admitted = await admit(request, host, tenant, "responses")
         body, namespace = admitted.body, admitted.namespace
+        # Before anything runs: a purge answering from here on keeps this answer out (``keep``).
+        purge_stamp = await host.responses.stamp(namespace)
         model = host.model(model_name(body))
         # An upstream that serves Responses keeps its own responses, and decides on an id
         # unknown here; where the answer is made here, an unknown id is a 400.
@@ -83,7 +85,7 @@ async def responses(request: Request, host: HostDep, tenant: Caller) -> Response
 
     async def keep(response: dict[str, Any]) -> None:
         if parsed.store:
-            await host.responses.put(namespace, parsed.record(response))
+            await host.responses.put(namespace, parsed.record(response), purge_stamp)
 
     # Without the history, the prompt ids cut here are not the upstream's prompt: it renders
     # the conversation it keeps itself (the boundary, the static part's end, still holds).

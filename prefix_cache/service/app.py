@@ -33,6 +33,7 @@ from ..render.render import get_renderer
 from ..store.base import Store
 from ..store.factory import open_store
 from ..store.quota import TenantQuotaStore
+from ..store.redis import RedisStore
 from . import admin, boundary_route, dashboard, health
 from .keys_reload import reload_keys_on_sighup
 from .limits import TenantLimits
@@ -80,6 +81,7 @@ def open_response_store(settings: ServiceSettings) -> ResponseStore:
     shared = open_store(settings.redis_url, tiered=False, timeout_seconds=max(
         settings.redis_timeout_s, RESPONSES_TIMEOUT_S),
         connect_timeout_seconds=max(settings.redis_connect_timeout_s, RESPONSES_TIMEOUT_S))
+    assert isinstance(shared, RedisStore)  # tiered=False: Redis alone (its guarded put)
     return SharedResponses(shared, max_bytes=settings.responses_store_bytes,
                            ttl_seconds=settings.responses_store_ttl_s)
 

@@ -48,6 +48,15 @@ SCAN_COUNT = 1000
 DELETE_BATCH = 500
 
 
+# KEYS: the key, the guard; ARGV: the value, its TTL in ms (0: none), the guard's expected value.
+_PUT_IF_EQUAL = """
+if (redis.call('GET', KEYS[2]) or '') ~= ARGV[3] then return 0 end
+if tonumber(ARGV[2]) > 0 then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else redis.call('SET', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
 def _is_outage(exc: BaseException) -> bool:
     """Connection loss and timeouts mean the server is unreachable; an error reply does not, and
     neither does a client out of connections (a Redis Cluster node's pool: the gate bounds the
@@ -294,6 +303,20 @@ class RedisStore(Store):
 
     async def adelete(self, key: str) -> bool:
         return bool(await self._acall(lambda r: r.delete(key)))
+
+    def put_if_equal(self, key: str, value: bytes, ttl_seconds: float | None, guard: str,
+                     expected: bytes) -> bool:
+        """``put`` only while ``guard`` holds ``expected`` (b"": absent), in one step on the
+        server (a script), so a writer that read ``guard`` before another client changed it
+        stores nothing after that change. Redis Cluster: ``key`` and ``guard`` must share a
+        hash slot (a ``{tag}``). Whether it was stored."""
+        px = self._px(ttl_seconds)
+        return bool(self._call(lambda r: r.eval(_PUT_IF_EQUAL, 2, key, guard, value,
+                                                px or 0, expected)))
+
+    async def aincr(self, key: str) -> int:
+        """Add one to the counter under ``key`` (absent: 0) and return it; no TTL."""
+        return int(await self._acall(lambda r: r.incr(key)))
 
     def memory_usage(self, key: str) -> int | None:
         """Bytes Redis spends on one key (MEMORY USAGE), for the benchmark."""

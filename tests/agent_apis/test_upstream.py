@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,6 +24,8 @@ from tests.support.loopback import anthropic_client, local_client, openai_client
 from tests.support.redis_server import needs_redis
 from tests.support.server_thread import ServerThread
 from tests.support.sidecar import TENANT_KEYS, bearer, served, sidecar_app, unique_system
+
+PURGE_ADMIN_KEY = "sk-admin"
 
 anthropic = pytest.importorskip("anthropic", reason="the Anthropic SDK is the client under test")
 openai = pytest.importorskip("openai", reason="the OpenAI SDK is the client under test")
@@ -555,11 +560,56 @@ def test_with_redis_every_worker_and_replica_finds_stored_responses(
             {"role": "user", "content": "What was it?"}]
         with pytest.raises(openai.NotFoundError):
             openai_client(one, "sk-globex").responses.retrieve(first.id)
-        ttl = int(redis.cli("TTL", f"prefix-cache-responses:acme:{second.id}"))
+        ttl = int(redis.cli("TTL", f"prefix-cache-responses:{{acme}}:{second.id}"))
         assert 0 < ttl <= 600
         other.responses.delete(first.id)
         with pytest.raises(openai.NotFoundError):  # gone for every worker at once
             openai_client(one, "sk-acme").responses.retrieve(first.id)
+
+
+@pytest.mark.parametrize("store", ["memory", pytest.param("redis", marks=needs_redis)])
+def test_a_response_finishing_after_its_tenants_purge_is_not_stored(
+        store: str, rec_server: tuple[AgentRecorder, str], rec: AgentRecorder,
+        demo_tokenizer: Any, request: pytest.FixtureRequest) -> None:
+    """Issue 47, defect 2, for stored responses: acme's and globex's responses are in flight
+    (the upstream holds them) when a purge of acme answers; then both finish. acme's is not
+    kept (a 404, no key of acme's left in Redis), globex's is, and acme's next response is
+    stored as usual. With Redis, the purge goes through one sidecar and the responses through
+    another: the fence holds across replicas."""
+    redis = request.getfixturevalue("redis") if store == "redis" else None
+    settings: dict[str, Any] = {"api_keys": TENANT_KEYS, "admin_keys": [PURGE_ADMIN_KEY]}
+    if redis is not None:
+        settings["redis_url"] = redis.url
+
+    def sidecar() -> ServerThread:
+        return ServerThread(sidecar_app(served("chat-only", demo_tokenizer,
+                                               Upstream(rec_server[1])), **settings))
+
+    with sidecar() as one, sidecar() as two:
+        admin_base = two if redis is not None else one  # a memory store is this process's
+        rec.hold = threading.Event()
+        with ThreadPoolExecutor(2) as pool:
+            pending = {key: pool.submit(openai_client(one, key).responses.create,
+                                        model="chat-only", input=f"Remember {key}.")
+                       for key in ("sk-acme", "sk-globex")}
+            deadline = time.monotonic() + 30
+            while len(rec.arrived_at) < 2:  # both are at the upstream, answers held
+                assert time.monotonic() < deadline, "the responses never reached the upstream"
+                time.sleep(0.01)
+            with local_client(base_url=admin_base, headers=bearer(PURGE_ADMIN_KEY)) as http:
+                r = http.post("/admin/purge", json={"tenant": "acme"})
+            assert r.status_code == 200, r.text
+            rec.hold.set()
+            acme, globex = (pending[k].result(timeout=30) for k in ("sk-acme", "sk-globex"))
+        assert acme.output_text == "recorded"  # answered, only not kept
+        with pytest.raises(openai.NotFoundError):
+            openai_client(one, "sk-acme").responses.retrieve(acme.id)
+        assert openai_client(one, "sk-globex").responses.retrieve(globex.id).id == globex.id
+        if redis is not None:
+            assert [k for k in redis.client().scan_iter("prefix-cache-responses:*")
+                    if b"acme" in k] == []
+        later = openai_client(one, "sk-acme").responses.create(model="chat-only", input="Hi.")
+        assert openai_client(one, "sk-acme").responses.retrieve(later.id).id == later.id
 
 
 # -- what the model writes: malformed tool calls; the usage of a stream ----------------------

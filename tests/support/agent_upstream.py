@@ -8,7 +8,9 @@ conversion back (chat completions) are both seen by the real SDKs.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -45,11 +47,13 @@ class AgentRecorder:
     errors_left: int | None = None                             # None: every request fails
     arrived_at: list[float] = field(default_factory=list)      # monotonic time of each request
     break_stream: bool = False                                 # die after the first event
+    hold: threading.Event | None = None                        # chat answers wait for it
 
     def reset(self) -> None:
         self.requests.clear()
         self.text, self.tool_call, self.usage, self.error = "recorded", None, (11, 3, 4), None
         self.break_stream = False
+        self.hold = None
         self.raw_arguments = None
         self.error_headers, self.errors_left = {}, None
         self.arrived_at.clear()
@@ -91,6 +95,8 @@ def agent_upstream(rec: AgentRecorder) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await record(request, "chat")
+        if rec.hold is not None:  # an answer in flight until the test lets it go
+            await asyncio.to_thread(rec.hold.wait, 30)
         if (failed := failure()) is not None:
             return failed
         if body.get("stream"):
