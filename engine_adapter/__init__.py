@@ -11,6 +11,7 @@
 - ``plugin.py``: routes an engine's own ``specprefill_system_end`` computation through
   ``StaticPrefixCache`` (no mlx).
 - ``demo_model.py``: the demo chat model folder, converted from a GGUF (``gguf/``);
+  ``gemma_model.py``: Gemma 3 270M's folder (real sliding-window weights), likewise;
   ``folder_cli.py``: the end of a command that writes a model folder.
 - ``testing/``: tiny random-weights model folders and reference computations for tests.
 

