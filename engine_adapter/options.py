@@ -64,7 +64,9 @@ class EngineOptions(BaseModel):
                                      "the draft's work for them")
     specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
                                      "sliding-window or recurrent layers too (approximate "
-                                     "there; the static prefix stays exact)")
+                                     "there: on Gemma 3 270M's real weights the first token's "
+                                     "KL to dense is 0.3-0.8 nats, several times a plain "
+                                     "model's, docs/engine.md; the static prefix stays exact)")
     fair_prefill: bool = Field(default=True, description="prompts wait for a prefill slot, "
                                "each namespace its fair share of the slots; off: first come "
                                "first served")
