@@ -143,6 +143,36 @@ def table(rows: list[dict[str, Any]], command: str, keep: Any) -> str:
             "within a row).")
 
 
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """The quality/TTFT frontier: KL to dense against the TTFT speedup, one point per row,
+    a line per (length, variant) through its keep shares (matplotlib: the bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    groups: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault((r["tokens"], r.get("variant", "d")), []).append(r)
+    for (tokens, variant), pts in sorted(groups.items()):
+        pts.sort(key=lambda r: r["keep"])
+        ax.plot([r["speedup"] for r in pts], [r["kl"] for r in pts], marker="o",
+                linestyle="-" if variant == "d" else "--",
+                label=f"{tokens:,} tokens, {VARIANT_NAMES[variant]}")
+        for r in pts:
+            ax.annotate(f"keep {r['keep']:.0%}", (r["speedup"], r["kl"]), fontsize=7,
+                        xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("TTFT speedup over dense (x)")
+    ax.set_ylabel("KL(dense || SpecPrefill), first token (nats)")
+    ax.set_title(f"SpecPrefill on {rows[0]['model']}: quality against time to first token",
+                 fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default="gemma3_text,gpt_oss,qwen3_next,qwen3_5")
@@ -159,8 +189,17 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=3,
                     help="with --model gemma: the draft is its first N layers (default 3)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--from-json", type=Path, help="no run: the table (and --plot) of rows an "
+                                                   "earlier run wrote with --json")
+    ap.add_argument("--plot", type=Path, help="also draw the frontier (an .svg or .png)")
     ap.add_argument("--update-docs", action="store_true")
     args = ap.parse_args()
+    if args.from_json:
+        rows = json.loads(args.from_json.read_text())
+        print(table(rows, "bash bench/hybrid_specprefill.sh " + " ".join(sys.argv[1:]), args.keep))
+        if args.plot:
+            plot(rows, args.plot)
+        return
     from mlx_lm import load
     from mlx_lm.utils import load_model
 
@@ -192,6 +231,8 @@ def main() -> None:
     print(text)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
     if args.update_docs:
         from engine import update_docs
 
