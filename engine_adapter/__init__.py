@@ -14,6 +14,7 @@
   ``StaticPrefixCache`` (no mlx); ``omlx_hooks.py``: where ``install`` hooks it into each oMLX
   engine shape; ``omlx_tenant.py``: oMLX's API key as the tenant.
 - ``demo_model.py``: the demo chat model folder, converted from a GGUF (``gguf/``);
+  ``gemma_model.py``: Gemma 3 270M's folder (real sliding-window weights), likewise;
   ``folder_cli.py``: the end of a command that writes a model folder.
 - ``testing/``: tiny random-weights model folders and reference computations for tests.
 

@@ -70,7 +70,9 @@ class EngineOptions(BaseModel):
                                      "the draft's work for them")
     specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
                                      "sliding-window or recurrent layers too (approximate "
-                                     "there; the static prefix stays exact)")
+                                     "there: on Gemma 3 270M's real weights the first token's "
+                                     "KL to dense is 0.3-0.8 nats, several times a plain "
+                                     "model's, docs/engine.md; the static prefix stays exact)")
     fair_prefill: bool = Field(default=True, description="each engine step has a token "
                                "budget (step_tokens): decode first, then prefill chunks, "
                                "shared equally by the namespaces with prompts waiting; off: "

