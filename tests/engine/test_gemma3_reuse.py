@@ -4,10 +4,15 @@ folder, turn 2 restores turn 1's prompt and reply from disk, counted by the engi
 info; a reply sent back to the same engine is restored from RAM; each first token's logprobs
 equal a cold dense forward within the tiny models' tolerance. The prompt outgrows the 512-token
 window, so the windowed layers' caches have wrapped. Short turns: only reuse is checked here;
-the speed is ``bench/gemma_reuse.py``'s."""
+the speed is ``bench/gemma_reuse.py``'s. The checks run in a child process with OpenBLAS
+preloaded, as the server processes of other tests are: on mlx's reference BLAS this process
+would take minutes over one 700-token prefill of the real model."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +25,9 @@ from engine_adapter.mlx_engine import MLXEngine, kv_file  # noqa: E402
 from engine_adapter.mlx_engine.kv_disk import DiskKVStore  # noqa: E402
 from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
 from tests.support.engine_fixtures import GIB, assert_close, run  # noqa: E402
+from tests.support.paths import REPO, openblas  # noqa: E402
 
 GENERATED = 6
-
-
-@pytest.fixture(scope="module")
-def gemma(gemma_dir: Path) -> tuple[Any, Any]:
-    from mlx_lm import load
-
-    return load(str(gemma_dir))[:2]
 
 
 def first_prompt(tok: Any) -> tuple[list[int], int]:
@@ -53,12 +52,27 @@ def send_back(tok: Any, prompt: list[int], reply: list[int], user: str) -> list[
 
 
 def test_after_a_restart_and_with_a_reply_sent_back_the_turn_is_restored_and_equals_cold(
-        gemma, tmp_path):
-    model, tok = gemma
+        gemma_dir, tmp_path):
+    env = dict(os.environ)
+    blas = openblas()
+    if blas:
+        env["LD_PRELOAD"] = blas
+    code = ("import sys; from pathlib import Path; from tests.engine.test_gemma3_reuse import "
+            "check_reuse; check_reuse(Path(sys.argv[1]), Path(sys.argv[2]))")
+    done = subprocess.run([sys.executable, "-c", code, str(gemma_dir), str(tmp_path / "kv")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def check_reuse(folder: Path, kv_dir: Path) -> None:
+    """The test's checks (in the child process)."""
+    from mlx_lm import load
+
+    model, tok = load(str(folder))[:2]
     fingerprints = {"target": kv_file.model_fingerprint(model)}
 
     def start() -> MLXEngine:
-        return MLXEngine(model, kv_disk=DiskKVStore(tmp_path / "kv", GIB,
+        return MLXEngine(model, kv_disk=DiskKVStore(kv_dir, GIB,
                                                     fingerprints=fingerprints))
 
     first, end = first_prompt(tok)
