@@ -43,13 +43,18 @@ class Reasoning:
 def think_markers(tokenizer: Any) -> ThinkMarkers | None:
     """The tokenizer's reasoning markers: mlx-lm's (``think_start``/``think_end``) when it
     names them, else ``<think>``/``</think>`` when both are single tokens of the vocabulary;
-    None for a family without them."""
+    None for a family without them, or whose chat template never names them (a vocabulary
+    shared with a thinking sibling does not make a model think)."""
     start, end = getattr(tokenizer, "think_start", None), getattr(tokenizer, "think_end", None)
-    vocab = unwrap_tokenizer(tokenizer).get_vocab()
+    inner = unwrap_tokenizer(tokenizer)
+    vocab = inner.get_vocab()
     if not (isinstance(start, str) and isinstance(end, str) and start and end):
         if not all(marker in vocab for marker in THINK):
             return None
         start, end = THINK
+    template = getattr(inner, "chat_template", None)
+    if not isinstance(template, str) or end not in template:
+        return None
     return ThinkMarkers(start, end, tuple(vocab[m] for m in (start, end) if m in vocab))
 
 

@@ -118,8 +118,8 @@ class Thinking:
     """serve-engine on a scripted engine with Qwen3.5's tokenizer and template (as mlx-lm loads
     them); ``play`` sets what the engine writes next, tokenized as the model would write it."""
 
-    def __init__(self, url: str, engine: ScriptedEngine, tokenizer: Any) -> None:
-        self.url, self.engine, self.tokenizer = url, engine, tokenizer
+    def __init__(self, url: str, engine: ScriptedEngine, tokenizer: Any, folder: Path) -> None:
+        self.url, self.engine, self.tokenizer, self.folder = url, engine, tokenizer, folder
 
     def play(self, text: str) -> None:
         self.engine.tokens = (self.tokenizer.encode(text, add_special_tokens=False)
@@ -133,11 +133,12 @@ def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Thinking]:
     from prefix_cache.testing.offline_tokenizers import make_model_dir
 
     template = (TEMPLATES_DIR / "Qwen3.5-4B.jinja").read_text()
-    tokenizer = load(make_model_dir(tmp_path_factory.mktemp("qwen3.5"), "qwen3.5", template))
+    folder = make_model_dir(tmp_path_factory.mktemp("qwen3.5"), "qwen3.5", template)
+    tokenizer = load(folder)
     engine = ScriptedEngine([], stop_token_ids=(tokenizer.convert_tokens_to_ids("<|im_end|>"),),
                             finish="stop")
     with ServerThread(create_engine_app(MLXBackend(engine, tokenizer, name="qwen3.5"))) as url:
-        yield Thinking(url, engine, tokenizer)
+        yield Thinking(url, engine, tokenizer, folder)
 
 
 THOUGHT, ANSWER = "The user greets me.", "Hello there."
@@ -195,3 +196,25 @@ def test_reasoning_is_a_reasoning_item_in_responses(thinking: Thinking) -> None:
         assert [i.type for i in response.output] == ["reasoning", "message"]
         assert response.output[0].content[0].text == THOUGHT
         assert response.output_text == ANSWER
+
+
+def test_reasoning_relayed_from_a_chat_only_upstream_keeps_its_shape(thinking: Thinking) -> None:
+    """A sidecar in front of the engine as a chat-completions upstream: the upstream's
+    ``reasoning_content`` becomes the Messages thinking block, streamed and whole."""
+    from prefix_cache.model_folders.model_dir import load_tokenizer
+    from prefix_cache.service.upstream import Upstream
+    from tests.support.sidecar import TENANT_KEYS, served, sidecar_app
+
+    thinking.play(f"{THOUGHT}\n</think>\n\n{ANSWER}")
+    upstream = Upstream(thinking.url, "openai")
+    app = sidecar_app(served("q", load_tokenizer(thinking.folder), upstream),
+                      api_keys=TENANT_KEYS)
+    with ServerThread(app) as url:
+        claude = anthropic_client(url)
+        fields: Any = {"model": "q", "max_tokens": 40, "messages": HI}
+        whole = claude.messages.create(**fields)
+        with claude.messages.stream(**fields) as events:
+            streamed = events.get_final_message()
+    for message in (whole, streamed):
+        assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
+                for b in message.content] == [("thinking", THOUGHT), ("text", ANSWER)]
