@@ -132,8 +132,8 @@ def message_body(meta: MessageMeta, turn: Collected) -> dict[str, Any]:
     content = [{"type": "text", "text": text}] if text else []
     reason, sequence = stop_reason(turn.finish, bool(blocks))
     return {"id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
-            "content": thinking + content + blocks, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": anthropic_usage(turn.finish.usage)}
+            "content": thinking + content + blocks, "stop_reason": reason,
+            "stop_sequence": sequence, "usage": anthropic_usage(turn.finish.usage)}
 
 
 async def message_json(meta: MessageMeta,

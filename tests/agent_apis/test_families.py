@@ -88,10 +88,12 @@ def test_a_forced_call_on_qwen3_is_a_tool_call_in_every_api(qwen3_engine: str,
     tool = {"name": "set_alarm", "input_schema": SWITCH}
     tool_choice: Any = ({"type": "any"} if choice == "required" else
                         {"type": "tool", "name": "set_alarm"})
+    greedy = {"temperature": 0.0}   # the SDK's own argument is gone: sent as a body field
     reply = claude.messages.create(model="m", max_tokens=24, tools=[tool],
-                                   tool_choice=tool_choice, messages=user, extra_body={"temperature": 0.0})
+                                   tool_choice=tool_choice, messages=user, extra_body=greedy)
     with claude.messages.stream(model="m", max_tokens=24, tools=[tool],
-                                tool_choice=tool_choice, messages=user, extra_body={"temperature": 0.0}) as events:
+                                tool_choice=tool_choice, messages=user,
+                                extra_body=greedy) as events:
         streamed = events.get_final_message()
     for message in (reply, streamed):
         assert message.stop_reason == "tool_use"
