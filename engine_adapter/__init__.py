@@ -3,8 +3,9 @@
 - ``mlx_engine/``: the in-process batched MLX engine (imports mlx).
 - ``backend.py``: that engine as a ``prefix_cache.engine.protocol.ChatBackend`` (token ids in,
   text deltas out), with ``decoding.py`` (incremental decoding, stop strings), ``tool_calls.py``
-  (tool calls cut out of the text) and ``call_stream.py`` (tool calls streamed as written);
-  ``grammar/``: constrained decoding.
+  (tool calls cut out of the text), ``call_stream.py`` (tool calls streamed as written) and
+  ``reasoning.py`` (a ``<think>`` family's reasoning apart from the answer); ``grammar/``:
+  constrained decoding.
 - ``registry.py``: engines by name for ``--engine``; ``options.py`` and ``defaults.py``: their
   options and defaults; ``purge_marks.py``: each namespace's last purge, on one clock, so
   what a request issued before a purge computes (KV, a compiled grammar) is not kept after it;

@@ -4,7 +4,8 @@
                        engine's request made and checked once (400s: ids, boundary, lengths,
                        a grammar that cannot compile)
                    ──> generate (the checked request): MLXEngine.agenerate token events ──> IncrementalDecoder ──>
-                       stop strings ──> tool calls cut out (when the request gives tools and
+                       stop strings ──> reasoning cut out (``<think>`` families:
+                       ``reasoning``) ──> tool calls cut out (when the request gives tools and
                        the tokenizer knows its family's format: ``tool_calls``) ──>
                        BackendOutput deltas, usage on the last one
 
@@ -42,6 +43,7 @@ from .decoding import IncrementalDecoder, StopStrings
 from .defaults import DEFAULT_MAX_TOKENS
 from .grammar import GrammarCache, OutputGrammar, output_grammar
 from .mlx_engine.request import CheckedRequest, GenerationRequest, check_request
+from .reasoning import Reasoning, ReasoningSplitter, opens_inside, think_markers
 from .tool_calls import ToolCallSplitter, json_envelope
 
 
@@ -70,6 +72,12 @@ class MLXBackend:
         self.default_max_tokens = default_max_tokens
         self._closed = False
         self.envelope = json_envelope(self.tokenizer)
+        self.think = think_markers(self.tokenizer)
+        # Markers the text is read by are decoded as text, even where the tokenizer marks them
+        # special (decoding would drop them, and a call or reasoning would pass as answer).
+        self._keep = tuple(i for i in ((self.envelope.ids if self.envelope else ())
+                                       + (self.think.ids if self.think else ()))
+                           if i is not None)
         # A complete grammar allows only the tokens that end the turn: the engine's stops.
         eos = tuple(getattr(engine, "stop_token_ids", ())) or _eos_ids(self.tokenizer)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
@@ -141,8 +149,13 @@ class MLXBackend:
         request, prepared = checked.request, checked.prepared
         engine_request, grammar = prepared.engine_request, prepared.grammar
         run = engine_request.request.grammar
-        decoder = IncrementalDecoder(self.tokenizer)
+        decoder = IncrementalDecoder(self.tokenizer, self._keep)
         stops = StopStrings(request.sampling.stop)
+        # A bound output (a forced call, a JSON format) is written from its first token: no
+        # reasoning before it.
+        thinking = (None if self.think is None or request.constraints.binding
+                    else ReasoningSplitter(self.think, opens_inside(
+                        self.tokenizer, request.prompt_ids, self.think)))
         calls = self._splitter(request, grammar)
         stop_ids = set(getattr(self.engine, "stop_token_ids", ()))
         generated = cached = 0
@@ -161,12 +174,18 @@ class MLXBackend:
                     text += decoder.flush()
                 text, stopped = stops.feed(text, final)
                 done = stopped or final
-                pieces: list[Any] = [text] if calls is None else calls.feed(text, done)
+                pieces: list[Any] = [text] if thinking is None else thinking.feed(text, done)
+                if calls is not None:
+                    answer = "".join(p for p in pieces if isinstance(p, str))
+                    pieces = [p for p in pieces if isinstance(p, Reasoning)]
+                    pieces += calls.feed(answer, done)
                 last = ""
                 if done and pieces and isinstance(pieces[-1], str):
                     last = str(pieces.pop())  # the last text goes with the finish, as before
                 for piece in pieces:
-                    if isinstance(piece, ToolCall):
+                    if isinstance(piece, Reasoning):
+                        yield BackendOutput(reasoning=piece.text)
+                    elif isinstance(piece, ToolCall):
                         yield BackendOutput(tool_calls=(piece,))
                     elif isinstance(piece, ToolCallChunk):
                         yield BackendOutput(tool_call_chunks=(piece,))

@@ -3,7 +3,7 @@ strings that end the text where they first appear."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prefix_cache.render.render import unwrap_tokenizer
@@ -21,16 +21,23 @@ class IncrementalDecoder:
     what the new ids added; while the window's text ends in U+FFFD (an incomplete UTF-8
     sequence) nothing is emitted, for up to ``MAX_HELD_TOKENS`` tokens. ``flush`` emits what is
     left. The deltas concatenated equal ``decode(all ids)``.
+
+    Special tokens are left out of the text, except those in ``keep``: markers the engine reads
+    the text by (a tool call's or a reasoning block's), which a tokenizer may mark special.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, keep: Iterable[int] = ()) -> None:
         self._tokenizer = unwrap_tokenizer(tokenizer)
         self._ids: list[int] = []
         self._prefix = 0   # window start: the tokens before it are emitted and stay emitted
         self._read = 0     # tokens up to here are emitted
+        self._drop = special_ids(self._tokenizer) - set(keep) if keep else None
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+        if self._drop is None:
+            return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+        kept = [i for i in ids if i not in self._drop]
+        return str(self._tokenizer.decode(kept, skip_special_tokens=False))
 
     def add(self, token: int) -> str:
         self._ids.append(int(token))
@@ -52,6 +59,15 @@ class IncrementalDecoder:
         delta = text[len(before):] if len(text) > len(before) else ""
         self._prefix, self._read = self._read, len(self._ids)
         return delta
+
+
+def special_ids(tokenizer: Any) -> set[int]:
+    """The ids ``decode(skip_special_tokens=True)`` leaves out: the added tokens marked special
+    and the tokenizer's named special tokens."""
+    inner = unwrap_tokenizer(tokenizer)
+    added = getattr(inner, "added_tokens_decoder", {}) or {}
+    ids = {int(i) for i, token in added.items() if getattr(token, "special", False)}
+    return ids | {int(i) for i in getattr(inner, "all_special_ids", ()) or ()}
 
 
 class StopStrings:

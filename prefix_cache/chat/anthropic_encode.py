@@ -1,7 +1,10 @@
 """A turn's events as an Anthropic Message: one ``message`` object, or the SSE events
-``message_start``, ``ping``, ``content_block_start`` / ``content_block_delta`` (text_delta,
-input_json_delta) / ``content_block_stop``, ``message_delta`` (stop_reason, usage),
+``message_start``, ``ping``, ``content_block_start`` / ``content_block_delta`` (thinking_delta,
+text_delta, input_json_delta) / ``content_block_stop``, ``message_delta`` (stop_reason, usage),
 ``message_stop``; an engine failure mid-stream ends it with an ``error`` event.
+
+The model's reasoning is a ``thinking`` block before the answer's (its ``signature`` empty: the
+engine signs nothing, and a client's thinking blocks sent back are not rendered).
 
 ``stop_reason``: end_turn (the model ended its turn), max_tokens, stop_sequence (with the
 ``stop_sequence`` that matched), tool_use (the turn ends in tool calls). Usage follows
@@ -38,6 +41,7 @@ from .events import (
     CollectedCall,
     Finish,
     OutputEvent,
+    ReasoningDelta,
     TextDelta,
     ToolCallDelta,
     TurnEnd,
@@ -117,6 +121,8 @@ def call_text(call: CollectedCall) -> str:
 def message_body(meta: MessageMeta, turn: Collected) -> dict[str, Any]:
     """A whole ``message`` object."""
     text, blocks = turn.text, []
+    thinking = ([{"type": "thinking", "thinking": turn.reasoning, "signature": ""}]
+                if turn.reasoning else [])
     for call in turn.calls:
         value = tool_input(call.arguments)
         if value is None:
@@ -126,8 +132,8 @@ def message_body(meta: MessageMeta, turn: Collected) -> dict[str, Any]:
     content = [{"type": "text", "text": text}] if text else []
     reason, sequence = stop_reason(turn.finish, bool(blocks))
     return {"id": meta.id, "type": "message", "role": "assistant", "model": meta.model,
-            "content": content + blocks, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": anthropic_usage(turn.finish.usage)}
+            "content": thinking + content + blocks, "stop_reason": reason,
+            "stop_sequence": sequence, "usage": anthropic_usage(turn.finish.usage)}
 
 
 async def message_json(meta: MessageMeta,
@@ -189,14 +195,20 @@ class _Blocks:
 
     def __init__(self) -> None:
         self.index = -1
-        self.open: str | None = None            # "text" or "tool"
+        self.open: str | None = None            # "thinking", "text" or "tool"
         self.call: CollectedCall | None = None  # the call being held
         self.call_index: int | None = None
         self.tool_uses = 0
 
-    def add(self, event: TextDelta | ToolCallDelta) -> list[bytes]:
+    def add(self, event: TextDelta | ReasoningDelta | ToolCallDelta) -> list[bytes]:
         if isinstance(event, TextDelta):
             return self._flush_call() + self._text(event.text)
+        if isinstance(event, ReasoningDelta):
+            out = self._flush_call()
+            if self.open != "thinking":
+                out += self._start("thinking", {"type": "thinking", "thinking": "",
+                                                "signature": ""})
+            return out + [self._delta({"type": "thinking_delta", "thinking": event.text})]
         out: list[bytes] = []
         if self.call is None or self.call_index != event.index:
             out += self._flush_call()

@@ -3,6 +3,7 @@ format (Anthropic Messages, OpenAI Responses), from an in-process engine or from
 that speaks chat completions.
 
     TextDelta      a piece of the answer's text
+    ReasoningDelta a piece of the model's reasoning, apart from the answer (it comes first)
     ToolCallDelta  a piece of one tool call: its first piece has the call's id and name, the
                    rest add to its arguments (JSON text)
     Prefilled      the prompt's counts once the engine has prefilled it (how many tokens it
@@ -31,6 +32,11 @@ class TextDelta:
 
 
 @dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class ToolCallDelta:
     index: int
     id: str | None = None
@@ -50,7 +56,7 @@ class Finish:
     stop_sequence: str | None = None
 
 
-OutputEvent = TextDelta | ToolCallDelta | Prefilled | Finish
+OutputEvent = TextDelta | ReasoningDelta | ToolCallDelta | Prefilled | Finish
 Events = AsyncGenerator[OutputEvent, None]  # one turn's, in order, ending with a Finish
 
 
@@ -68,6 +74,8 @@ async def backend_events(backend: ChatBackend,
         async for out in outputs:
             if out.usage is not None and out.finish_reason is None:
                 yield Prefilled(out.usage)
+            if out.reasoning:
+                yield ReasoningDelta(out.reasoning)
             if out.text:
                 yield TextDelta(out.text)
             for call in out.tool_calls:
@@ -90,7 +98,7 @@ class TurnEnd:
     prefilled: Prefilled | None = None
 
     async def content(self, events: AsyncGenerator[OutputEvent, None]
-                      ) -> AsyncGenerator[TextDelta | ToolCallDelta, None]:
+                      ) -> AsyncGenerator[TextDelta | ReasoningDelta | ToolCallDelta, None]:
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, Finish):
@@ -110,9 +118,10 @@ class CollectedCall:
 
 @dataclass
 class Collected:
-    """A whole turn: its text, its tool calls in order, how it finished."""
+    """A whole turn: its text, its reasoning, its tool calls in order, how it finished."""
 
     text: str = ""
+    reasoning: str = ""
     calls: list[CollectedCall] = field(default_factory=list)
     finish: Finish = Finish("length")
 
@@ -121,11 +130,14 @@ async def collect(events: AsyncGenerator[OutputEvent, None]) -> Collected:
     """Every event of a turn, gathered (for an answer that is not streamed)."""
     turn = Collected()
     parts: list[str] = []
+    thought: list[str] = []
     by_index: dict[int, CollectedCall] = {}
     async with aclosing(events):
         async for event in events:
             if isinstance(event, TextDelta):
                 parts.append(event.text)
+            elif isinstance(event, ReasoningDelta):
+                thought.append(event.text)
             elif isinstance(event, ToolCallDelta):
                 call = by_index.get(event.index)
                 if call is None:
@@ -135,5 +147,5 @@ async def collect(events: AsyncGenerator[OutputEvent, None]) -> Collected:
                 call.arguments += event.arguments
             elif isinstance(event, Finish):
                 turn.finish = event
-    turn.text = "".join(parts)
+    turn.text, turn.reasoning = "".join(parts), "".join(thought)
     return turn

@@ -4,8 +4,9 @@ chat completions, converted back.
 
 Text and tool calls are read from ``choices[0]``; the finish reason and usage from the last
 chunks (the sidecar asks for usage with ``stream_options.include_usage``); vLLM's ``stop_reason``
-names the stop string that matched. What the upstream sends beside the answer (reasoning
-fields, logprobs) is not carried over. A broken stream raises ``BackendError``.
+names the stop string that matched. Reasoning is read from ``reasoning_content`` (vLLM's, the
+engine's) or ``reasoning`` (mlx_lm.server's); logprobs are not carried over. A broken stream
+raises ``BackendError``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import httpx
 from ..engine.protocol import BackendError, Usage
 from ..http.sse import EventStreamError, SSEDecoder
 from ..util import json_io
-from .events import Finish, OutputEvent, TextDelta, ToolCallDelta
+from .events import Finish, OutputEvent, ReasoningDelta, TextDelta, ToolCallDelta
 
 MAX_COMPLETION_BYTES = 64 << 20
 FINISH_REASONS = ("stop", "length", "tool_calls")
@@ -90,6 +91,8 @@ async def completion_events(response: httpx.Response, *, stream: bool,
         else:
             message = answer.read(await _whole(response)).get("message")
             message = message if isinstance(message, dict) else {}
+            if thought := _reasoning(message):
+                yield ReasoningDelta(thought)
             if isinstance(message.get("content"), str) and message["content"]:
                 yield TextDelta(message["content"])
             for call in _calls(message.get("tool_calls")):
@@ -136,10 +139,20 @@ def _chunk_events(data: str, answer: _Answer) -> list[OutputEvent]:
     delta = answer.read(chunk).get("delta")
     delta = delta if isinstance(delta, dict) else {}
     out: list[OutputEvent] = []
+    if thought := _reasoning(delta):
+        out.append(ReasoningDelta(thought))
     if isinstance(delta.get("content"), str) and delta["content"]:
         out.append(TextDelta(delta["content"]))
     out.extend(_calls(delta.get("tool_calls")))
     return out
+
+
+def _reasoning(message: dict[str, Any]) -> str:
+    """A message's or delta's reasoning text, under either name a server sends it by."""
+    for name in ("reasoning_content", "reasoning"):
+        if isinstance(message.get(name), str) and message[name]:
+            return str(message[name])
+    return ""
 
 
 def _json_object(text: str | bytes, what: str) -> dict[str, Any]:

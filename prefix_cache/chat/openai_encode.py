@@ -1,6 +1,8 @@
 """A turn's events as OpenAI chat completions: one ``chat.completion``, or SSE
 ``chat.completion.chunk`` events ending in ``data: [DONE]``. Tool calls the engine cut out of
-its text are ``tool_calls`` (whole, one chunk each), with finish reason "tool_calls".
+its text are ``tool_calls`` (whole, one chunk each), with finish reason "tool_calls". The
+model's reasoning is ``message.reasoning_content`` (streamed as ``delta.reasoning_content``),
+as vLLM sends it; a turn without reasoning has no such field.
 
 ``usage.prompt_tokens_details.cached_tokens`` reports the prompt tokens whose KV the engine
 restored. A stream that breaks after it started ends with an ``error`` object and no
@@ -19,7 +21,7 @@ from typing import Any
 from ..engine.protocol import BackendError, Usage
 from ..http.errors import error_body
 from ..util import json_io
-from .events import Events, Finish, TextDelta, ToolCallDelta, collect
+from .events import Events, Finish, ReasoningDelta, TextDelta, ToolCallDelta, collect
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +51,8 @@ async def completion_json(meta: ChatMeta, events: Events) -> dict[str, Any]:
     """A whole ``chat.completion``."""
     turn = await collect(events)
     message: dict[str, Any] = {"role": "assistant", "content": turn.text}
+    if turn.reasoning:
+        message["reasoning_content"] = turn.reasoning
     if turn.calls:
         message["tool_calls"] = [_call(c.id, c.name, c.arguments) for c in turn.calls]
     return {
@@ -75,6 +79,8 @@ async def completion_stream(meta: ChatMeta, events: Events) -> AsyncIterator[byt
             async for event in events:
                 if isinstance(event, TextDelta):
                     yield chunk({"content": event.text})
+                elif isinstance(event, ReasoningDelta):
+                    yield chunk({"reasoning_content": event.text})
                 elif isinstance(event, ToolCallDelta):  # whole calls, one per event
                     yield chunk({"tool_calls": [_call(event.id or "", event.name or "",
                                                       event.arguments, event.index)]})

@@ -2,7 +2,8 @@
 ``response.created``, ``response.in_progress``, per output item ``response.output_item.added``
 ... ``response.output_item.done`` (a message: ``response.content_part.added``,
 ``response.output_text.delta`` ..., ``response.output_text.done``, ``response.content_part.done``;
-a function call: ``response.function_call_arguments.delta`` ..., ``.done``), then
+a function call: ``response.function_call_arguments.delta`` ..., ``.done``; the model's reasoning,
+a ``reasoning`` item first: ``response.reasoning_text.delta`` ..., ``.done``), then
 ``response.completed`` -- or ``response.incomplete`` when ``max_output_tokens`` ended the turn
 (status "incomplete", ``incomplete_details.reason`` "max_output_tokens"), as OpenAI's API does.
 An engine failure mid-stream ends it with ``response.failed``.
@@ -31,6 +32,7 @@ from .events import (
     Collected,
     Finish,
     OutputEvent,
+    ReasoningDelta,
     TextDelta,
     ToolCallDelta,
     TurnEnd,
@@ -105,6 +107,12 @@ def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [_text_part(text)]}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The model's reasoning as it wrote it (``content``), as vLLM returns it; no summary."""
+    return {"type": "reasoning", "id": item_id, "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
 def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
               namespaces: Mapping[str, tuple[str, str]] | None = None) -> dict[str, Any]:
     item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
@@ -121,7 +129,8 @@ def _text_part(text: str) -> dict[str, Any]:
 def output_items(turn: Collected, namespaces: Mapping[str, tuple[str, str]] | None = None,
                  ) -> list[dict[str, Any]]:
     status = _status(turn.finish)
-    items = [message_item(new_id("msg"), turn.text, status)] if turn.text else []
+    items = [reasoning_item(new_id("rs"), turn.reasoning, status)] if turn.reasoning else []
+    items += [message_item(new_id("msg"), turn.text, status)] if turn.text else []
     return items + [call_item(new_id("fc"), c.id, c.name, c.arguments, status, namespaces)
                     for c in turn.calls]
 
@@ -176,9 +185,20 @@ class _Items:
         self.sequence += 1
         return sse_event(data, kind)
 
-    def add(self, event: TextDelta | ToolCallDelta) -> list[bytes]:
+    def add(self, event: TextDelta | ReasoningDelta | ToolCallDelta) -> list[bytes]:
         """The events of one delta; the open item's index is the count of finished ones."""
         out: list[bytes] = []
+        if isinstance(event, ReasoningDelta):
+            if self.key != ("reasoning", 0) or self.open is None:
+                out += self.close("completed")
+                self.key = ("reasoning", 0)
+                self.open = reasoning_item(new_id("rs"), "", "in_progress")
+                out.append(self.event("response.output_item.added", output_index=self.at,
+                                      item={**self.open, "content": []}))
+            self.open["content"][0]["text"] += event.text
+            out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"],
+                                  output_index=self.at, content_index=0, delta=event.text))
+            return out
         if isinstance(event, TextDelta):
             if self.key != ("text", 0) or self.open is None:
                 out += self.close("completed")  # an item followed by another is complete
@@ -217,7 +237,11 @@ class _Items:
             return []
         self.open, self.key = None, None
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self.event("response.reasoning_text.done", item_id=item["id"],
+                                  output_index=at, content_index=0,
+                                  text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self.event("response.output_text.done", item_id=item["id"],
                                   output_index=at, content_index=0, text=part["text"],

@@ -185,6 +185,7 @@ class BackendOutput:
     stop_sequence: str | None = None   # the stop string that ended the generation, if one did
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_chunks: tuple[ToolCallChunk, ...] = ()   # calls streamed as they are written
+    reasoning: str = ""   # a piece of the model's reasoning, apart from the answer's text
 
 
 class BackendError(RuntimeError):
