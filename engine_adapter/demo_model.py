@@ -31,7 +31,8 @@ import sys
 import time
 from pathlib import Path
 
-from prefix_cache.model_folders.file_lock import file_lock
+# STAMP_FILE: named here too, for the tests that read a folder's stamp
+from prefix_cache.model_folders.file_lock import STAMP_FILE, stamped_folder  # noqa: F401
 
 from .gguf import fetch
 from .gguf.fetch import GGUF_DISTRIBUTION, GGUF_FILE, GGUF_VERSION
@@ -41,7 +42,6 @@ DTYPE = "float32"
 # Bump when the conversion or the template changes what is written: the stamp then differs
 # and the folder is converted again.
 RECIPE_VERSION = 2
-STAMP_FILE = ".prefix-cache-recipe.json"
 FULL_MODEL_MB = 540   # the float32 folder of all 30 layers
 
 log = logging.getLogger("engine_adapter.demo_model")
@@ -106,30 +106,19 @@ def demo_chat_model_dir(root: Path | None = None, *, layers: int | None = None) 
     folder = (root or cache_home()) / name
     stamp = _stamp(gguf, layers)
 
-    def current() -> bool:
-        try:
-            return json.loads((folder / STAMP_FILE).read_text(encoding="utf-8")) == stamp
-        except (OSError, ValueError):
-            return False
+    def convert() -> None:
+        from .gguf.convert import convert_gguf
 
-    if current():
-        return folder
-    with file_lock(folder.with_name(f".{name}.lock")):
-        if not current():  # another process may have converted it while we waited
-            from .gguf.convert import convert_gguf
+        log.info("converting %s (%.0f MB) into %s (%s; once, a few seconds)", gguf,
+                 gguf.stat().st_size / 1e6, folder,
+                 f"{DTYPE}, first {layers} layers" if layers else
+                 f"{DTYPE}, about {FULL_MODEL_MB} MB")
+        started = time.monotonic()
+        convert_gguf(gguf, folder, dtype=DTYPE, layers=layers, chat_template=DEMO_CHAT_TEMPLATE)
+        _declare_tool_format(folder / "tokenizer_config.json")
+        log.info("converted in %.1f s: %s", time.monotonic() - started, folder)
 
-            log.info("converting %s (%.0f MB) into %s (%s; once, a few seconds)", gguf,
-                     gguf.stat().st_size / 1e6, folder,
-                     f"{DTYPE}, first {layers} layers" if layers else
-                     f"{DTYPE}, about {FULL_MODEL_MB} MB")
-            started = time.monotonic()
-            convert_gguf(gguf, folder, dtype=DTYPE, layers=layers,
-                         chat_template=DEMO_CHAT_TEMPLATE)
-            _declare_tool_format(folder / "tokenizer_config.json")
-            # Written last: a folder without a matching stamp is converted again.
-            (folder / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
-            log.info("converted in %.1f s: %s", time.monotonic() - started, folder)
-    return folder
+    return stamped_folder(folder, stamp, convert)
 
 
 def _declare_tool_format(config_file: Path) -> None:

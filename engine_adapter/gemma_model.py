@@ -33,7 +33,7 @@ import zipfile
 from importlib import util
 from pathlib import Path
 
-from prefix_cache.model_folders.file_lock import file_lock
+from prefix_cache.model_folders.file_lock import file_lock, stamped_folder
 
 from .gguf import fetch
 
@@ -44,7 +44,6 @@ GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 CHUNKS = 4
 DTYPE = "float32"
 RECIPE_VERSION = 2   # bump when the conversion or the template changes what is written
-STAMP_FILE = ".prefix-cache-recipe.json"
 _CHUNK_BYTES = 1 << 20
 
 log = logging.getLogger("engine_adapter.gemma_model")
@@ -157,27 +156,18 @@ def gemma_model_dir(root: Path | None = None, *, layers: int | None = None) -> P
     folder = home / name
     stamp = _stamp(gguf, layers)
 
-    def current() -> bool:
-        try:
-            return json.loads((folder / STAMP_FILE).read_text(encoding="utf-8")) == stamp
-        except (OSError, ValueError):
-            return False
+    def convert() -> None:
+        from .gguf.convert import convert_gguf
 
-    if current():
-        return folder
-    with file_lock(folder.with_name(f".{name}.lock")):
-        if not current():
-            from .gguf.convert import convert_gguf
+        log.info("converting %s into %s (%s%s; once)", gguf, folder, DTYPE,
+                 f", first {layers} layers" if layers else "")
+        started = time.monotonic()
+        convert_gguf(gguf, folder, dtype=DTYPE, layers=layers)
+        if layers is not None:
+            full_attention_draft(folder / "config.json")
+        log.info("converted in %.1f s: %s", time.monotonic() - started, folder)
 
-            log.info("converting %s into %s (%s%s; once)", gguf, folder, DTYPE,
-                     f", first {layers} layers" if layers else "")
-            started = time.monotonic()
-            convert_gguf(gguf, folder, dtype=DTYPE, layers=layers)
-            if layers is not None:
-                full_attention_draft(folder / "config.json")
-            (folder / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
-            log.info("converted in %.1f s: %s", time.monotonic() - started, folder)
-    return folder
+    return stamped_folder(folder, stamp, convert)
 
 
 def full_attention_draft(config_file: Path) -> None:

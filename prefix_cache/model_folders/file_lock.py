@@ -1,5 +1,6 @@
 """One writer at a time across processes: an exclusive ``flock`` on a lock file, for the
-folders made on first use (tokenizer folders, the demo chat model, its GGUF).
+folders made on first use (tokenizer folders, the demo chat model, its GGUF); and
+``stamped_folder``, a folder made once per recipe (the converted model folders).
 
 Correctness never depends on it (each writer renames its finished work into place); it saves
 the duplicate work of a server and a test, or two workers, making the same folder at once.
@@ -9,8 +10,14 @@ Where ``flock`` is missing (Windows) the writers just race.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
+
+# What a made folder was made from (its recipe), written last: a folder whose stamp differs
+# from the one asked for, or has none, is made again.
+STAMP_FILE = ".prefix-cache-recipe.json"
 
 
 @contextlib.contextmanager
@@ -28,3 +35,22 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def stamped_folder(folder: Path, stamp: dict[str, Any], make: Callable[[], None]) -> Path:
+    """``folder``, made by ``make`` unless its stamp file already says ``stamp``; once across
+    processes (the lock beside it; a writer that waited finds it made)."""
+
+    def current() -> bool:
+        try:
+            return json.loads((folder / STAMP_FILE).read_text(encoding="utf-8")) == stamp
+        except (OSError, ValueError):
+            return False
+
+    if current():
+        return folder
+    with file_lock(folder.with_name(f".{folder.name}.lock")):
+        if not current():  # another process may have made it while we waited
+            make()
+            (folder / STAMP_FILE).write_text(json.dumps(stamp) + "\n", encoding="utf-8")
+    return folder
