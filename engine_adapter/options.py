@@ -71,7 +71,7 @@ class EngineOptions(BaseModel):
     specprefill_hybrid: bool = Field(default=False, description="SpecPrefill on models with "
                                      "sliding-window or recurrent layers too (approximate "
                                      "there: on Gemma 3 270M's real weights the first token's "
-                                     "KL to dense is 0.3-0.8 nats, several times a plain "
+                                     "KL to dense is 0.27-0.79 nats, several times a plain "
                                      "model's, docs/engine.md; the static prefix stays exact)")
     fair_prefill: bool = Field(default=True, description="each engine step has a token "
                                "budget (step_tokens): decode first, then prefill chunks, "
