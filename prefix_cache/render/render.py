@@ -399,8 +399,8 @@ class Renderers:
     tokenizer or wrapper (weakly held), one ``TemplateRenderer`` per (tokenizer state, wrapper,
     template), and the tokenizer states they were made for."""
 
-    def __init__(self) -> None:
-        self.states = TokenizerStates()
+    def __init__(self, states: TokenizerStates | None = None) -> None:
+        self.states = states if states is not None else TokenizerStates()
         self._table: weakref.WeakKeyDictionary[
             Any, dict[tuple[bytes, bytes, str], TemplateRenderer]] = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
