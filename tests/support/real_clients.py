@@ -84,11 +84,11 @@ model_provider = "prefix-cache"
 [model_providers.prefix-cache]
 name = "prefix-cache"
 base_url = "{base_url}/v1"
-env_key = "PREFIX_CACHE_API_KEY"
+env_key = "SIDECAR_API_KEY"
 wire_api = "responses"
 """)
     return (["codex", "exec", "--json", "--skip-git-repo-check"],
-            {"PREFIX_CACHE_API_KEY": API_KEY, "CODEX_HOME": str(home / ".codex")})
+            {"SIDECAR_API_KEY": API_KEY, "CODEX_HOME": str(home / ".codex")})
 
 
 def opencode_setup(home: Path, base_url: str, model: str) -> tuple[list[str], dict[str, str]]:
