@@ -70,8 +70,9 @@ def run(words: int, repeats: int, log: Any) -> dict[str, Any]:
     from mlx_lm import load
 
     from engine_adapter.gemma_model import gemma_model_dir
-    from engine_adapter.mlx_engine import MLXEngine, kv_file
-    from engine_adapter.mlx_engine.kv_disk import DiskKVStore
+    from engine_adapter.mlx_engine import MLXEngine
+    from engine_adapter.mlx_engine.kv import file as kv_file
+    from engine_adapter.mlx_engine.kv.disk import DiskKVStore
 
     model, tok = load(str(gemma_model_dir()))[:2]
     fingerprints = {"target": kv_file.model_fingerprint(model)}

@@ -31,7 +31,7 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_adapter.mlx_engine.kv_fingerprint import (  # noqa: E402
+from engine_adapter.mlx_engine.kv.fingerprint import (  # noqa: E402
     CHUNK_BYTES,
     folder_fingerprint,
     weight_files,

@@ -34,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine_adapter.mlx_engine.kv_store import KVSnapshotStore  # noqa: E402
+from engine_adapter.mlx_engine.kv.store import KVSnapshotStore  # noqa: E402
 from prefix_cache.cache.boundary import packed_prefix_len  # noqa: E402
 from prefix_cache.util.token_ids import pack_ids  # noqa: E402
 

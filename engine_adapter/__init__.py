@@ -33,7 +33,7 @@ _LAZY = {
     "MLXEngine": "engine_adapter.mlx_engine",
     "GenerationRequest": "engine_adapter.mlx_engine",
     "SpecPrefillConfig": "engine_adapter.mlx_engine",
-    "KVSnapshotStore": "engine_adapter.mlx_engine.kv_store",
+    "KVSnapshotStore": "engine_adapter.mlx_engine.kv.store",
     "SpecPrefillBoundary": "engine_adapter.plugin",
 }
 

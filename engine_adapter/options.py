@@ -108,7 +108,7 @@ class EngineOptions(BaseModel):
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of ``MLXEngine`` (and so ``MLXEngine.load``); imports mlx."""
         from .mlx_engine import SpecPrefillConfig
-        from .mlx_engine.kv_store import KVSnapshotStore
+        from .mlx_engine.kv.store import KVSnapshotStore
 
         kwargs: dict[str, Any] = {
             "reuse_static_kv": self.kv_bytes > 0,

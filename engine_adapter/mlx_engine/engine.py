@@ -39,13 +39,13 @@ from ..defaults import (
     DEFAULT_PREFILL_STEP,
     DEFAULT_STEP_TOKENS,
 )
-from . import kv_cache
+from .kv import cache as kv_cache
 from .budget import StepBudget
 from .delivery import async_events, blocking_events
 from .draft_layers import reused_layers
-from .kv_disk_setup import DiskKVStore, open_kv_disk
-from .kv_store import KVSnapshotStore
-from .kv_tiered import tiered
+from .kv.disk_setup import DiskKVStore, open_kv_disk
+from .kv.store import KVSnapshotStore
+from .kv.tiered import tiered
 from .model_info import BatchGenerator, context_length, vocab_size
 from .prefill import ChunkedPrefill, insert_sequence, new_batch_generator
 from .request import (
@@ -61,9 +61,9 @@ from .request import (
 from .reuse import ConversationHit, KVReuse, ReusePlan
 from .sampling import request_sampler
 from .sequence import Deliver, EngineSequence
-from .sparse import SparseJob, SparsePrefill, sparse_capable, specprefill_steps
+from .specprefill_jobs import SparseJob, SparsePrefill, sparse_capable, specprefill_steps
 from .specprefill import SpecPrefillConfig
-from .streams import releasing_streams
+from .mlx_streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 

@@ -17,8 +17,8 @@ import logging
 from dataclasses import replace
 from typing import Any, Protocol
 
-from . import kv_cache
-from .kv_store import KVSnapshotStore
+from .kv import cache as kv_cache
+from .kv.store import KVSnapshotStore
 from .request import GenerationRequest
 
 

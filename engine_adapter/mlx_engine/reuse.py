@@ -21,9 +21,9 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from . import kv_cache
-from .kv_cache import KVSnapshot
-from .kv_store import Key, KVSnapshotStore, prefix_key
+from .kv import cache as kv_cache
+from .kv.cache import KVSnapshot
+from .kv.store import Key, KVSnapshotStore, prefix_key
 from .prefill import dense_prefill_steps
 from .reply import reply_tokens, store_reply
 from .request import GenerationRequest

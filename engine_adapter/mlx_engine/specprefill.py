@@ -26,7 +26,7 @@ from ..defaults import (
     DEFAULT_SPECPREFILL_THRESHOLD,
     DEFAULT_TAIL_TOKENS,
 )
-from .kv_cache import cache_size
+from .kv.cache import cache_size
 from .prefill import dense_prefill_steps, next_logits, run_steps
 from .rope import attention_modules, captured_queries
 

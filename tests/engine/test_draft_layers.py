@@ -12,7 +12,8 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig, kv_cache  # noqa: E402
+from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig  # noqa: E402
+from engine_adapter.mlx_engine.kv import cache as kv_cache  # noqa: E402
 from engine_adapter.mlx_engine.draft_layers import shared_layers  # noqa: E402
 from engine_adapter.mlx_engine.specprefill import score_tokens, select_chunks  # noqa: E402
 from engine_adapter.testing.reference import dense_logprobs, masked_logprobs  # noqa: E402
@@ -101,7 +102,7 @@ def test_sparse_it_equals_the_reference_with_dense_low_layers(engine_models_dir:
 def test_its_sparse_history_serves_only_its_own_kind(engine_models_dir: Any, qwen3: Any) -> None:
     """Sparse snapshots are tagged apart (their low layers hold other KV): the next turn of a
     layered engine restores them; a plain engine sharing the store does not."""
-    from engine_adapter.mlx_engine.kv_store import KVSnapshotStore
+    from engine_adapter.mlx_engine.kv.store import KVSnapshotStore
     from engine_adapter.mlx_engine.reuse import TARGET_ID
 
     model = load_tiny(engine_models_dir, "qwen3")

@@ -17,10 +17,10 @@ pytest.importorskip("mlx_lm")
 from engine_adapter.mlx_engine import (  # noqa: E402
     GenerationRequest,
     MLXEngine,
-    kv_cache,  # noqa: E402
 )
+from engine_adapter.mlx_engine.kv import cache as kv_cache  # noqa: E402
 from engine_adapter.mlx_engine.engine import UNSUPPORTED_LAYERS  # noqa: E402
-from engine_adapter.mlx_engine.layered import supports_layered_cache  # noqa: E402
+from engine_adapter.mlx_engine.kv.layered import supports_layered_cache  # noqa: E402
 from engine_adapter.mlx_engine.model_info import context_length, vocab_size  # noqa: E402
 from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig  # noqa: E402
 from engine_adapter.testing.tiny_model import FAMILIES, TINY_WINDOW  # noqa: E402

@@ -21,8 +21,9 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_adapter.mlx_engine import MLXEngine, kv_file  # noqa: E402
-from engine_adapter.mlx_engine.kv_disk import DiskKVStore  # noqa: E402
+from engine_adapter.mlx_engine import MLXEngine  # noqa: E402
+from engine_adapter.mlx_engine.kv import file as kv_file  # noqa: E402
+from engine_adapter.mlx_engine.kv.disk import DiskKVStore  # noqa: E402
 from engine_adapter.testing.reference import dense_logprobs  # noqa: E402
 from tests.support.engine_fixtures import GIB, assert_close, run  # noqa: E402
 from tests.support.paths import REPO, openblas  # noqa: E402

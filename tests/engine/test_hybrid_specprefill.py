@@ -97,7 +97,7 @@ def test_a_sparse_cache_decodes_at_the_full_prompt_length(arch, engine_models_di
     their own positions: full-attention rows rotated ahead, windows as dense ones."""
     import random
 
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
     from engine_adapter.mlx_engine.prefill import PositionPlan, run_steps, sparse_prefill_steps
     from engine_adapter.mlx_engine.rope import mapped_positions
 

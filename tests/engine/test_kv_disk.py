@@ -22,9 +22,10 @@ mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from engine_adapter.backend import MLXBackend  # noqa: E402
-from engine_adapter.mlx_engine import MLXEngine, kv_file  # noqa: E402
-from engine_adapter.mlx_engine.kv_disk_setup import kv_disk_folder  # noqa: E402
-from engine_adapter.mlx_engine.kv_fingerprint import folder_fingerprint  # noqa: E402
+from engine_adapter.mlx_engine import MLXEngine  # noqa: E402
+from engine_adapter.mlx_engine.kv import file as kv_file  # noqa: E402
+from engine_adapter.mlx_engine.kv.disk_setup import kv_disk_folder  # noqa: E402
+from engine_adapter.mlx_engine.kv.fingerprint import folder_fingerprint  # noqa: E402
 from engine_adapter.options import EngineOptions  # noqa: E402
 from prefix_cache.engine.protocol import BackendRequest, SamplingParams  # noqa: E402
 from tests.support.engine_fixtures import (  # noqa: E402  # noqa: E402
@@ -70,7 +71,7 @@ def test_after_a_restart_the_kv_comes_from_disk_and_matches_dense(engines, disks
 
 
 def test_a_sparse_snapshot_keeps_its_positions_on_disk(disks, target):
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 10, "Hi.")
@@ -94,7 +95,7 @@ def test_a_sparse_snapshot_keeps_its_positions_on_disk(disks, target):
 
 
 def test_a_full_write_queue_drops_and_never_blocks(disks, target, monkeypatch):
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 5, "Hi.")
@@ -142,7 +143,7 @@ with MLXEngine.load(folder, kv_disk_dir=kv_dir, kv_disk_bytes=1 << 30,
                                                    specprefill_system_end=end)))[0]
     print(json.dumps({"reused": first.prefill.reused_tokens,
                       "disk_hits": engine.snapshot_stats().kv_disk.hits}), flush=True)
-# The interpreter then exits as any server's does (mlx_engine.streams releases the engine's and
+# The interpreter then exits as any server's does (mlx_engine.mlx_streams releases the engine's and
 # the disk writer's mlx streams on their threads, the main thread's at exit).
 """
 
@@ -291,7 +292,7 @@ def test_load_fingerprints_the_weights_not_the_folder_name(tmp_path, engine_mode
 
 
 def test_folders_are_private_and_an_unknown_model_is_not_written(disks, target, tmp_path):
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 5, "Hi.")
@@ -346,7 +347,7 @@ def test_layered_snapshots_come_back_from_disk_after_a_restart(arch, engines, di
 
 
 def test_files_another_process_wrote_are_indexed_within_the_bound(disks, target, tmp_path):
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     model, tok = target
     ids, _ = turn(tok, 5, "Hi.")

@@ -24,8 +24,8 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_adapter.mlx_engine import kv_cache, kv_file  # noqa: E402
-from engine_adapter.mlx_engine.kv_folder import KVFolderError, TierFolder  # noqa: E402
+from engine_adapter.mlx_engine.kv import cache as kv_cache, file as kv_file  # noqa: E402
+from engine_adapter.mlx_engine.kv.folder import KVFolderError, TierFolder  # noqa: E402
 from engine_adapter.mlx_engine.specprefill import SpecPrefillConfig  # noqa: E402
 from prefix_cache.util.token_ids import pack_ids  # noqa: E402
 from tests.support.engine_fixtures import (  # noqa: E402  # noqa: E402
@@ -386,7 +386,7 @@ def test_weights_changed_while_the_engine_starts_turn_the_tier_off(tiny_model_di
     """The tier is opened (the weights fingerprinted) before mlx-lm loads them; a weight file
     written in between could be loaded yet carry the old fingerprint, so the first use checks
     that none was, and the tier stays off for that process if one was."""
-    from engine_adapter.mlx_engine.kv_disk_setup import open_kv_disk
+    from engine_adapter.mlx_engine.kv.disk_setup import open_kv_disk
 
     model, tok = target
     model_dir = tmp_path / "model"
@@ -406,7 +406,7 @@ def test_weights_changed_while_the_engine_starts_turn_the_tier_off(tiny_model_di
 
 def test_the_fingerprint_reads_every_byte_and_remembers_unchanged_files(tiny_model_dir,
                                                                        tmp_path):
-    from engine_adapter.mlx_engine import kv_fingerprint
+    from engine_adapter.mlx_engine.kv import fingerprint as kv_fingerprint
 
     model_dir = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model_dir)
@@ -520,8 +520,8 @@ def test_a_full_disk_evicts_to_make_room_and_writing_resumes(engines, disks, tar
 _KILLED_WRITER = """
 import sys, time
 import mlx.core as mx
-from engine_adapter.mlx_engine.kv_cache import KVSnapshot
-from engine_adapter.mlx_engine.kv_disk import DiskKVStore
+from engine_adapter.mlx_engine.kv.cache import KVSnapshot
+from engine_adapter.mlx_engine.kv.disk import DiskKVStore
 
 def half_then_hang(fh, arrays, metadata):   # the process is killed in the middle of a file
     fh.write(b"\\0" * 4096)
@@ -615,7 +615,7 @@ def test_the_file_being_written_counts_in_the_tiers_bytes(disks, target, monkeyp
 def test_no_tier_for_a_model_that_is_not_a_local_folder(tmp_path):
     """No weights here to fingerprint (a missing folder, a hub name): no KV trusted on disk,
     and no folder made for it."""
-    from engine_adapter.mlx_engine.kv_disk_setup import open_kv_disk
+    from engine_adapter.mlx_engine.kv.disk_setup import open_kv_disk
 
     assert open_kv_disk(tmp_path / "missing", None, tmp_path / "kv", GIB) is None
     assert open_kv_disk("mlx-community/some-model", None, tmp_path / "kv", GIB) is None

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 pytest.importorskip("mlx.core")
 
-from engine_adapter.mlx_engine.kv_store import KVSnapshotStore, PrefixIndex  # noqa: E402
+from engine_adapter.mlx_engine.kv.store import KVSnapshotStore, PrefixIndex  # noqa: E402
 from prefix_cache.cache.boundary import packed_prefix_len  # noqa: E402
 from prefix_cache.util.token_ids import pack_ids  # noqa: E402
 
@@ -103,7 +103,7 @@ lru_op_st = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(lru_op_st, max_size=60))
 def test_the_indexed_lru_answers_as_a_scan_whatever_it_drops(ops):
-    from engine_adapter.mlx_engine.kv_store import PrefixLRU
+    from engine_adapter.mlx_engine.kv.store import PrefixLRU
 
     lru: PrefixLRU[tuple[str, bytes], bytes] = PrefixLRU(100, lambda k: k[0], lambda v: v)
     for op in ops:

@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("mlx.core")
 
-from engine_adapter.mlx_engine.kv_store import KVSnapshotStore, prefix_key  # noqa: E402
+from engine_adapter.mlx_engine.kv.store import KVSnapshotStore, prefix_key  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def test_supersede_drops_the_entries_a_new_one_extends_and_nothing_else():
 def test_restore_of_a_shorter_prefix_and_views_for_the_batch():
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     c = kv_cache.PositionedKVCache()
     k = mx.arange(2 * 5 * 4, dtype=mx.float32).reshape(1, 2, 5, 4)
@@ -157,7 +157,7 @@ def test_restore_of_a_shorter_prefix_and_views_for_the_batch():
 def test_a_sparse_snapshot_restores_the_stored_tokens_of_a_prefix_rotated_past_the_dropped():
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     c = kv_cache.PositionedKVCache()
     k = mx.arange(2 * 4 * 4, dtype=mx.float32).reshape(1, 2, 4, 4)
@@ -188,7 +188,7 @@ def test_bad_size_is_refused(bad):
 def test_restore_is_a_deep_copy_that_writes_never_reach_the_snapshot():
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     c = kv_cache.PositionedKVCache()
     k = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4)

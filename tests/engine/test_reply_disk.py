@@ -16,8 +16,9 @@ import pytest
 mx = pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
-from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig, kv_file  # noqa: E402
-from engine_adapter.mlx_engine.kv_folder import TierFolder  # noqa: E402
+from engine_adapter.mlx_engine import MLXEngine, SpecPrefillConfig  # noqa: E402
+from engine_adapter.mlx_engine.kv import file as kv_file  # noqa: E402
+from engine_adapter.mlx_engine.kv.folder import TierFolder  # noqa: E402
 from engine_adapter.testing.reference import masked_logprobs  # noqa: E402
 from engine_adapter.testing.tiny_model import FAMILIES  # noqa: E402
 from tests.engine.test_kv_disk_faults import rel_of, rewrite  # noqa: E402

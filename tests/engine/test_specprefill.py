@@ -16,9 +16,9 @@ from engine_adapter.mlx_engine import (  # noqa: E402
     GenerationRequest,
     MLXEngine,
     SpecPrefillConfig,
-    kv_cache,  # noqa: E402
 )
-from engine_adapter.mlx_engine import sparse as sparse_module  # noqa: E402
+from engine_adapter.mlx_engine.kv import cache as kv_cache  # noqa: E402
+from engine_adapter.mlx_engine import specprefill_jobs as sparse_module  # noqa: E402
 from engine_adapter.mlx_engine.rope import (  # noqa: E402
     PositionPlan,
     captured_queries,

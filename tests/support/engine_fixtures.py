@@ -127,7 +127,7 @@ KV_SUFFIX = ".safetensors"
 
 @pytest.fixture
 def fingerprints(target: tuple[Any, Any]) -> dict[str, str]:
-    from engine_adapter.mlx_engine import kv_file
+    from engine_adapter.mlx_engine.kv import file as kv_file
 
     return {"target": kv_file.model_fingerprint(target[0])}
 
@@ -136,7 +136,7 @@ def fingerprints(target: tuple[Any, Any]) -> dict[str, str]:
 def disks(tmp_path: Path, fingerprints: dict[str, str]) -> Iterator[Any]:
     """``open(max_bytes=1 GiB, root=tmp_path / "kv", **kw)``: a DiskKVStore (a new one each
     call stands for a restarted process); every store made is closed at teardown."""
-    from engine_adapter.mlx_engine.kv_disk import DiskKVStore
+    from engine_adapter.mlx_engine.kv.disk import DiskKVStore
 
     made: list[Any] = []
 
@@ -167,7 +167,7 @@ def snapshot_of(model: Any, ids: list[int]) -> Any:
     """A dense KV snapshot of ``ids`` on ``model``."""
     import mlx.core as mx
 
-    from engine_adapter.mlx_engine import kv_cache
+    from engine_adapter.mlx_engine.kv import cache as kv_cache
 
     cache = kv_cache.make_cache(model)
     model(mx.array([ids]), cache=cache)

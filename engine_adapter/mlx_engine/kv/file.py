@@ -28,8 +28,8 @@ import xxhash
 
 from prefix_cache.util.token_ids import pack_ids, unpack_ids
 
-from .kv_cache import KVSnapshot
-from .kv_folder import TierFolder
+from .cache import KVSnapshot
+from .folder import TierFolder
 from .layered import LayeredSnapshot, layers_from_arrays, layers_to_arrays
 
 FORMAT = "prefix-cache-kv"

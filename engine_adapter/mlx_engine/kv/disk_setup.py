@@ -8,9 +8,9 @@ from pathlib import Path
 
 import xxhash
 
-from .kv_disk import DiskKVStore
-from .kv_fingerprint import MEMO_NAME, folder_fingerprint, weight_stats
-from .kv_folder import check_root
+from .disk import DiskKVStore
+from .fingerprint import MEMO_NAME, folder_fingerprint, weight_stats
+from .folder import check_root
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 

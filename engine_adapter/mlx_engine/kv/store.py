@@ -30,8 +30,8 @@ from prefix_cache.engine.protocol import KVStoreCounts, KVStoreStats, counted
 from prefix_cache.util.lru import ByteLRU
 from prefix_cache.util.token_ids import pack_ids
 
-from ..defaults import DEFAULT_KV_BYTES
-from ..purge_marks import PurgeMarks
+from ...defaults import DEFAULT_KV_BYTES
+from ...purge_marks import PurgeMarks
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from .kv_file import SUFFIX
+from .file import SUFFIX
 
 DiskKey = tuple[str, str, str, bytes]   # tier, namespace, model id, xxh3_128(packed ids)
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .kv_disk import DiskKVStore
-from .kv_store import KVSnapshotStore, Snapshot
-from ..purge_marks import stamp
+from .disk import DiskKVStore
+from .store import KVSnapshotStore, Snapshot
+from ...purge_marks import stamp
 
 
 class TieredKVStore(KVSnapshotStore):

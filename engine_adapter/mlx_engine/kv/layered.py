@@ -176,7 +176,7 @@ def restore_layers(snap: LayeredSnapshot, n_tokens: int | None = None, *,
     return [_restored(layer, snap.n_tokens, copy) for layer in snap.layers]
 
 
-# -- as named arrays and a description per layer (a KV file on the disk tier, kv_file.py) --------
+# -- as named arrays and a description per layer (a KV file on the disk tier, file.py) --------
 
 def layers_to_arrays(snap: LayeredSnapshot) -> tuple[dict[str, mx.array], list[dict[str, Any]]]:
     """The snapshot's arrays by name (``k.<i>``/``v.<i>``: full and window layers,

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from . import kv_cache
+from .kv import cache as kv_cache
 from .draft_layers import layered_sparse_prefill_steps
-from .layered import max_window
+from .kv.layered import max_window
 from .model_info import vocab_size
 from .prefill import sparse_prefill_steps
 from .reuse import DRAFT_ID, TARGET_ID, ConversationHit, KVReuse

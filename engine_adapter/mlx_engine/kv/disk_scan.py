@@ -16,9 +16,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from . import kv_file
-from .kv_file import KVFileError, KVFileHeader
-from .kv_folder import TierFolder, pid_alive, temp_writer_pid
+from . import file as kv_file
+from .file import KVFileError, KVFileHeader
+from .folder import TierFolder, pid_alive, temp_writer_pid
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 

@@ -44,17 +44,17 @@ from typing import Any
 from prefix_cache.engine.protocol import DiskKVCounts, DiskKVStats, counted
 from prefix_cache.util.token_ids import pack_ids, unpack_ids
 
-from ..defaults import DEFAULT_KV_DISK_QUEUE
-from . import kv_file
-from .kv_cache import KVSnapshot
-from .kv_disk_keys import DiskEntry, DiskKey, disk_key, disk_rel, namespace_dir
-from .kv_disk_scan import remove_dead_temps, scan_folder
-from .kv_file import KVFileError
-from .kv_folder import TierFolder
-from .kv_store import PrefixLRU
+from ...defaults import DEFAULT_KV_DISK_QUEUE
+from . import file as kv_file
+from .cache import KVSnapshot
+from .disk_keys import DiskEntry, DiskKey, disk_key, disk_rel, namespace_dir
+from .disk_scan import remove_dead_temps, scan_folder
+from .file import KVFileError
+from .folder import TierFolder
+from .store import PrefixLRU
 from .layered import LayeredSnapshot
-from ..purge_marks import PurgeMarks, stamp
-from .streams import releasing_streams
+from ...purge_marks import PurgeMarks, stamp
+from ..mlx_streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
 
