@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .tiny_model import tiny_model_folder
+from .two_probe import exact
 
 TOOL_COUNTS = (0, 1, 4, 16, 64)
 SYSTEM = "You are a careful coding agent. Answer briefly and cite files you read."
@@ -42,35 +43,13 @@ def make_tools(n: int) -> list[dict[str, Any]]:
             "recursive": {"type": "boolean"}}, "required": ["path"]}}} for i in range(n)]
 
 
-def cpl(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def truth(render: Any, encode: Any, messages: list[dict[str, Any]], tools: Any,
           ct: dict[str, Any] | None) -> int:
     """The contract over oMLX's own render and ids: the two-probe boundary, capped at the
     first non-static message's text."""
-    static = []
-    for m in messages:
-        if m["role"] not in ("system", "developer"):
-            break
-        static.append(m)
-    if not static or len(static) == len(messages):
-        return 0
     def ids(msgs: list[dict[str, Any]]) -> list[int]:
         return list(encode(render([dict(m) for m in msgs], tools, chat_template_kwargs=ct)))
-    prompt = ids(messages)
-    a = ids(static + [{"role": "user", "content": "Hi"}])
-    b = ids(static + [{"role": "user", "content": "Tell me a joke."}])
-    first = messages[len(static)]
-    other = "Tell me a joke." if str(first.get("content", "")).startswith("H") else "Hi"
-    replaced = [*static, {**first, "content": other}, *messages[len(static) + 1:]]
-    return min(cpl(prompt, a[:cpl(a, b)]), cpl(prompt, ids(replaced)))
+    return exact(ids, messages)
 
 
 def cases() -> list[dict[str, Any]]:

@@ -1,4 +1,5 @@
-"""Independent references the cache is checked against, written apart from prefix_cache.
+"""Independent references the cache is checked against, written apart from prefix_cache, over a
+tokenizer's own ``apply_chat_template`` (the definition itself: engine_adapter/testing/two_probe.py).
 
 Nothing here imports prefix_cache: the point is to recompute the answer another way.
 """
@@ -7,22 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-STATIC = ("system", "developer")
+from engine_adapter.testing import two_probe as reference
+from engine_adapter.testing.two_probe import STATIC, cpl, leading_static
+
 UNRELATED_TEXTS = (
     "Hi",
     "Tell me a joke.",
     "What is the capital of France?",
     "¿Dónde está la biblioteca?",
 )
-
-
-def cpl(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def render(tok: Any, messages: list[dict], tools: list | None, kwargs: dict | None,
@@ -45,13 +39,9 @@ def render(tok: Any, messages: list[dict], tools: list | None, kwargs: dict | No
         return call([])
 
 
-def leading_static(messages: list[dict]) -> list[dict]:
-    out = []
-    for m in messages:
-        if m["role"] not in STATIC:
-            break
-        out.append(m)
-    return out
+def _ids_of(tok: Any, tools: list | None, kwargs: dict | None, template: str | None,
+            options: dict | None) -> Any:
+    return lambda messages: render(tok, messages, tools, kwargs, template, options=options)
 
 
 def two_probe(tok: Any, messages: list[dict], tools: list | None = None,
@@ -59,42 +49,23 @@ def two_probe(tok: Any, messages: list[dict], tools: list | None = None,
               options: dict | None = None) -> int:
     """The reference algorithm of ARCHITECTURE.md, straight from its definition (the probes
     always with the generation prompt; the prompt as the request renders it)."""
-    static = leading_static(messages)
-    if not static or len(static) == len(messages):
-        return 0
-    prompt = render(tok, messages, tools, kwargs, template, options=options)
-    a = render(tok, static + [{"role": "user", "content": "Hi"}], tools, kwargs, template)
-    b = render(tok, static + [{"role": "user", "content": "Tell me a joke."}], tools, kwargs, template)
-    return cpl(prompt, a[: cpl(a, b)])
+    return reference.two_probe(_ids_of(tok, tools, kwargs, template, options), messages,
+                               _ids_of(tok, tools, kwargs, template, None))
 
 
 def first_text_start(tok: Any, messages: list[dict], tools: list | None = None,
                      kwargs: dict | None = None, template: str | None = None,
                      options: dict | None = None) -> int:
-    """Token index where the first non-static message's content starts in the rendered prompt:
-    where the prompt leaves a render of the same conversation with that content replaced by a
-    text whose first character differs."""
-    n = len(leading_static(messages))
-    first = messages[n]
-    content = first.get("content")
-    lead = content if isinstance(content, str) else ""
-    if isinstance(content, list) and content and isinstance(content[0].get("text"), str):
-        lead = content[0]["text"]
-    other = "Tell me a joke." if lead.startswith("H") else "Hi"
-    replaced = [*messages[:n], {**first, "content": other}, *messages[n + 1:]]
-    return cpl(render(tok, messages, tools, kwargs, template, options=options),
-               render(tok, replaced, tools, kwargs, template, options=options))
+    """Token index where the first non-static message's content starts in the rendered prompt."""
+    return reference.first_text_start(_ids_of(tok, tools, kwargs, template, options), messages)
 
 
 def exact(tok: Any, messages: list[dict], tools: list | None = None,
           kwargs: dict | None = None, template: str | None = None,
           options: dict | None = None) -> int:
     """The contract: the two-probe answer, never past the first non-static message's text."""
-    static = leading_static(messages)
-    if not static or len(static) == len(messages):
-        return 0
-    return min(two_probe(tok, messages, tools, kwargs, template, options),
-               first_text_start(tok, messages, tools, kwargs, template, options))
+    return reference.exact(_ids_of(tok, tools, kwargs, template, options), messages,
+                           _ids_of(tok, tools, kwargs, template, None))
 
 
 def multi_probe(tok: Any, messages: list[dict], tools: list | None = None,
