@@ -23,7 +23,6 @@ mlx-lm parses the model's calls, and a grammar can write them.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -34,6 +33,7 @@ from pathlib import Path
 # STAMP_FILE: named here too, for the tests that read a folder's stamp
 from prefix_cache.model_folders.file_lock import STAMP_FILE, stamped_folder  # noqa: F401
 
+from .folder_cli import converted_model_main
 from .gguf import fetch
 from .gguf.fetch import GGUF_DISTRIBUTION, GGUF_FILE, GGUF_VERSION
 
@@ -128,16 +128,7 @@ def _declare_tool_format(config_file: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_adapter.demo_model",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, help="only the first N layers (a draft)")
-    args = parser.parse_args(argv)
-    try:
-        print(demo_chat_model_dir(layers=args.layers))
-    except ValueError as exc:
-        print(f"demo_model: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return converted_model_main("engine_adapter.demo_model", __doc__ or "", lambda layers: demo_chat_model_dir(layers=layers), argv)
 
 
 if __name__ == "__main__":

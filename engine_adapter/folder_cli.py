@@ -1,5 +1,5 @@
-"""What the commands that write a model folder share (``gguf.convert``, ``testing.tiny_model``):
-their parser's common part, and their end: the folder's path printed (exit 0), or what was
+"""What the commands that write a model folder share (``gguf.convert``, ``testing.tiny_model``,
+``demo_model``, ``gemma_model``): their parser's common part, and their end: the folder's path printed (exit 0), or what was
 wrong with the input (exit 2)."""
 
 from __future__ import annotations
@@ -34,3 +34,13 @@ def print_folder(prog: str, make: Callable[[], Path],
         return 2
     print(folder)
     return 0
+
+
+def converted_model_main(module: str, doc: str, make: Callable[[int | None], Path],
+                         argv: list[str] | None = None) -> int:
+    """``python -m <module> [--layers N]`` for a model converted on demand (the demo chat model,
+    Gemma 3 270M): the folder ``make(layers)`` returns, printed."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.splitlines()[0])
+    parser.add_argument("--layers", type=int, help="only the first N layers (a draft)")
+    args = parser.parse_args(argv)
+    return print_folder(module.rpartition(".")[2], lambda: make(args.layers), errors=(ValueError,))

@@ -21,7 +21,6 @@ dense prefill is what is measured, not the answers' quality. Its chat template i
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import logging
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from prefix_cache.model_folders.file_lock import file_lock, stamped_folder
 
+from .folder_cli import converted_model_main
 from .gguf import fetch
 
 GEMMA_NAME = "gemma-3-270m"
@@ -191,17 +191,8 @@ def full_attention_draft(config_file: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engine_adapter.gemma_model",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, help="only the first N layers (a draft)")
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    try:
-        print(gemma_model_dir(layers=args.layers))
-    except ValueError as exc:
-        print(f"gemma_model: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return converted_model_main("engine_adapter.gemma_model", __doc__ or "", lambda layers: gemma_model_dir(layers=layers), argv)
 
 
 if __name__ == "__main__":
