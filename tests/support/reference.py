@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_adapter.testing import two_probe as reference
-from engine_adapter.testing.two_probe import STATIC, cpl, leading_static
+from engine_adapter.testing.two_probe import cpl, leading_static
 
 UNRELATED_TEXTS = (
     "Hi",
