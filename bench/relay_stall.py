@@ -163,7 +163,8 @@ CLIENTS: dict[str, Callable[..., httpx.AsyncClient]] = {
 
 @contextmanager
 def sidecar(upstream: str, client: str) -> Iterator[str]:
-    """A sidecar (the demo model) in front of ``upstream``, its upstream client ``CLIENTS[client]``."""
+    """A sidecar (the demo model) in front of ``upstream``; its upstream client made by
+    ``CLIENTS[client]``."""
     folder = demo_model_dir()
     app_module.upstream_client = CLIENTS[client]  # read by the app's lifespan, at start
     try:
@@ -176,7 +177,7 @@ def sidecar(upstream: str, client: str) -> Iterator[str]:
 
 
 SERVERS: dict[str, Callable[..., Any]] = {
-    "http.server": lambda: stdlib_upstream(), "uvicorn": lambda: on_uvicorn(asgi_upstream),
+    "http.server": stdlib_upstream, "uvicorn": lambda: on_uvicorn(asgi_upstream),
     "sidecar": sidecar, "bare relay": lambda upstream: on_uvicorn(bare_relay(upstream))}
 
 
@@ -184,6 +185,28 @@ def _serve(conn: Any, name: str, args: tuple[Any, ...]) -> None:
     with SERVERS[name](*args) as url:
         conn.send(url)
         conn.recv()  # until told to stop
+
+
+PIDS: dict[str, int] = {}  # a server apart's URL -> its process
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_hit(url: str, path: str, upstream: str, count: int) -> tuple[float, float]:
+    """The CPU time one relayed hit costs the server at ``url`` and the upstream (each in its
+    own process), over ``count`` hits in a row: what the load inflates least."""
+    hit, headers = body(SYSTEM_PROMPT * 10), {"content-type": "application/json"}
+    with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+        client.post(path, content=hit, headers=headers).raise_for_status()
+        ours, theirs = cpu_seconds(PIDS[url]), cpu_seconds(PIDS[upstream])
+        for _ in range(count):
+            client.post(path, content=hit, headers=headers).raise_for_status()
+        return ((cpu_seconds(PIDS[url]) - ours) / count,
+                (cpu_seconds(PIDS[upstream]) - theirs) / count)
 
 
 @contextmanager
@@ -200,7 +223,9 @@ def server(name: str, *args: Any, apart: bool = False) -> Iterator[str]:
     try:
         if not here.poll(120):
             raise RuntimeError(f"{name} did not start")
-        yield here.recv()
+        url = here.recv()
+        PIDS[url] = process.pid
+        yield url
     finally:
         here.send(None)
         process.join(15)
@@ -307,6 +332,8 @@ def main() -> None:
           f"bytes; {args.rounds} rounds; servers "
           f"{'each in its own process' if apart else 'all in this process'}\n")
     kinds = ("http.server", "uvicorn")
+    cpu: dict[str, dict[str, tuple[float, float]]] = {}
+    in_a_row = max(500, 3 * args.rounds)  # clock ticks are 10 ms: enough requests to read them
     print("The upstream leg alone (the sidecar's client to the upstream, kept alive):\n")
     print("| upstream | client | median |")
     print("|---|---|---|")
@@ -326,11 +353,23 @@ def main() -> None:
                 server("bare relay", upstream, apart=apart) as floor:
             samples = measure(upstream, {before_name: before, now_name: now}, args.rounds,
                               floor)
+            if apart:
+                cpu[kind] = {"sidecar, a hit": cpu_per_hit(now, "/v1/chat/completions", upstream,
+                                                          in_a_row),
+                             "bare relay": cpu_per_hit(floor, "/", upstream, in_a_row)}
         base = statistics.median(samples["direct (fresh connection)"])
         for name, values in samples.items():
             median = statistics.median(values)
             added = "" if name.startswith("direct") else f"{(median - base) * 1e3:+.2f} ms"
             print(f"| {kind} | {name} | {median * 1e3:.2f} ms | {added} |")
+    if cpu:
+        print(f"\nCPU time per relayed request ({in_a_row} in a row; the sidecar's "
+              "upstream client NODELAY + QUICKACK):\n")
+        print("| upstream | relay | relay's process | upstream's process |")
+        print("|---|---|---|---|")
+        for kind, rows in cpu.items():
+            for name, (ours, theirs) in rows.items():
+                print(f"| {kind} | {name} | {ours * 1e3:.2f} ms | {theirs * 1e3:.2f} ms |")
     print(f"\nload after: {os.getloadavg()[0]:.2f}")
 
 
