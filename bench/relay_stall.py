@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import http.client
 import json
+import multiprocessing
 import os
 import random
 import socket
@@ -119,17 +120,53 @@ def stdlib_upstream() -> Iterator[str]:
         server.shutdown()
 
 
+def bare_relay(upstream: str) -> Callable[..., Any]:
+    """The floor: an ASGI app that posts the body on with the sidecar's upstream client and
+    answers with the upstream's bytes (no auth, parse, cache or metrics)."""
+    clients: list[httpx.AsyncClient] = []
+
+    async def app(scope: dict[str, Any], receive: Callable[..., Any],
+                  send: Callable[..., Any]) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] == "lifespan.startup":
+                clients.append(upstream_client_module.upstream_client(
+                    httpx.Timeout(60), httpx.Limits(max_connections=10)))
+                await send({"type": "lifespan.startup.complete"})
+            await clients[0].aclose()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        answer = await clients[0].post(upstream + "/v1/chat/completions",
+                                       content=b"".join(chunks),
+                                       headers={"content-type": "application/json"})
+        await send({"type": "http.response.start", "status": answer.status_code,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": answer.content})
+
+    return app
+
+
 def httpx_defaults(timeout: httpx.Timeout, limits: httpx.Limits,
                    quickack: bool = True) -> httpx.AsyncClient:
     """The sidecar's upstream client before: httpx's defaults (no socket options)."""
     return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
 
 
+CLIENTS: dict[str, Callable[..., httpx.AsyncClient]] = {
+    "httpx defaults (before)": httpx_defaults,
+    "NODELAY + QUICKACK (now)": upstream_client_module.upstream_client}
+
+
 @contextmanager
-def sidecar(upstream: str, folder: Path, client: Callable[..., httpx.AsyncClient],
-            ) -> Iterator[str]:
-    """A sidecar in front of ``upstream``, its upstream client made by ``client``."""
-    app_module.upstream_client = client  # read by the app's lifespan, at start
+def sidecar(upstream: str, client: str) -> Iterator[str]:
+    """A sidecar (the demo model) in front of ``upstream``; its upstream client made by
+    ``CLIENTS[client]``."""
+    folder = demo_model_dir()
+    app_module.upstream_client = CLIENTS[client]  # read by the app's lifespan, at start
     try:
         settings = ServiceSettings(model_dirs=[folder], upstream=[upstream], keys_file=None,
                                    models_file=None, redis_url=None)
@@ -137,6 +174,63 @@ def sidecar(upstream: str, folder: Path, client: Callable[..., httpx.AsyncClient
             yield url
     finally:
         app_module.upstream_client = upstream_client_module.upstream_client
+
+
+SERVERS: dict[str, Callable[..., Any]] = {
+    "http.server": stdlib_upstream, "uvicorn": lambda: on_uvicorn(asgi_upstream),
+    "sidecar": sidecar, "bare relay": lambda upstream: on_uvicorn(bare_relay(upstream))}
+
+
+def _serve(conn: Any, name: str, args: tuple[Any, ...]) -> None:
+    with SERVERS[name](*args) as url:
+        conn.send(url)
+        conn.recv()  # until told to stop
+
+
+PIDS: dict[str, int] = {}  # a server apart's URL -> its process
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's CPU time so far (user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_hit(url: str, path: str, upstream: str, count: int) -> tuple[float, float]:
+    """The CPU time one relayed hit costs the server at ``url`` and the upstream (each in its
+    own process), over ``count`` hits in a row: what the load inflates least."""
+    hit, headers = body(SYSTEM_PROMPT * 10), {"content-type": "application/json"}
+    with httpx.Client(base_url=url, trust_env=False, timeout=60) as client:
+        client.post(path, content=hit, headers=headers).raise_for_status()
+        ours, theirs = cpu_seconds(PIDS[url]), cpu_seconds(PIDS[upstream])
+        for _ in range(count):
+            client.post(path, content=hit, headers=headers).raise_for_status()
+        return ((cpu_seconds(PIDS[url]) - ours) / count,
+                (cpu_seconds(PIDS[upstream]) - theirs) / count)
+
+
+@contextmanager
+def server(name: str, *args: Any, apart: bool = False) -> Iterator[str]:
+    """``SERVERS[name]`` in this process, or (``apart``) in a process of its own."""
+    if not apart:
+        with SERVERS[name](*args) as url:
+            yield url
+        return
+    here, there = multiprocessing.get_context("spawn").Pipe()
+    process = multiprocessing.get_context("spawn").Process(
+        target=_serve, args=(there, name, args), daemon=True)
+    process.start()
+    try:
+        if not here.poll(120):
+            raise RuntimeError(f"{name} did not start")
+        url = here.recv()
+        PIDS[url] = process.pid
+        yield url
+    finally:
+        here.send(None)
+        process.join(15)
+        if process.is_alive():
+            process.terminate()
 
 
 def body(system: str) -> bytes:
@@ -156,7 +250,8 @@ def timed(call: Callable[[], httpx.Response]) -> float:
     return elapsed
 
 
-def measure(upstream: str, sidecars: dict[str, str], rounds: int) -> dict[str, list[float]]:
+def measure(upstream: str, sidecars: dict[str, str], rounds: int,
+            floor: str | None = None) -> dict[str, list[float]]:
     system = SYSTEM_PROMPT * 10
     hit = body(system)
     headers = {"content-type": "application/json"}
@@ -178,7 +273,12 @@ def measure(upstream: str, sidecars: dict[str, str], rounds: int) -> dict[str, l
             fresh.close()
 
     calls: dict[str, Callable[[], httpx.Response]] = {"direct (fresh connection)": direct}
-    for name, client in clients.items():
+    if floor is not None:
+        bare = httpx.Client(base_url=floor, trust_env=False, timeout=60)
+        clients["bare relay"] = bare
+        calls["bare relay (uvicorn + the same upstream client)"] = (
+            lambda: bare.post("/", content=hit, headers=headers))
+    for name, client in sidecars_of(clients):
         calls[f"{name}: hit"] = (lambda c=client: c.post("/v1/chat/completions", content=hit,
                                                          headers=headers))
         calls[f"{name}: miss"] = (lambda c=client: c.post(
@@ -192,6 +292,10 @@ def measure(upstream: str, sidecars: dict[str, str], rounds: int) -> dict[str, l
     for client in clients.values():
         client.close()
     return samples
+
+
+def sidecars_of(clients: dict[str, httpx.Client]) -> list[tuple[str, httpx.Client]]:
+    return [(name, client) for name, client in clients.items() if name != "bare relay"]
 
 
 def leg(upstream: str, rounds: int) -> dict[str, float]:
@@ -220,33 +324,52 @@ def leg(upstream: str, rounds: int) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=200)
+    parser.add_argument("--apart", action="store_true",
+                        help="every server in its own process (default: all in this one)")
     args = parser.parse_args()
-    folder = demo_model_dir()
+    apart = args.apart
     print(f"{machine()}; load {os.getloadavg()[0]:.2f}; body {len(body(SYSTEM_PROMPT * 10))} "
-          f"bytes; {args.rounds} rounds\n")
-    kinds = (("http.server", stdlib_upstream), ("uvicorn", lambda: on_uvicorn(asgi_upstream)))
+          f"bytes; {args.rounds} rounds; servers "
+          f"{'each in its own process' if apart else 'all in this process'}\n")
+    kinds = ("http.server", "uvicorn")
+    cpu: dict[str, dict[str, tuple[float, float]]] = {}
+    in_a_row = max(500, 3 * args.rounds)  # clock ticks are 10 ms: enough requests to read them
     print("The upstream leg alone (the sidecar's client to the upstream, kept alive):\n")
     print("| upstream | client | median |")
     print("|---|---|---|")
-    for kind, upstream_of in kinds:
-        with upstream_of() as upstream:
+    for kind in kinds:
+        with server(kind, apart=apart) as upstream:
             for name, median in leg(upstream, args.rounds).items():
                 print(f"| {kind} | {name} | {median * 1e3:.2f} ms |")
     print("\nThrough the sidecar (a hit renders and tokenizes the prompt after its static "
           "prefix; a miss also the two probes):\n")
     print("| upstream | call | median | added to direct |")
     print("|---|---|---|---|")
-    for kind, upstream_of in kinds:
-        with upstream_of() as upstream, \
-                sidecar(upstream, folder, httpx_defaults) as before, \
-                sidecar(upstream, folder, upstream_client_module.upstream_client) as now:
-            samples = measure(upstream, {"httpx defaults (before)": before,
-                                         "NODELAY + QUICKACK (now)": now}, args.rounds)
+    for kind in kinds:
+        before_name, now_name = CLIENTS
+        with server(kind, apart=apart) as upstream, \
+                server("sidecar", upstream, before_name, apart=apart) as before, \
+                server("sidecar", upstream, now_name, apart=apart) as now, \
+                server("bare relay", upstream, apart=apart) as floor:
+            samples = measure(upstream, {before_name: before, now_name: now}, args.rounds,
+                              floor)
+            if apart:
+                cpu[kind] = {"sidecar, a hit": cpu_per_hit(now, "/v1/chat/completions", upstream,
+                                                          in_a_row),
+                             "bare relay": cpu_per_hit(floor, "/", upstream, in_a_row)}
         base = statistics.median(samples["direct (fresh connection)"])
         for name, values in samples.items():
             median = statistics.median(values)
             added = "" if name.startswith("direct") else f"{(median - base) * 1e3:+.2f} ms"
             print(f"| {kind} | {name} | {median * 1e3:.2f} ms | {added} |")
+    if cpu:
+        print(f"\nCPU time per relayed request ({in_a_row} in a row; the sidecar's "
+              "upstream client NODELAY + QUICKACK):\n")
+        print("| upstream | relay | relay's process | upstream's process |")
+        print("|---|---|---|---|")
+        for kind, rows in cpu.items():
+            for name, (ours, theirs) in rows.items():
+                print(f"| {kind} | {name} | {ours * 1e3:.2f} ms | {theirs * 1e3:.2f} ms |")
     print(f"\nload after: {os.getloadavg()[0]:.2f}")
 
 
