@@ -1,9 +1,9 @@
 """The MLX engine as a ``ChatBackend``: a neutral request in, text deltas out.
 
-    BackendRequest ──> check: max_tokens filled in (the default, cut to the context left), the
-                       engine's request made and checked once (400s: ids, boundary, lengths,
-                       a grammar that cannot compile)
-                   ──> generate (the checked request): MLXEngine.agenerate token events ──> IncrementalDecoder ──>
+    BackendRequest ──> check: an MLXRequest, made once: max_tokens filled in (the default, cut
+                       to the context left), the engine's GenerationRequest checked for its
+                       limits (400s: ids, boundary, lengths, a grammar that cannot compile)
+                   ──> generate (the MLXRequest): MLXEngine.agenerate token events ──> IncrementalDecoder ──>
                        stop strings ──> reasoning cut out (``<think>`` families:
                        ``reasoning``) ──> tool calls cut out (when the request gives tools and
                        the tokenizer knows its family's format: ``tool_calls``) ──>
@@ -30,7 +30,6 @@ from prefix_cache.engine.protocol import (
     BackendError,
     BackendOutput,
     BackendRequest,
-    CheckedBackendRequest,
     EngineHealth,
     EngineStats,
     ToolCall,
@@ -41,18 +40,22 @@ from prefix_cache.engine.protocol import (
 from .call_stream import StreamedCalls
 from .decoding import IncrementalDecoder, StopStrings
 from .defaults import DEFAULT_MAX_TOKENS
-from .grammar import GrammarCache, OutputGrammar, output_grammar
-from .mlx_engine.request import CheckedRequest, GenerationRequest, check_request
+from .grammar import GrammarCache, GrammarRun, OutputGrammar, output_grammar
+from .mlx_engine.request import GenerationRequest
 from .reasoning import Reasoning, ReasoningSplitter, opens_inside, think_markers
 from .tool_calls import ToolCallSplitter, json_envelope
 
 
 @dataclass(frozen=True, slots=True)
-class _Prepared:
-    """What ``check`` made of a request: the engine's checked request (with its grammar's
-    run) and the grammar, which also says how tool calls are cut out of the text."""
+class MLXRequest:
+    """A request as ``MLXBackend`` runs it (its ``CheckedBackendRequest``), made once by
+    ``check``: what the text side reads (``request``: stop strings, tools, constraints; its
+    max_tokens filled in), the engine's request checked for the engine's limits (``engine``,
+    with its grammar's run) and the output grammar, which also says how tool calls are cut out
+    of the text."""
 
-    engine_request: CheckedRequest
+    request: BackendRequest
+    engine: GenerationRequest
     grammar: OutputGrammar | None
 
 
@@ -111,7 +114,7 @@ class MLXBackend:
 
     # -- the ChatBackend protocol ------------------------------------------------------------
 
-    def check(self, request: BackendRequest) -> CheckedBackendRequest:
+    def check(self, request: BackendRequest) -> MLXRequest:
         """The request as it will run, with its max_tokens; InvalidRequestError
         (ContextLengthError when the lengths do not fit) otherwise. A request that names no
         max_tokens gets the default, cut to the context left; one that names too many is
@@ -127,9 +130,8 @@ class MLXBackend:
         grammar = self._grammar(checked)
         run = (self.grammars.run(grammar, request.namespace)  # or refused
                if grammar is not None else None)
-        engine_request = check_request(self._engine_request(checked, run), self.vocab_size,
-                                       self.context_length)
-        return CheckedBackendRequest(checked, _Prepared(engine_request, grammar))
+        engine = self._engine_request(checked, run).checked(self.vocab_size, self.context_length)
+        return MLXRequest(checked, engine, grammar)
 
     def _grammar(self, request: BackendRequest) -> OutputGrammar | None:
         return output_grammar(request.constraints, request.tools, self.envelope)
@@ -144,11 +146,8 @@ class MLXBackend:
             return None
         return ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
 
-    async def generate(self, checked: CheckedBackendRequest,
-                       ) -> AsyncGenerator[BackendOutput, None]:
-        request, prepared = checked.request, checked.prepared
-        engine_request, grammar = prepared.engine_request, prepared.grammar
-        run = engine_request.request.grammar
+    async def generate(self, checked: MLXRequest) -> AsyncGenerator[BackendOutput, None]:
+        request, grammar, run = checked.request, checked.grammar, checked.engine.grammar
         decoder = IncrementalDecoder(self.tokenizer, self._keep)
         stops = StopStrings(request.sampling.stop)
         # A bound output (a forced call, a JSON format) is written from its first token: no
@@ -159,7 +158,7 @@ class MLXBackend:
         calls = self._splitter(request, grammar)
         stop_ids = set(getattr(self.engine, "stop_token_ids", ()))
         generated = cached = 0
-        async with aclosing(self.engine.agenerate(engine_request)) as events:
+        async with aclosing(self.engine.agenerate(checked.engine)) as events:
             async for event in events:
                 generated += 1
                 if event.prefill is not None:
@@ -201,7 +200,8 @@ class MLXBackend:
                     yield BackendOutput(last, finish, usage, stop_sequence=stops.matched)
                     return
 
-    def _engine_request(self, request: BackendRequest, grammar: Any) -> GenerationRequest:
+    def _engine_request(self, request: BackendRequest,
+                        grammar: GrammarRun | None) -> GenerationRequest:
         s, sp = request.sampling, request.specprefill
         return GenerationRequest(
             prompt_ids=request.prompt_ids, max_tokens=s.max_tokens or 0,

@@ -17,11 +17,10 @@ tier: ``kv/``.
 
 from .engine import MLXEngine
 from .kv.store import KVSnapshotStore
-from .request import CheckedRequest, EngineError, GenerationRequest, PrefillInfo, TokenEvent
+from .request import EngineError, GenerationRequest, PrefillInfo, TokenEvent
 from .specprefill import SpecPrefillConfig
 
 __all__ = [
-    "CheckedRequest",
     "EngineError",
     "GenerationRequest",
     "MLXEngine",

@@ -10,10 +10,9 @@ import queue
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
-from .request import CheckedRequest, GenerationRequest, TokenEvent
+from .request import GenerationRequest, TokenEvent
 
-Request = GenerationRequest | CheckedRequest
-Submit = Callable[[Request, Callable[[Any], None]], None]
+Submit = Callable[[GenerationRequest, Callable[[Any], None]], None]
 Cancel = Callable[[str], None]
 
 
@@ -38,7 +37,7 @@ class _Delivered:
 
 
 def blocking_events(submit: Submit, cancel: Cancel,
-                    request: Request) -> Iterator[TokenEvent]:
+                    request: GenerationRequest) -> Iterator[TokenEvent]:
     """Events as they come, blocking between them."""
     events: queue.SimpleQueue[Any] = queue.SimpleQueue()
     submit(request, events.put)
@@ -51,7 +50,7 @@ def blocking_events(submit: Submit, cancel: Cancel,
 
 
 async def async_events(submit: Submit, cancel: Cancel,
-                       request: Request) -> AsyncIterator[TokenEvent]:
+                       request: GenerationRequest) -> AsyncIterator[TokenEvent]:
     """Events as they come, awaited on the running loop (a FastAPI streaming response)."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue[Any] = asyncio.Queue()

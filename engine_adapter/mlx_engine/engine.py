@@ -51,12 +51,10 @@ from .prefill import ChunkedPrefill, insert_sequence, new_batch_generator
 from .request import (
     DENSE,
     SPECPREFILL,
-    CheckedRequest,
     EngineError,
     GenerationRequest,
     PrefillInfo,
     TokenEvent,
-    check_request,
 )
 from .reuse import ConversationHit, KVReuse, ReusePlan
 from .sampling import request_sampler
@@ -173,21 +171,18 @@ class MLXEngine:
 
     # -- the caller's side ------------------------------------------------------------------
 
-    def check(self, request: GenerationRequest) -> CheckedRequest:
+    def check(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` checked for this engine (InvalidRequestError naming what is wrong), so
         ``submit`` and ``generate`` run it without checking it again."""
-        return check_request(request, self.vocab_size, self.context_length)
+        return request.checked(self.vocab_size, self.context_length)
 
-    def submit(self, request: GenerationRequest | CheckedRequest, deliver: Deliver) -> None:
+    def submit(self, request: GenerationRequest, deliver: Deliver) -> None:
         """Queue a request (checked first unless ``check`` made it for this engine's limits);
         ``deliver`` gets its events (or an exception) on the engine thread."""
-        if not (isinstance(request, CheckedRequest)
-                and request.limits == (self.vocab_size, self.context_length)):
-            request = self.check(request if isinstance(request, GenerationRequest)
-                                 else request.request)
-        run = request.request
-        sampler = request_sampler(run)  # a grammar's mask is per sequence: batch shared
-        seq = EngineSequence(run, deliver, time.perf_counter(), sampler)
+        if request.limits != (self.vocab_size, self.context_length):
+            request = self.check(request)
+        sampler = request_sampler(request)  # a grammar's mask is per sequence: batch shared
+        seq = EngineSequence(request, deliver, time.perf_counter(), sampler)
         self._post("submit", seq)
 
     def cancel(self, request_id: str) -> None:
@@ -201,12 +196,11 @@ class MLXEngine:
         with self._wake:
             yield
 
-    def generate(self, request: GenerationRequest | CheckedRequest) -> Iterator[TokenEvent]:
+    def generate(self, request: GenerationRequest) -> Iterator[TokenEvent]:
         """Tokens of one request as they come (blocking); closing the iterator cancels it."""
         return blocking_events(self.submit, self.cancel, request)
 
-    def agenerate(self, request: GenerationRequest | CheckedRequest,
-                  ) -> AsyncIterator[TokenEvent]:
+    def agenerate(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
         """Tokens of one request as they come, for asyncio; closing the iterator cancels it."""
         return async_events(self.submit, self.cancel, request)
 

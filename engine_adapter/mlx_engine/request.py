@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefix_cache.engine.protocol import BackendError, EngineCounts
 from prefix_cache.errors import ContextLengthError, InvalidRequestError
@@ -14,7 +14,11 @@ from prefix_cache.util.token_ids import validate_token_ids
 from ..defaults import DEFAULT_MAX_TOKENS, GREEDY
 from ..purge_marks import stamp
 
+if TYPE_CHECKING:  # the run's type only: the engine never imports llguidance itself
+    from ..grammar.compiled import GrammarRun
+
 SEED_MAX = 2**64 - 1
+Limits = tuple[int | None, int | None]  # (vocab_size, context_length) a request is checked for
 PROMPT_IDS_CODE = "invalid_prompt_token_ids"  # a 400's code: the prompt's ids are to blame
 
 
@@ -25,6 +29,7 @@ def _new_id() -> str:
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
     """One completion: prompt token ids, the static-prefix boundary, sampling, a namespace.
+    The engine's one request type: ``checked`` makes the copy an engine runs as it is.
 
     ``specprefill`` None means "on when the engine has a draft model and more than the
     threshold of tokens follow the boundary"; False turns it off, True asks for it (a request
@@ -48,10 +53,22 @@ class GenerationRequest:
     request_id: str = field(default_factory=_new_id)
     # A ``grammar.GrammarRun`` (a fresh llguidance matcher) every generated token must satisfy
     # (None: free text); the engine's sampler advances it, so one serves one request.
-    grammar: Any | None = None
+    grammar: GrammarRun | None = None
     # When it was made (``purge_marks.stamp``): its KV is not stored once its namespace has
     # been purged since, so a purge that answered is not undone by a request still running.
     issued: int = field(default_factory=stamp)
+    # The limits ``checked`` checked it for (None: not checked). Not an argument, so no caller
+    # can mark a request checked without the check: ids outside the vocabulary would fail the
+    # model step on the engine's thread instead of answering a 400.
+    limits: Limits | None = field(default=None, init=False, compare=False, repr=False)
+
+    def checked(self, vocab_size: int | None, context_length: int | None) -> GenerationRequest:
+        """A copy checked for an engine's limits (``validate``; its prompt ids a list), which
+        ``MLXEngine.submit``, ``generate`` and ``agenerate`` run as it is: the one place a
+        checked request is made."""
+        checked = replace(self, prompt_ids=self.validate(vocab_size, context_length))
+        object.__setattr__(checked, "limits", (vocab_size, context_length))  # frozen: set once
+        return checked
 
     def validate(self, vocab_size: int | None = None,
                  context_length: int | None = None) -> list[int]:
@@ -81,29 +98,6 @@ class GenerationRequest:
         if self.specprefill_threshold is not None and self.specprefill_threshold < 0:
             raise InvalidRequestError(f"specprefill_threshold must be >= 0, got {self.specprefill_threshold}")
         return ids
-
-
-@dataclass(frozen=True, slots=True)
-class CheckedRequest:
-    """A ``GenerationRequest`` checked once against an engine's vocabulary and context
-    (``check_request``; its prompt ids a list): ``MLXEngine.submit``, ``generate`` and
-    ``agenerate`` run it as it is, where a plain request is checked first."""
-
-    request: GenerationRequest
-    limits: tuple[int | None, int | None]  # (vocab_size, context_length) it was checked for
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-
-def check_request(request: GenerationRequest, vocab_size: int | None,
-                  context_length: int | None) -> CheckedRequest:
-    """``request`` checked for an engine (``GenerationRequest.validate``), once."""
-    ids = request.validate(vocab_size, context_length)
-    if ids is not request.prompt_ids:  # ids given packed or as an array: the list runs
-        request = replace(request, prompt_ids=ids)
-    return CheckedRequest(request, (vocab_size, context_length))
 
 
 def check_vocabulary(ids: list[int], vocab_size: int | None, what: str) -> None:

@@ -23,7 +23,7 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from ..engine.protocol import ChatBackend, CheckedBackendRequest, Usage
+from ..engine.protocol import ChatBackend, Checked, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,13 +64,13 @@ def new_call_id(prefix: str = "call_") -> str:
     return prefix + uuid.uuid4().hex[:24]
 
 
-async def backend_events(backend: ChatBackend,
-                         request: CheckedBackendRequest) -> AsyncGenerator[OutputEvent, None]:
+async def backend_events(backend: ChatBackend[Checked],
+                         checked: Checked) -> AsyncGenerator[OutputEvent, None]:
     """A checked request's generation as events: its text, and the tool calls the engine cut
     out of it (one whole call per event, or a call in pieces as it is written)."""
     finish, usage, stop = None, None, None
     calls = 0
-    async with aclosing(backend.generate(request)) as outputs:
+    async with aclosing(backend.generate(checked)) as outputs:
         async for out in outputs:
             if out.usage is not None and out.finish_reason is None:
                 yield Prefilled(out.usage)
@@ -86,7 +86,7 @@ async def backend_events(backend: ChatBackend,
                 calls = max(calls, chunk.index + 1)
             finish, usage = out.finish_reason or finish, out.usage or usage
             stop = out.stop_sequence or stop
-    yield Finish(finish or "length", usage or Usage(len(request.prompt_ids), 0), stop)
+    yield Finish(finish or "length", usage or Usage(len(checked.request.prompt_ids), 0), stop)
 
 
 @dataclass

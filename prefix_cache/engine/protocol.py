@@ -3,9 +3,10 @@
 
     API layer (OpenAI chat, Anthropic Messages, OpenAI Responses) ── parses its body into
         BackendRequest(prompt ids, boundary, tenant, SamplingParams, SpecPrefillParams)
-    backend.check(request)            CheckedBackendRequest: the request as it will run
-                                      (max_tokens filled in), or an InvalidRequestError (a
-                                      400) before anything runs
+    backend.check(request)            the engine's own request (a CheckedBackendRequest):
+                                      made and checked once, with what the engine fills in
+                                      (max_tokens), or an InvalidRequestError (a 400) before
+                                      anything runs
     backend.generate(checked)         BackendOutput text deltas (and tool calls, for engines
                                       that parse them out of the text when the request gives
                                       tools); the last one has the finish reason and the
@@ -26,7 +27,7 @@ import uuid
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol, TypedDict
+from typing import Any, Protocol, TypedDict, TypeVar
 
 from ..util.token_ids import TokenIds
 
@@ -130,14 +131,17 @@ class BackendRequest:
     constraints: OutputConstraints = OutputConstraints()
 
 
-@dataclass(frozen=True, slots=True)
-class CheckedBackendRequest:
-    """A request as an engine will run it (``ChatBackend.check``): the request with what the
-    engine fills in (max_tokens), and the engine's own form of it, made and checked once
-    (opaque here). ``generate`` takes only this, so nothing is checked or built twice."""
+class CheckedBackendRequest(Protocol):
+    """A request as an engine will run it (``ChatBackend.check``): the engine's own type, made
+    and checked once, that ``generate`` takes back as it is, so nothing is checked or built
+    twice. The API layer reads only ``request``: the request it came from, with what the
+    engine filled in (max_tokens)."""
 
-    request: BackendRequest
-    prepared: Any = None
+    @property
+    def request(self) -> BackendRequest: ...
+
+
+Checked = TypeVar("Checked", bound=CheckedBackendRequest)  # an engine's checked request
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,19 +294,20 @@ class EngineStats(EngineCounts):
         return {k: v for k, v in asdict(self).items() if v is not None or k == "last_fallback"}
 
 
-class ChatBackend(Protocol):
-    """An engine the API layers generate with (see the module docstring). One that honours
+class ChatBackend(Protocol[Checked]):
+    """An engine the API layers generate with (see the module docstring), its checked request
+    of its own type (``Checked``). One that honours
     binding ``OutputConstraints`` says so with ``constrained_decoding = True``; requests that
     need it are refused before reaching any other."""
 
     name: str
     tokenizer: Any  # the model's tokenizer: renders prompts that come without ids
 
-    def check(self, request: BackendRequest) -> CheckedBackendRequest:
+    def check(self, request: BackendRequest) -> Checked:
         """The request as it will run; InvalidRequestError (a 400) when it cannot."""
         ...
 
-    def generate(self, checked: CheckedBackendRequest) -> AsyncGenerator[BackendOutput, None]:
+    def generate(self, checked: Checked) -> AsyncGenerator[BackendOutput, None]:
         """The outputs of a checked request; BackendError if the engine fails meanwhile."""
         ...
 

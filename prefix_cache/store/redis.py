@@ -37,6 +37,7 @@ from ..errors import StoreBusyError, StoreUnavailableError
 from .base import RemoteStats, Store, StoreStats
 from .breaker import CLOSED, OPEN, CircuitBreaker, ExponentialBackoff
 from .gate import ConnectionGate
+from .steps import Steps, arun, run, twins
 
 T = TypeVar("T")
 
@@ -213,47 +214,63 @@ class RedisStore(Store):
         self.breaker.record_success()
         return result
 
-    # -- warm pools ----------------------------------------------------------------------------
+    # -- probes and warm pools: written once as steps (steps.py) on the I/O below -------------
+    # The I/O, sync and async: ``_probe`` calls ``fn`` on a client through its gate, the breaker
+    # neither asked nor moved; ``_hold`` takes a connection through the gate and keeps it (and
+    # its gate slot) until ``stack`` closes.
 
-    def warm(self, connections: int) -> int:
-        """Open up to ``connections`` of the sync client's connections now (each taken through
-        the gate, all held at once so each is its own); how many are open. Best effort: a busy
-        gate or a failed connect ends it early, and the breaker is not moved. Redis Cluster's
-        clients keep a pool per node, made as they discover the nodes: not warmed here."""
-        if self.cluster:
-            return 0
+    def _probe(self, fn: Callable[[Any], T]) -> T:
+        with self._gate.hold():
+            return fn(self._client())
+
+    async def _aprobe(self, fn: Callable[[Any], Awaitable[T]]) -> T:
+        client, gate = self._aclient()
+        async with gate.ahold():
+            return await fn(client)
+
+    def _hold(self, stack: ExitStack) -> None:
+        stack.enter_context(self._gate.hold())
         pool = self._client().connection_pool
+        stack.callback(pool.release, pool.get_connection())
+
+    async def _ahold(self, stack: AsyncExitStack) -> None:
+        client, gate = self._aclient()
+        await stack.enter_async_context(gate.ahold())
+        pool = client.connection_pool
+        stack.push_async_callback(pool.release, await pool.get_connection())
+
+    def _warm(self, connections: int, stack: ExitStack | AsyncExitStack) -> Steps[int]:
+        """Open up to ``connections`` of one client's connections (each taken through the gate,
+        all held at once on ``stack`` so each is its own); how many are open. Best effort: a busy
+        gate or a failed connect ends it early, and the breaker is not moved."""
         opened = 0
         try:
-            with ExitStack() as held:
-                for _ in range(min(connections, self._gate.slots)):
-                    held.enter_context(self._gate.hold())
-                    held.callback(pool.release, pool.get_connection())
-                    opened += 1
+            while opened < min(connections, self._gate.slots):  # both gates: max_connections
+                yield "_hold", (stack,)
+                opened += 1
         except Exception:  # noqa: BLE001 - warming is an optimisation; calls report outages
             pass
         return opened
 
+    def warm(self, connections: int) -> int:
+        """``_warm`` for the sync client. Redis Cluster's clients keep a pool per node, made as
+        they discover the nodes: not warmed here."""
+        if self.cluster:
+            return 0
+        with ExitStack() as stack:
+            return run(self, self._warm(connections, stack))
+
     async def awarm(self, connections: int) -> int:
-        """``warm`` for the running loop's asyncio client, and the sync client's in a thread.
+        """``_warm`` for the running loop's asyncio client, and the sync client's in a thread.
         Skipped (0) while the breaker is not closed (an outage is the probes' business) and
         when no call failed since the last warm-up (a failure is what drops connections)."""
         if (self.cluster or self.breaker.state != CLOSED or connections <= 0
                 or self._warm_errors == self.errors):
             return 0
         self._warm_errors = self.errors
-        client, gate = self._aclient()
-        pool = client.connection_pool
-        opened = 0
         sync = asyncio.ensure_future(asyncio.to_thread(self.warm, connections))
-        try:
-            async with AsyncExitStack() as held:
-                for _ in range(min(connections, gate.slots)):
-                    await held.enter_async_context(gate.ahold())
-                    held.push_async_callback(pool.release, await pool.get_connection())
-                    opened += 1
-        except Exception:  # noqa: BLE001 - as in warm
-            pass
+        async with AsyncExitStack() as stack:
+            opened = await arun(self, self._warm(connections, stack))
         return opened + await sync
 
     def _px(self, ttl_seconds: float | None) -> int | None:
@@ -323,26 +340,15 @@ class RedisStore(Store):
         return self._call(lambda r: r.memory_usage(key))
 
     # Readiness wants the truth now, so pings ignore the breaker (and never move it).
-    def ping(self) -> bool:
-        """True if the server answers now."""
+    def _ping(self) -> Steps[bool]:
+        """True if the server answers now; when every connection stayed busy, whether the last
+        calls found it up (the breaker not open)."""
         try:
-            with self._gate.hold():
-                return bool(self._client().ping())
-        except Exception as exc:
-            return self._unanswered(exc)
+            return bool((yield "_probe", (_ping,)))
+        except Exception as exc:  # noqa: BLE001 - any failure is "not answered"
+            return isinstance(exc, StoreBusyError) and self.breaker.state != OPEN
 
-    async def aping(self) -> bool:
-        """``ping`` on the event loop's client."""
-        try:
-            client, gate = self._aclient()
-            async with gate.ahold():
-                return bool(await client.ping())
-        except Exception as exc:
-            return self._unanswered(exc)
-
-    def _unanswered(self, exc: Exception) -> bool:
-        """A ping's answer when it failed: every connection busy trusts the last calls."""
-        return isinstance(exc, StoreBusyError) and self.breaker.state != OPEN
+    ping, aping = twins(_ping)  # aping on the running loop's client
 
     def stats(self) -> StoreStats:
         remote = RemoteStats(url=_redact(self.url), breaker=self.breaker.state,
@@ -380,6 +386,10 @@ async def _abatches(keys: AsyncIterator[T]) -> AsyncIterator[list[T]]:
             batch = []
     if batch:
         yield batch
+
+
+def _ping(client: Any) -> Any:
+    return client.ping()  # a bool, or on the asyncio client its awaitable
 
 
 def _set_up(connection: Any) -> None:

@@ -49,7 +49,6 @@ class ToolLoopEngine:
     async def agenerate(self, request: Any) -> AsyncIterator[Any]:
         from engine_adapter.mlx_engine import TokenEvent
 
-        request = getattr(request, "request", request)  # a CheckedRequest's own request
         first = None
         async for event in self.engine.agenerate(replace(request, max_tokens=1)):
             first = first or event
