@@ -220,3 +220,73 @@ def test_reasoning_relayed_from_a_chat_only_upstream_keeps_its_shape(thinking: T
     for message in (whole, streamed):
         assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
                 for b in message.content] == [("thinking", THOUGHT), ("text", ANSWER)]
+
+
+# -- the template's thinking switch, and reasoning sent back -----------------------------------
+
+
+def test_thinking_switches_map_to_the_templates_enable_thinking(thinking: Thinking) -> None:
+    """Anthropic ``thinking`` and Responses' ``reasoning.effort`` set Qwen3.5's
+    ``enable_thinking``: off, the template closes the block and all the output is answer."""
+    claude, sdk = anthropic_client(thinking.url), openai_client(thinking.url)
+    thinking.play(ANSWER)
+    off = claude.messages.create(model="m", max_tokens=40, messages=HI,
+                                 thinking={"type": "disabled"})
+    assert [(b.type, getattr(b, "text", None)) for b in off.content] == [("text", ANSWER)]
+    quick = sdk.responses.create(model="m", input="Hi", max_output_tokens=40,
+                                 reasoning={"effort": "minimal"})
+    assert [i.type for i in quick.output] == ["message"] and quick.output_text == ANSWER
+    thinking.play(f"{THOUGHT}\n</think>\n\n{ANSWER}")
+    for kind in ("enabled", "adaptive"):
+        on = claude.messages.create(model="m", max_tokens=40, messages=HI,
+                                    thinking={"type": kind, "budget_tokens": 1024})
+        assert [b.type for b in on.content] == ["thinking", "text"]
+    deep = sdk.responses.create(model="m", input="Hi", max_output_tokens=40,
+                                reasoning={"effort": "high"})
+    assert [i.type for i in deep.output] == ["reasoning", "message"]
+    with pytest.raises(anthropic.BadRequestError, match="thinking.type"):
+        claude.messages.create(model="m", max_tokens=40, messages=HI,
+                               thinking={"type": "sometimes"})  # type: ignore[arg-type]
+
+
+def test_a_switch_the_template_does_not_read_is_not_sent(thinking: Thinking) -> None:
+    # Rendered and cached as if absent: the cache key holds the kwargs.
+    from prefix_cache.chat.conversation import Conversation, for_template
+
+    llama = (TEMPLATES_DIR / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    switches = {"enable_thinking": False, "reasoning_effort": "low"}
+    plain = for_template(Conversation(HI, chat_template=llama, template_switches=switches),
+                         thinking.tokenizer)
+    assert plain.chat_template_kwargs is None and plain.template_switches is None
+    qwen = for_template(Conversation(HI, None, {"enable_thinking": True},
+                                     template_switches=switches), thinking.tokenizer)
+    assert qwen.chat_template_kwargs == {"enable_thinking": True}   # the client's own wins
+
+
+def test_reasoning_sent_back_renders_where_the_template_puts_it(thinking: Thinking) -> None:
+    """A tool loop's earlier reasoning (Anthropic thinking blocks, a Responses reasoning item)
+    is the assistant turn's ``reasoning_content``: Qwen3.5's template renders it inside the
+    loop, as the model wrote it."""
+    from engine_adapter.engine_host import render_conversation
+    from prefix_cache.chat.anthropic_params import messages_conversation
+    from prefix_cache.chat.responses_params import parse_responses_body
+
+    call = {"type": "tool_use", "id": "c1", "name": "clock", "input": {}}
+    body = {"messages": HI + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT,
+                                           "signature": "s"}, call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": "7:00"}]}]}
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "reasoning", "summary": [], "content": [
+                 {"type": "reasoning_text", "text": THOUGHT}]},
+             {"type": "function_call", "call_id": "c1", "name": "clock", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "7:00"}]
+    responses = parse_responses_body({"model": "m", "input": items},
+                                     lambda _: None).call.conversation
+    for conversation in (messages_conversation(body), responses):
+        assistant = conversation.messages[1]
+        assert assistant["reasoning_content"] == THOUGHT and assistant["tool_calls"]
+        prompt = thinking.tokenizer.decode(render_conversation(thinking.tokenizer,
+                                                               conversation))
+        assert f"<think>\n{THOUGHT}\n</think>" in prompt
