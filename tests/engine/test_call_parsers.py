@@ -49,3 +49,13 @@ def test_a_format_names_its_forced_calls():
     fmt = CallFormat("deepseek", "<a>", "</a>", parse_deepseek, ("<a>", "</a>"))
     assert fmt.forced == "engine's envelope"
     assert CallFormat("qwen3_coder", "<a>", "</a>", parse_deepseek, ()).forced == "no (400)"
+
+
+def test_the_family_table_in_the_docs_is_the_generators():
+    from pathlib import Path
+
+    from engine_adapter.families import family_table
+
+    text = (Path(__file__).parents[2] / "docs" / "engine.md").read_text("utf-8")
+    copy = text.split("<!-- families:start -->\n", 1)[1].split("<!-- families:end -->", 1)[0]
+    assert copy == family_table(), "run: python -m engine_adapter.families"
