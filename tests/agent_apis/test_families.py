@@ -290,3 +290,36 @@ def test_reasoning_sent_back_renders_where_the_template_puts_it(thinking: Thinki
         prompt = thinking.tokenizer.decode(render_conversation(thinking.tokenizer,
                                                                conversation))
         assert f"<think>\n{THOUGHT}\n</think>" in prompt
+
+
+def test_reasoning_sent_back_keeps_the_next_prompt_on_the_turns_tokens(thinking: Thinking) -> None:
+    """Conversation KV reuse serves what the next prompt shares with the last turn's prompt and
+    reply. In a tool loop on Qwen3.5, the turn as the model wrote it (reasoning, then the call)
+    is the start of the next prompt when its reasoning is sent back: all of it is reusable;
+    dropped, the next prompt parts from it before the reply (here: 267 tokens shared against
+    243, of a 244-token prompt and a 23-token reply)."""
+    from engine_adapter.engine_host import render_conversation
+    from prefix_cache.chat.anthropic_params import messages_conversation
+
+    tools = [{"name": "clock", "description": "Time.", "input_schema": {"type": "object"}}]
+    call = {"type": "tool_use", "id": "c1", "name": "clock", "input": {}}
+    thought = {"type": "thinking", "thinking": THOUGHT, "signature": ""}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                           "content": "7:00"}]}
+
+    def prompt(*assistant: dict[str, Any]) -> list[int]:
+        turns = HI + ([{"role": "assistant", "content": list(assistant)}, result]
+                      if assistant else [])
+        return render_conversation(thinking.tokenizer, messages_conversation(
+            {"messages": turns, "tools": tools}))
+
+    first, kept, dropped = prompt(), prompt(thought, call), prompt(call)
+    end = kept.index(thinking.tokenizer.convert_tokens_to_ids("<|im_end|>"), len(first)) + 1
+    written = kept[:end]   # turn 1's prompt and the reply the template shows it wrote
+    assert written[:len(first)] == first
+
+    def shared(ids: list[int]) -> int:
+        return next((i for i, (a, b) in enumerate(zip(ids, written)) if a != b), len(written))
+
+    assert shared(kept) == len(written)
+    assert shared(dropped) < len(first)
