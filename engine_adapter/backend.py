@@ -153,7 +153,8 @@ class MLXBackend:
                   grammar: OutputGrammar | None) -> ToolCallSplitter | StreamedCalls | None:
         """What cuts tool calls out of the text: the grammar's envelope when it writes them,
         else the model family's parser (none when the client said tool_choice "none")."""
-        if grammar is not None and grammar.calls and self.envelope is not None:
+        if (grammar is not None and grammar.calls and self.envelope is not None
+                and not self.envelope.bare):
             return StreamedCalls(self.envelope)  # the grammar's shape: streamed as written
         if request.constraints.tool_choice == "none":
             return None

@@ -7,9 +7,9 @@ the tokenizer config, or read off the chat template: ``json_tools``, ``qwen3_cod
 that way, else none (the engine's own envelope, see ``tool_calls.json_envelope``).
 
 How a forced call (``tool_choice`` required or named) is written, by format: ``json_tools``
-under a grammar in the family's own markers; this project's formats in the engine's envelope
-(``<tool_call>`` JSON ``</tool_call>``; not yet the family's syntax); the other mlx-lm formats
-not at all (a 400). ``FAMILIES`` is what ``tests/agent_apis/test_family_calls.py`` checks, one
+and Llama 3.x's under a grammar in the family's own format; DeepSeek's in the engine's
+envelope (``<tool_call>`` JSON ``</tool_call>``; not yet the family's syntax); the other mlx-lm
+formats not at all (a 400). ``FAMILIES`` is what ``tests/agent_apis/test_family_calls.py`` checks, one
 row per family, and what ``python -m engine_adapter.families`` prints as docs/engine.md's
 table (a test keeps the two equal).
 """
@@ -33,7 +33,8 @@ from .call_parsers import (
 )
 
 Parser = Callable[[str, Any], Any]
-NATIVE, ENGINE_ENVELOPE, NOT_CONSTRAINED = "family's markers", "engine's envelope", "no (400)"
+NATIVE, ENGINE_ENVELOPE, NOT_CONSTRAINED = "family's own format", "engine's envelope", "no (400)"
+GRAMMAR_FORMATS = ("json_tools", "llama3_json")   # formats a grammar writes natively
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,9 +66,11 @@ OWN_FORMATS: tuple[tuple[str, tuple[str, ...], str, str, Parser, tuple[str, ...]
 
 def forced_calls(name: str | None) -> str:
     """How a forced call is written for call format ``name`` (None: the template names none)."""
+    if name in GRAMMAR_FORMATS:
+        return NATIVE
     if name is None or name in {f[0] for f in OWN_FORMATS}:
         return ENGINE_ENVELOPE
-    return NATIVE if name == "json_tools" else NOT_CONSTRAINED
+    return NOT_CONSTRAINED
 
 
 def call_format(tokenizer: Any) -> CallFormat | None:

@@ -26,7 +26,7 @@ from prefix_cache.engine.protocol import ToolCall, ToolCallChunk
 from prefix_cache.render.render import unwrap_tokenizer
 
 from .families import NATIVE, NOT_CONSTRAINED, CallFormat, call_format, forced_calls
-from .grammar.build import ENGINE_ENVELOPE, Envelope
+from .grammar.build import ENGINE_ENVELOPE, LLAMA_ENVELOPE, Envelope
 
 log = logging.getLogger("engine_adapter.tool_calls")
 
@@ -148,12 +148,14 @@ def _partial_suffix(text: str, marker: str) -> int:
 def json_envelope(tokenizer: Any) -> Envelope | None:
     """The envelope a grammar writes this model's forced tool calls in
     (``families.forced_calls``): its family's markers when its parser reads JSON ``{"name",
-    "arguments"}`` between them (mlx-lm's ``json_tools``), the engine's own when it has no
+    "arguments"}`` between them (mlx-lm's ``json_tools``), none for Llama 3.x's bare JSON, the engine's own when it has no
     format or one of this project's, None when its format is another (not constrained)."""
     fmt = call_format(tokenizer)
     how = forced_calls(fmt.name if fmt else None)
     if how == NOT_CONSTRAINED:
         return None
+    if fmt is not None and fmt.name == "llama3_json":
+        return LLAMA_ENVELOPE
     start, end = ((fmt.start, fmt.end) if how == NATIVE and fmt is not None
                   else (ENGINE_ENVELOPE.start, ENGINE_ENVELOPE.end))
     return Envelope(start, end, (added_token(tokenizer, start), added_token(tokenizer, end)))

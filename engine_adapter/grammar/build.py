@@ -8,8 +8,10 @@ part an ``InvalidRequestError`` naming it.
            args_i: %json {"name": const, "arguments": ...}
 
 A call's envelope (START, END) is the model family's where its parser reads JSON
-``{"name", "arguments"}`` between two markers (mlx-lm's ``json_tools``), and the engine's own
-(``<tool_call>``, ``</tool_call>``) where the template names no format. With ``auto`` a reply is
+``{"name", "arguments"}`` between two markers (mlx-lm's ``json_tools``), none for Llama 3.x
+(``{"name", "parameters"}`` as the whole reply, one call: ``call: args_0 | ...``; under
+``auto`` no grammar), and the engine's own (``<tool_call>``, ``</tool_call>``) where the
+template names no format. With ``auto`` a reply is
 text (a reasoning block, a sentence), then calls, either optional: the text may not hold START,
 so a call, once started, is finished under its tool's schema. JSON is written as Python's ``json.dumps``
 writes it (", " and ": ", no other whitespace), what chat templates show the model, and no
@@ -40,9 +42,17 @@ class Envelope:
     start: str
     end: str
     ids: tuple[int | None, int | None] = (None, None)
+    arguments: str = "arguments"   # the key the call's arguments go under
+
+    @property
+    def bare(self) -> bool:
+        """No markers: the call is the whole reply, one call (Llama 3.x's JSON calls)."""
+        return not self.start
 
 
 ENGINE_ENVELOPE = Envelope("<tool_call>", "</tool_call>")
+# Llama 3.1/3.2/3.3: {"name": "f", "parameters": {...}} as the whole reply, one call a turn.
+LLAMA_ENVELOPE = Envelope("", "", arguments="parameters")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +76,8 @@ def output_grammar(constraints: OutputConstraints, tools: Sequence[Mapping[str, 
         raise InvalidRequestError("tool_choice needs tools", code=UNSUPPORTED)
     choice = choice if tools else "none"
     chosen = _chosen_tools(choice, tools or ())
+    if envelope is not None and envelope.bare and choice == "auto" and fmt is None:
+        return None   # a bare call is told from text only after it: the family's parser reads it
     if chosen and envelope is None:
         if choice == "auto" and fmt is None:
             return None  # the family's own parser reads its calls, unconstrained
@@ -78,22 +90,26 @@ def output_grammar(constraints: OutputConstraints, tools: Sequence[Mapping[str, 
         names = []
         for index, tool in chosen:
             name = f"args_{index}"
-            body = f"{name}: %json {_dumps(_call_schema(tool))}"
+            body = f"{name}: %json {_dumps(_call_schema(tool, envelope.arguments))}"
             rules.append(body)
             parts.append((f"tools[{index}].function.parameters", f"start: {name}\n{body}"))
             names.append(name)
         start_id, end_id = envelope.ids
-        # A newline may stand inside the markers: Qwen/Hermes templates show calls that way.
-        rules.append(f"call: {_marker(envelope.start, start_id)} body")
-        rules.append(f"body: NL? ({' | '.join(names)}) NL? {_marker(envelope.end, end_id)}")
-        rules.append('NL: "\\n"')
-        alternatives.append("call+" if constraints.parallel_tool_calls else "call")
+        if envelope.bare:
+            rules.append(f"call: {' | '.join(names)}")
+        else:
+            # A newline may stand inside the markers: Qwen/Hermes templates show calls so.
+            rules.append(f"call: {_marker(envelope.start, start_id)} body")
+            rules.append(f"body: NL? ({' | '.join(names)}) NL? {_marker(envelope.end, end_id)}")
+            rules.append('NL: "\\n"')
+        parallel = constraints.parallel_tool_calls and not envelope.bare
+        alternatives.append("call+" if parallel else "call")
     if choice in ("auto", "none") or not chosen:
         if fmt is not None:
             rules.append(f"answer: %json {_dumps(fmt[1])}")
             parts.append((fmt[0], f"start: answer\n{rules[-1]}"))
             alternatives.insert(0, "answer")
-        elif alternatives and envelope is not None:
+        elif alternatives and envelope is not None and not envelope.bare:
             alternatives = [_text_then_calls(envelope, think, rules,
                                              constraints.parallel_tool_calls)]
     if not alternatives:
@@ -154,13 +170,13 @@ def _chosen_tools(choice: Any, tools: Sequence[Mapping[str, Any]]) -> list[tuple
     return functions
 
 
-def _call_schema(function: Mapping[str, Any]) -> dict[str, Any]:
+def _call_schema(function: Mapping[str, Any], key: str = "arguments") -> dict[str, Any]:
     parameters = function.get("parameters")
     if parameters is None:
         parameters = {"type": "object", "properties": {}}
     return {"type": "object", "properties": {"name": {"const": function["name"]},
-                                             "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+                                             key: parameters},
+            "required": ["name", key], "additionalProperties": False}
 
 
 def _dumps(schema: Any) -> str:

@@ -1,9 +1,11 @@
 """Model families' tool calls and reasoning through the three agent APIs on the engine, with
 the real ``openai`` and ``anthropic`` SDKs: a call forced by a grammar on a tiny random-weights
-Qwen3 (real tokenizer, its own template) comes back as a tool call, whole and streamed, also
-where the tokenizer marks its markers special; a ``<think>`` family's reasoning comes back apart
-from the answer (forced output, played back by a scripted engine on Qwen3.5's tokenizer and
-template, whose generation prompt opens ``<think>``)."""
+Qwen3 or Llama 3.1 (real tokenizer, its own template, the call in its own format) comes back as
+a tool call, whole and streamed, also where the tokenizer marks Qwen3's markers special; a
+``<think>`` family's reasoning comes back apart from the answer (forced output, played back by a
+scripted engine on Qwen3.5's tokenizer and template, whose generation prompt opens
+``<think>``), Anthropic's and Responses' thinking switches set the template's, and reasoning
+sent back renders where the template puts it."""
 
 from __future__ import annotations
 
@@ -52,19 +54,30 @@ def qwen3_folder(dest: Path, special_markers: bool) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["qwen3", "qwen3-special-markers"])
-def qwen3_engine(request: pytest.FixtureRequest, engine_models_dir: Path) -> Iterator[str]:
-    folder = qwen3_folder(engine_models_dir / f"qwen3-own-template-{request.param}",
-                          request.param)
-    backend = MLXBackend.load(folder, name="qwen3")
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-special-markers", "llama3.1"])
+def forced_engine(request: pytest.FixtureRequest, engine_models_dir: Path) -> Iterator[str]:
+    """serve-engine on a tiny model with its family's own tokenizer and template: Qwen3 (its
+    calls between markers; also with the markers special), Llama 3.1 (a call is the bare JSON
+    ``{"name", "parameters"}`` reply, one a turn)."""
+    from engine_adapter.testing.tiny_model import tiny_model_folder
+
+    if request.param == "llama3.1":
+        template = (TEMPLATES_DIR / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+        folder = tiny_model_folder(engine_models_dir / "llama3.1-own-template", "llama",
+                                   tokenizer="llama3.1", chat_template=template)
+    else:
+        special = request.param == "qwen3-special-markers"
+        folder = qwen3_folder(engine_models_dir / f"qwen3-own-template-{special}", special)
+    backend = MLXBackend.load(folder, name=request.param)
+    assert backend.envelope is not None   # forced calls in the family's own format
+    assert backend.envelope.bare == (request.param == "llama3.1")
     with ServerThread(create_engine_app(backend)) as url:
         yield url
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_a_forced_call_on_qwen3_is_a_tool_call_in_every_api(qwen3_engine: str,
-                                                            choice: str) -> None:
-    sdk, claude = openai_client(qwen3_engine), anthropic_client(qwen3_engine)
+def test_a_forced_call_is_a_tool_call_in_every_api(forced_engine: str, choice: str) -> None:
+    sdk, claude = openai_client(forced_engine), anthropic_client(forced_engine)
     user = [{"role": "user", "content": "Wake me."}]
     chat_choice: Any = ("required" if choice == "required" else
                         {"type": "function", "function": {"name": "set_alarm"}})

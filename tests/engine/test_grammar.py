@@ -16,7 +16,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from engine_adapter.grammar import GrammarCache, output_grammar  # noqa: E402
-from engine_adapter.grammar.build import ENGINE_ENVELOPE, Envelope  # noqa: E402
+from engine_adapter.grammar.build import ENGINE_ENVELOPE, LLAMA_ENVELOPE, Envelope  # noqa: E402
 from engine_adapter.mlx_engine import GenerationRequest  # noqa: E402
 from engine_adapter.mlx_engine.model_info import vocab_size  # noqa: E402
 from engine_adapter.mlx_engine.sampling import allowed_tokens  # noqa: E402
@@ -172,6 +172,12 @@ def test_what_each_choice_allows():
     auto = output_grammar(OutputConstraints(), TOOLS, ENGINE_ENVELOPE)
     assert auto is not None and auto.lark.splitlines()[0] == (
         'start: TEXT? | (OPEN | "<tool_call>") body call*')   # text, then calls
+    # Llama 3.x: one bare {"name", "parameters"} call, forced; under auto its parser reads it.
+    bare = output_grammar(OutputConstraints(tool_choice="required"), TOOLS, LLAMA_ENVELOPE)
+    assert bare is not None and bare.lark.splitlines()[0] == "start: call"
+    assert "call: args_0 | args_1" in bare.lark.splitlines()
+    assert '"parameters"' in bare.lark and '"arguments"' not in bare.lark
+    assert output_grammar(OutputConstraints(), TOOLS, LLAMA_ENVELOPE) is None
     # Free text with no tools, or tools whose family format is not constrained: no grammar.
     assert output_grammar(OutputConstraints(), None, ENGINE_ENVELOPE) is None
     assert output_grammar(OutputConstraints(), TOOLS, None) is None
