@@ -3,7 +3,9 @@
 - ``mlx_engine/``: the in-process batched MLX engine (imports mlx).
 - ``backend.py``: that engine as a ``prefix_cache.engine.protocol.ChatBackend`` (token ids in,
   text deltas out), with ``decoding.py`` (incremental decoding, stop strings), ``tool_calls.py``
-  (tool calls cut out of the text), ``call_stream.py`` (tool calls streamed as written) and
+  (tool calls cut out of the text), ``families.py`` (each family's call format, and the
+  registry of families the tests round-trip), ``call_parsers.py`` (Llama 3.x and DeepSeek
+  calls), ``call_stream.py`` (tool calls streamed as written) and
   ``reasoning.py`` (a ``<think>`` family's reasoning apart from the answer); ``grammar/``:
   constrained decoding.
 - ``registry.py``: engines by name for ``--engine``; ``options.py`` and ``defaults.py``: their

@@ -43,7 +43,9 @@ from .defaults import DEFAULT_MAX_TOKENS
 from .grammar import GrammarCache, GrammarRun, OutputGrammar, output_grammar
 from .mlx_engine.request import GenerationRequest
 from .reasoning import Reasoning, ReasoningSplitter, opens_inside, think_markers
-from .tool_calls import ToolCallSplitter, json_envelope
+from .families import NATIVE, call_format
+from .grammar.build import Envelope
+from .tool_calls import CallGaps, ToolCallSplitter, added_token, json_envelope, marker_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +76,18 @@ class MLXBackend:
         self.name = name
         self.default_max_tokens = default_max_tokens
         self._closed = False
+        self.calls = call_format(self.tokenizer)
         self.envelope = json_envelope(self.tokenizer)
         self.think = think_markers(self.tokenizer)
         # Markers the text is read by are decoded as text, even where the tokenizer marks them
         # special (decoding would drop them, and a call or reasoning would pass as answer).
         self._keep = tuple(i for i in ((self.envelope.ids if self.envelope else ())
+                                       + marker_ids(self.tokenizer, self.calls)
                                        + (self.think.ids if self.think else ()))
                            if i is not None)
+        self._think_envelope = (Envelope(self.think.start, self.think.end, (
+            added_token(self.tokenizer, self.think.start),
+            added_token(self.tokenizer, self.think.end))) if self.think else None)
         # A complete grammar allows only the tokens that end the turn: the engine's stops.
         eos = tuple(getattr(engine, "stop_token_ids", ())) or _eos_ids(self.tokenizer)
         self.grammars = GrammarCache(self.tokenizer, self.vocab_size or len(self.tokenizer), eos)
@@ -134,13 +141,22 @@ class MLXBackend:
         return MLXRequest(checked, engine, grammar)
 
     def _grammar(self, request: BackendRequest) -> OutputGrammar | None:
-        return output_grammar(request.constraints, request.tools, self.envelope)
+        """The request's grammar. Under ``auto`` a family whose own format the grammar does not
+        write (Llama 3.x, DeepSeek: forced calls go in the engine's envelope) writes freely,
+        and its parser reads its calls."""
+        c = request.constraints
+        envelope = self.envelope
+        if (self.calls is not None and self.calls.forced != NATIVE and not c.binding
+                and c.tool_choice in (None, "auto")):
+            envelope = None
+        return output_grammar(c, request.tools, envelope, self._think_envelope)
 
     def _splitter(self, request: BackendRequest,
                   grammar: OutputGrammar | None) -> ToolCallSplitter | StreamedCalls | None:
         """What cuts tool calls out of the text: the grammar's envelope when it writes them,
         else the model family's parser (none when the client said tool_choice "none")."""
-        if grammar is not None and grammar.calls and self.envelope is not None:
+        if (grammar is not None and grammar.calls and self.envelope is not None
+                and not self.envelope.bare):
             return StreamedCalls(self.envelope)  # the grammar's shape: streamed as written
         if request.constraints.tool_choice == "none":
             return None
@@ -156,6 +172,7 @@ class MLXBackend:
                     else ReasoningSplitter(self.think, opens_inside(
                         self.tokenizer, request.prompt_ids, self.think)))
         calls = self._splitter(request, grammar)
+        gaps = CallGaps()
         stop_ids = set(getattr(self.engine, "stop_token_ids", ()))
         generated = cached = 0
         async with aclosing(self.engine.agenerate(checked.engine)) as events:
@@ -177,7 +194,7 @@ class MLXBackend:
                 if calls is not None:
                     answer = "".join(p for p in pieces if isinstance(p, str))
                     pieces = [p for p in pieces if isinstance(p, Reasoning)]
-                    pieces += calls.feed(answer, done)
+                    pieces += gaps(calls.feed(answer, done), done)
                 last = ""
                 if done and pieces and isinstance(pieces[-1], str):
                     last = str(pieces.pop())  # the last text goes with the finish, as before

@@ -37,7 +37,7 @@ from prefix_cache.api.host import PreparedPrompt
 from prefix_cache.cache.cache import StaticPrefixCache
 from prefix_cache.cache.keys import validate_label
 from prefix_cache.cache.messages import validate_kwargs, validate_messages, validate_tools
-from prefix_cache.chat.conversation import Conversation
+from prefix_cache.chat.conversation import Conversation, for_template
 from prefix_cache.chat.responses_store import DEFAULT_BYTES_PER_TENANT, MemoryResponses
 from prefix_cache.engine import protocol as wire
 from prefix_cache.errors import InvalidRequestError
@@ -92,6 +92,7 @@ def boundary_of(body: Mapping[str, Any], n_ids: int) -> int:
 def render_conversation(tokenizer: Any, c: Conversation) -> list[int]:
     """The prompt ids of a conversation, rendered as the sidecar renders them (transformers'
     convention, with its tools, template kwargs and request-level render fields)."""
+    c = for_template(c, tokenizer)
     messages = validate_messages(c.messages)
     tools = validate_tools(c.tools)
     kwargs = validate_kwargs(c.chat_template_kwargs)
@@ -200,6 +201,7 @@ class EngineHost:
         """The conversation rendered with its static prefix's end (system and tools), as the
         sidecar cuts it; None when the cache cannot (logged: rendered here, boundary 0). Bad
         input is the 400 the render would give."""
+        c = for_template(c, self.chat.tokenizer)
         try:
             result = await self.boundaries.aresolve(
                 self.chat.tokenizer, validate_messages(c.messages), validate_tools(c.tools),

@@ -1,8 +1,8 @@
-"""Tool calls out of generated text, with the model family's own parser (mlx-lm's).
+"""Tool calls out of generated text, with the model family's own parser (``families``).
 
 mlx-lm's ``TokenizerWrapper`` knows, per template family, the markers a model writes a tool call
 between (``<tool_call>`` ... ``</tool_call>`` for Qwen/Hermes, ``[TOOL_CALLS]`` to the end for
-Mistral, ...) and a parser for what is inside. ``ToolCallSplitter`` cuts a stream of text deltas
+Mistral, ...) and a parser for what is inside; ``call_parsers`` adds Llama 3.x and DeepSeek. ``ToolCallSplitter`` cuts a stream of text deltas
 at those markers: text outside them passes on (a partial marker at the end of a delta is held
 until the next one tells), each complete call becomes a ``ToolCall``. A call the parser cannot
 read, or one cut off by ``max_tokens``, passes on as the text it was, markers included, so
@@ -22,10 +22,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from prefix_cache.engine.protocol import ToolCall
+from prefix_cache.engine.protocol import ToolCall, ToolCallChunk
 from prefix_cache.render.render import unwrap_tokenizer
 
-from .grammar.build import ENGINE_ENVELOPE, Envelope
+from .families import NATIVE, NOT_CONSTRAINED, CallFormat, call_format, forced_calls
+from .grammar.build import ENGINE_ENVELOPE, LLAMA_ENVELOPE, Envelope
 
 log = logging.getLogger("engine_adapter.tool_calls")
 
@@ -51,12 +52,10 @@ class ToolCallSplitter:
                       tools: Sequence[Mapping[str, Any]] | None) -> ToolCallSplitter | None:
         """The splitter of the tokenizer's family, or None when it has no tool-call parser or
         the request gives no tools."""
-        start = getattr(tokenizer, "tool_call_start", None)
-        parse = getattr(tokenizer, "tool_parser", None)
-        end = getattr(tokenizer, "tool_call_end", None)
-        if not tools or not start or parse is None or end is None:
+        fmt = call_format(tokenizer)
+        if not tools or fmt is None:
             return None
-        return cls(start, end, parse, tools)
+        return cls(fmt.start, fmt.end, fmt.parse, tools)
 
     def feed(self, text: str, final: bool = False) -> list[str | ToolCall]:
         """What can be passed on now; at ``final`` everything held is released."""
@@ -113,6 +112,31 @@ class ToolCallSplitter:
         return out
 
 
+class CallGaps:
+    """Pieces in, the same out without the whitespace between and after tool calls (the
+    template's newlines around its markers): a call stands next to a call or to text, never a
+    blank text block. Whitespace that text follows is kept with it."""
+
+    def __init__(self) -> None:
+        self._seen = False     # a call has passed
+        self._held = ""
+
+    def __call__(self, pieces: list[Any], final: bool) -> list[Any]:
+        out = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                if self._seen and not (self._held + piece).strip():
+                    self._held += piece
+                    continue
+                piece, self._held = self._held + piece, ""
+            elif isinstance(piece, (ToolCall, ToolCallChunk)):   # a call, or a piece of one
+                self._seen, self._held = True, ""
+            out.append(piece)
+        if final:
+            self._held = ""
+        return out
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """Length of the longest end of ``text`` that ``marker`` starts with."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
@@ -122,20 +146,28 @@ def _partial_suffix(text: str, marker: str) -> int:
 
 
 def json_envelope(tokenizer: Any) -> Envelope | None:
-    """The envelope a grammar writes this model's tool calls in: its family's markers when its
-    parser reads JSON ``{"name", "arguments"}`` between them (mlx-lm's ``json_tools``), the
-    engine's own when it has no format, None when its format is another (not constrained)."""
-    start = getattr(tokenizer, "tool_call_start", None)
-    parser = getattr(tokenizer, "tool_parser", None)
-    end = getattr(tokenizer, "tool_call_end", None)
-    if not start:
-        start, end = ENGINE_ENVELOPE.start, ENGINE_ENVELOPE.end
-    elif not end or not getattr(parser, "__module__", "").endswith(".json_tools"):
+    """The envelope a grammar writes this model's forced tool calls in
+    (``families.forced_calls``): its family's markers when its parser reads JSON ``{"name",
+    "arguments"}`` between them (mlx-lm's ``json_tools``), none for Llama 3.x's bare JSON, the engine's own when it has no
+    format or one of this project's, None when its format is another (not constrained)."""
+    fmt = call_format(tokenizer)
+    how = forced_calls(fmt.name if fmt else None)
+    if how == NOT_CONSTRAINED:
         return None
-    return Envelope(start, end, (_added_token(tokenizer, start), _added_token(tokenizer, end)))
+    if fmt is not None and fmt.name == "llama3_json":
+        return LLAMA_ENVELOPE
+    start, end = ((fmt.start, fmt.end) if how == NATIVE and fmt is not None
+                  else (ENGINE_ENVELOPE.start, ENGINE_ENVELOPE.end))
+    return Envelope(start, end, (added_token(tokenizer, start), added_token(tokenizer, end)))
 
 
-def _added_token(tokenizer: Any, marker: str) -> int | None:
+def marker_ids(tokenizer: Any, fmt: CallFormat | None) -> tuple[int, ...]:
+    """The ids of the format's markers that are single added tokens of the vocabulary."""
+    ids = (added_token(tokenizer, m) for m in (fmt.markers if fmt else ()))
+    return tuple(i for i in ids if i is not None)
+
+
+def added_token(tokenizer: Any, marker: str) -> int | None:
     """The id of ``marker`` when it is one added token of the vocabulary, else None."""
     inner = unwrap_tokenizer(tokenizer)
     added = getattr(inner, "get_added_vocab", None)

@@ -11,13 +11,15 @@ The mapping (docs/agent-apis.md has it with examples):
                                                            the turn's other content
     tools [{name, description, input_schema}]           -> function tools {name, description, parameters}
 
-The joins are vLLM's, so a vLLM upstream renders the same static text. Not rendered: thinking
-and redacted_thinking blocks, cache_control, citations, is_error, metadata; a system text block
+The joins are vLLM's, so a vLLM upstream renders the same static text. An assistant turn's
+thinking blocks are its ``reasoning_content`` (rendered where the template renders it). Not
+rendered: redacted_thinking blocks, cache_control, citations, is_error, metadata; a system text block
 that starts with Claude Code's ``x-anthropic-billing-header`` (a per-request hash: it would make
 every request a miss; vLLM drops it too). Refused with a 400: roles other than user/assistant,
 block types other than those above (documents, server tools' blocks), image sources other than
 base64/url, server tools (a ``type`` other than "custom"), and a final assistant message
 (Anthropic's prefill continues that text; a chat template renders a new turn after it).
+``thinking`` sets the template's ``enable_thinking`` where the template reads it.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class MessagesConversation(BaseModel):
     system: StrictStr | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
 
 
 class MessagesRequest(MessagesConversation):
@@ -105,7 +108,18 @@ def _conversation(req: MessagesConversation) -> Conversation:
     if req.tools and not tools:  # only hosted tools: as a request without tools
         tools = None
     return Conversation(fold_late_system(messages, 1 if system else 0), tools,
-                        req.chat_template_kwargs)
+                        req.chat_template_kwargs, template_switches=_thinking(req.thinking))
+
+
+def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``thinking`` as the template's switch: ``disabled`` turns it off, ``enabled`` and
+    ``adaptive`` on; not sent, the template's default (a local model's, not Claude's "off")."""
+    if thinking is None:
+        return None
+    kind = thinking.get("type")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise InvalidRequestError('thinking.type must be "enabled", "disabled" or "adaptive"')
+    return {"enable_thinking": kind != "disabled"}
 
 
 def parse_messages_body(body: Mapping[str, Any]) -> AgentCall:
@@ -229,10 +243,13 @@ def _user(blocks: list[dict[str, Any]], where: str, out: list[MessageDict]) -> N
 def _assistant(blocks: list[dict[str, Any]], where: str, out: list[MessageDict]) -> None:
     texts: list[dict[str, Any]] = []
     calls: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     for j, block in enumerate(blocks):
         at, kind = f"{where}.content[{j}]", block["type"]
         if kind == "text":
             _part(block, at, texts)
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            thoughts.append(block["thinking"])
         elif kind == "tool_use":
             call_id, name, args = block.get("id"), block.get("name"), block.get("input")
             if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
@@ -240,10 +257,12 @@ def _assistant(blocks: list[dict[str, Any]], where: str, out: list[MessageDict])
                 raise InvalidRequestError(f"{at}: a tool_use block needs a string id and name "
                                           "and an object input")
             calls.append(tool_call(call_id, name, args))
-        elif kind not in ("thinking", "redacted_thinking"):  # earlier reasoning: not rendered
+        elif kind not in ("thinking", "redacted_thinking"):  # redacted: nothing to render
             raise InvalidRequestError(f"{at}: a {kind!r} block is not supported in an "
                                       "assistant turn (text, tool_use and thinking are)")
     message = assistant_message(content_of(texts) if texts else "", [])
+    if thoughts:   # the template decides where it renders it (most only in the last tool loop)
+        message["reasoning_content"] = "\n".join(thoughts)
     out.append(message)
     for call in calls:
         append_call(out, call)

@@ -22,7 +22,7 @@ messages in the wire format (``arguments`` as a JSON string, as OpenAI's API sen
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..util import json_io
@@ -41,6 +41,26 @@ class Conversation:
     chat_template: str | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # Template variables an API's own field sets (Anthropic ``thinking``, Responses'
+    # ``reasoning.effort``): rendered only by a template that reads them (``for_template``).
+    template_switches: dict[str, Any] | None = None
+
+
+def for_template(c: Conversation, tokenizer: Any) -> Conversation:
+    """The conversation with its template switches moved into ``chat_template_kwargs`` where
+    the template it renders with reads them (names it), the client's own kwargs winning; a
+    template that does not read a switch renders, and caches, as if it were not sent."""
+    if not c.template_switches:
+        return c
+    from ..render.render import unwrap_tokenizer
+
+    template = c.chat_template or getattr(unwrap_tokenizer(tokenizer), "chat_template", None)
+    read = {k: v for k, v in c.template_switches.items()
+            if isinstance(template, str) and k in template}
+    if not read:
+        return replace(c, template_switches=None)
+    return replace(c, chat_template_kwargs={**read, **(c.chat_template_kwargs or {})},
+                   template_switches=None)
 
 
 def function_tool(name: str, description: str | None, parameters: Any) -> dict[str, Any]:
@@ -113,9 +133,13 @@ def append_call(messages: list[MessageDict], call: dict[str, Any]) -> None:
 
 
 def chat_wire_messages(messages: Sequence[MessageDict]) -> list[MessageDict]:
-    """The messages as an OpenAI chat body carries them: tool-call arguments as JSON text."""
+    """The messages as an OpenAI chat body carries them: tool-call arguments as JSON text, and
+    no ``reasoning_content`` (a field of the template's, not of OpenAI's messages: an upstream
+    gets what it got before Messages and Responses reasoning was rendered)."""
     out = []
     for message in messages:
+        if "reasoning_content" in message:
+            message = {k: v for k, v in message.items() if k != "reasoning_content"}
         calls = message.get("tool_calls")
         if calls:
             message = {**message, "tool_calls": [_wire_call(c) for c in calls]}

@@ -17,14 +17,15 @@ The mapping (docs/agent-apis.md has it with examples):
     tools [{type: function, name, description, parameters}]
                                                   -> function tools {name, description, parameters}
 
-Not rendered: reasoning items, ``reasoning``, ``metadata``, ``truncation``, ``user``. To an
+A reasoning item is the next assistant turn's ``reasoning_content`` (rendered where the template
+renders it). Not rendered: ``metadata``, ``truncation``, ``user``. To an
 upstream that speaks only chat completions: ``text.format`` as ``response_format``,
 ``reasoning.effort`` as ``reasoning_effort``, ``text.verbosity`` as ``verbosity``, and the
 sampling fields only when sent. Refused with a 400: tools other than function tools (built-in
 tools run on OpenAI's side), item types other than those above (item_reference, built-in tool
 calls), input_file and file_id images, ``background``, ``conversation``, ``prompt``; on the
-in-process engine, ``text.format`` other than plain text (it has no structured outputs),
-``reasoning.effort`` and ``text.verbosity``.
+in-process engine, ``text.verbosity``. ``reasoning.effort`` sets the template's switches
+(``enable_thinking``, gpt-oss's ``reasoning_effort``) where the template reads them.
 """
 
 from __future__ import annotations
@@ -190,7 +191,9 @@ def parse_responses_body(body: Mapping[str, Any],
         options["tool_choice"] = _tool_choice(req.tool_choice)
     if req.parallel_tool_calls is not None:
         options["parallel_tool_calls"] = req.parallel_tool_calls
-    conversation = Conversation(fold_late_system(messages), tools, req.chat_template_kwargs)
+    conversation = Conversation(fold_late_system(messages), tools, req.chat_template_kwargs,
+                                template_switches=_effort_switches(options.get(
+                                    "reasoning_effort")))
     call = AgentCall(model=req.model, conversation=conversation,
                      sampling=sampling, specprefill=specprefill_params(body),
                      stream=bool(req.stream), chat_options=options,
@@ -213,7 +216,14 @@ def _item(item: Any, where: str, out: list[MessageDict]) -> None:
         role, content = item.get("role"), item.get("content")
         if role not in ROLES:
             raise InvalidRequestError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
-        out.append({"role": role, "content": _content(content, f"{where}.content")})
+        text = _content(content, f"{where}.content")
+        last = out[-1] if out else None
+        if (role == "assistant" and last is not None and last["role"] == "assistant"
+                and "reasoning_content" in last and not last["content"]
+                and "tool_calls" not in last):
+            last["content"] = text    # the answer after its reasoning item: one turn
+        else:
+            out.append({"role": role, "content": text})
     elif kind == "function_call":
         call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
         if not (isinstance(call_id, str) and call_id and isinstance(name, str) and name
@@ -230,9 +240,23 @@ def _item(item: Any, where: str, out: list[MessageDict]) -> None:
         if not isinstance(call_id, str) or not call_id:
             raise InvalidRequestError(f"{where}.call_id must be a non-empty string")
         out.extend(tool_result(call_id, _parts(output, f"{where}.output")))
-    elif kind != "reasoning":  # earlier reasoning is not rendered
+    elif kind == "reasoning":   # the next assistant turn's reasoning_content
+        text = _reasoning_text(item)
+        if text:
+            out.append({"role": "assistant", "content": "", "reasoning_content": text})
+    else:
         raise InvalidRequestError(f"{where}: items of type {kind!r} are not supported (message, "
                                   "function_call, function_call_output and reasoning are)")
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its reasoning_text parts, else its summary (what a client
+    that kept it sends back; encrypted content has nothing this server can read)."""
+    for field in ("content", "summary"):
+        texts = [p.get("text") for p in item.get(field) or () if isinstance(p, dict)]
+        if any(isinstance(t, str) and t for t in texts):
+            return "\n".join(t for t in texts if isinstance(t, str))
+    return ""
 
 
 def _content(content: Any, where: str) -> str | list[Any]:
@@ -347,11 +371,22 @@ def _reasoning_effort(reasoning: dict[str, Any] | None) -> str | None:
     return effort
 
 
+def _effort_switches(effort: str | None) -> dict[str, Any] | None:
+    """``reasoning.effort`` as the template's switches: ``none`` and ``minimal`` turn
+    ``enable_thinking`` off, the others on; low/medium/high are also gpt-oss's
+    ``reasoning_effort``."""
+    if effort is None:
+        return None
+    switches: dict[str, Any] = {"enable_thinking": effort not in ("none", "minimal")}
+    if effort in ("low", "medium", "high"):
+        switches["reasoning_effort"] = effort
+    return switches
+
+
 # Options an in-process engine cannot honour, by the Responses field the client named.
 # (text.format goes as response_format: an engine with constrained decoding honours it, the
 # others refuse it naming text.format.)
-# reasoning.effort is accepted and has no effect there (agents send it on every turn; a
-# template's own switch goes in chat_template_kwargs).
+# reasoning.effort is no option there: it sets the template's switches (``_effort_switches``).
 ENGINE_REFUSED = {"verbosity": "text.verbosity"}
 
 

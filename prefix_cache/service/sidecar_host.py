@@ -13,7 +13,7 @@ from fastapi import Request
 from ..api.engine_target import EngineTarget
 from ..api.host import PreparedPrompt, Target
 from ..cache.cache import PrefixResult
-from ..chat.conversation import Conversation
+from ..chat.conversation import Conversation, for_template
 from ..chat.responses_store import ResponseStore
 from ..util.hints import Hints
 from ..http.auth import client_authorization, key_hint
@@ -100,7 +100,7 @@ class SidecarHost:
                       hints: Hints | None = None) -> PrefixResult:
         """``prompt_ids``: the client's own (checked by the cache: a 400 unless token ids);
         ``hints``: what the body's parse already worked out."""
-        c, state = conversation, self.state
+        c, state = for_template(conversation, model.tokenizer), self.state
         state.limits.check_prompt(tenant, body_size, c.messages, c.tools, c.chat_template_kwargs)
         return await state.cache.aresolve(
             model.tokenizer, c.messages, c.tools, c.chat_template_kwargs, namespace=tenant,

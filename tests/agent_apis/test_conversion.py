@@ -76,7 +76,8 @@ def test_an_anthropic_agent_turn_maps_to_the_template_conversation() -> None:
             {"type": "text", "text": "Look at"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
             {"type": "text", "text": "and read a.txt"}]},
-        {"role": "assistant", "content": "Reading.", "tool_calls": [
+        {"role": "assistant", "content": "Reading.", "reasoning_content": "I should read it.",
+         "tool_calls": [
             {"id": "toolu_1", "type": "function", "function": {"name": "read",
                                                                "arguments": {"path": "a"}}},
             {"id": "toolu_2", "type": "function", "function": {"name": "read",

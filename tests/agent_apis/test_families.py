@@ -1,9 +1,11 @@
 """Model families' tool calls and reasoning through the three agent APIs on the engine, with
 the real ``openai`` and ``anthropic`` SDKs: a call forced by a grammar on a tiny random-weights
-Qwen3 (real tokenizer, its own template) comes back as a tool call, whole and streamed, also
-where the tokenizer marks its markers special; a ``<think>`` family's reasoning comes back apart
-from the answer (forced output, played back by a scripted engine on Qwen3.5's tokenizer and
-template, whose generation prompt opens ``<think>``)."""
+Qwen3 or Llama 3.1 (real tokenizer, its own template, the call in its own format) comes back as
+a tool call, whole and streamed, also where the tokenizer marks Qwen3's markers special; a
+``<think>`` family's reasoning comes back apart from the answer (forced output, played back by a
+scripted engine on Qwen3.5's tokenizer and template, whose generation prompt opens
+``<think>``), Anthropic's and Responses' thinking switches set the template's, and reasoning
+sent back renders where the template puts it."""
 
 from __future__ import annotations
 
@@ -52,19 +54,30 @@ def qwen3_folder(dest: Path, special_markers: bool) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["qwen3", "qwen3-special-markers"])
-def qwen3_engine(request: pytest.FixtureRequest, engine_models_dir: Path) -> Iterator[str]:
-    folder = qwen3_folder(engine_models_dir / f"qwen3-own-template-{request.param}",
-                          request.param)
-    backend = MLXBackend.load(folder, name="qwen3")
+@pytest.fixture(scope="module", params=["qwen3", "qwen3-special-markers", "llama3.1"])
+def forced_engine(request: pytest.FixtureRequest, engine_models_dir: Path) -> Iterator[str]:
+    """serve-engine on a tiny model with its family's own tokenizer and template: Qwen3 (its
+    calls between markers; also with the markers special), Llama 3.1 (a call is the bare JSON
+    ``{"name", "parameters"}`` reply, one a turn)."""
+    from engine_adapter.testing.tiny_model import tiny_model_folder
+
+    if request.param == "llama3.1":
+        template = (TEMPLATES_DIR / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+        folder = tiny_model_folder(engine_models_dir / "llama3.1-own-template", "llama",
+                                   tokenizer="llama3.1", chat_template=template)
+    else:
+        special = request.param == "qwen3-special-markers"
+        folder = qwen3_folder(engine_models_dir / f"qwen3-own-template-{special}", special)
+    backend = MLXBackend.load(folder, name=request.param)
+    assert backend.envelope is not None   # forced calls in the family's own format
+    assert backend.envelope.bare == (request.param == "llama3.1")
     with ServerThread(create_engine_app(backend)) as url:
         yield url
 
 
 @pytest.mark.parametrize("choice", ["required", "named"])
-def test_a_forced_call_on_qwen3_is_a_tool_call_in_every_api(qwen3_engine: str,
-                                                            choice: str) -> None:
-    sdk, claude = openai_client(qwen3_engine), anthropic_client(qwen3_engine)
+def test_a_forced_call_is_a_tool_call_in_every_api(forced_engine: str, choice: str) -> None:
+    sdk, claude = openai_client(forced_engine), anthropic_client(forced_engine)
     user = [{"role": "user", "content": "Wake me."}]
     chat_choice: Any = ("required" if choice == "required" else
                         {"type": "function", "function": {"name": "set_alarm"}})
@@ -220,3 +233,106 @@ def test_reasoning_relayed_from_a_chat_only_upstream_keeps_its_shape(thinking: T
     for message in (whole, streamed):
         assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None))
                 for b in message.content] == [("thinking", THOUGHT), ("text", ANSWER)]
+
+
+# -- the template's thinking switch, and reasoning sent back -----------------------------------
+
+
+def test_thinking_switches_map_to_the_templates_enable_thinking(thinking: Thinking) -> None:
+    """Anthropic ``thinking`` and Responses' ``reasoning.effort`` set Qwen3.5's
+    ``enable_thinking``: off, the template closes the block and all the output is answer."""
+    claude, sdk = anthropic_client(thinking.url), openai_client(thinking.url)
+    thinking.play(ANSWER)
+    off = claude.messages.create(model="m", max_tokens=40, messages=HI,
+                                 thinking={"type": "disabled"})
+    assert [(b.type, getattr(b, "text", None)) for b in off.content] == [("text", ANSWER)]
+    quick = sdk.responses.create(model="m", input="Hi", max_output_tokens=40,
+                                 reasoning={"effort": "minimal"})
+    assert [i.type for i in quick.output] == ["message"] and quick.output_text == ANSWER
+    thinking.play(f"{THOUGHT}\n</think>\n\n{ANSWER}")
+    for kind in ("enabled", "adaptive"):
+        on = claude.messages.create(model="m", max_tokens=40, messages=HI,
+                                    thinking={"type": kind, "budget_tokens": 1024})
+        assert [b.type for b in on.content] == ["thinking", "text"]
+    deep = sdk.responses.create(model="m", input="Hi", max_output_tokens=40,
+                                reasoning={"effort": "high"})
+    assert [i.type for i in deep.output] == ["reasoning", "message"]
+    with pytest.raises(anthropic.BadRequestError, match="thinking.type"):
+        claude.messages.create(model="m", max_tokens=40, messages=HI,
+                               thinking={"type": "sometimes"})  # type: ignore[arg-type]
+
+
+def test_a_switch_the_template_does_not_read_is_not_sent(thinking: Thinking) -> None:
+    # Rendered and cached as if absent: the cache key holds the kwargs.
+    from prefix_cache.chat.conversation import Conversation, for_template
+
+    llama = (TEMPLATES_DIR / "meta-llama-Llama-3.1-8B-Instruct.jinja").read_text()
+    switches = {"enable_thinking": False, "reasoning_effort": "low"}
+    plain = for_template(Conversation(HI, chat_template=llama, template_switches=switches),
+                         thinking.tokenizer)
+    assert plain.chat_template_kwargs is None and plain.template_switches is None
+    qwen = for_template(Conversation(HI, None, {"enable_thinking": True},
+                                     template_switches=switches), thinking.tokenizer)
+    assert qwen.chat_template_kwargs == {"enable_thinking": True}   # the client's own wins
+
+
+def test_reasoning_sent_back_renders_where_the_template_puts_it(thinking: Thinking) -> None:
+    """A tool loop's earlier reasoning (Anthropic thinking blocks, a Responses reasoning item)
+    is the assistant turn's ``reasoning_content``: Qwen3.5's template renders it inside the
+    loop, as the model wrote it."""
+    from engine_adapter.engine_host import render_conversation
+    from prefix_cache.chat.anthropic_params import messages_conversation
+    from prefix_cache.chat.responses_params import parse_responses_body
+
+    call = {"type": "tool_use", "id": "c1", "name": "clock", "input": {}}
+    body = {"messages": HI + [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": THOUGHT,
+                                           "signature": "s"}, call]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                      "content": "7:00"}]}]}
+    items = [{"role": "user", "content": "Hi"},
+             {"type": "reasoning", "summary": [], "content": [
+                 {"type": "reasoning_text", "text": THOUGHT}]},
+             {"type": "function_call", "call_id": "c1", "name": "clock", "arguments": "{}"},
+             {"type": "function_call_output", "call_id": "c1", "output": "7:00"}]
+    responses = parse_responses_body({"model": "m", "input": items},
+                                     lambda _: None).call.conversation
+    for conversation in (messages_conversation(body), responses):
+        assistant = conversation.messages[1]
+        assert assistant["reasoning_content"] == THOUGHT and assistant["tool_calls"]
+        prompt = thinking.tokenizer.decode(render_conversation(thinking.tokenizer,
+                                                               conversation))
+        assert f"<think>\n{THOUGHT}\n</think>" in prompt
+
+
+def test_reasoning_sent_back_keeps_the_next_prompt_on_the_turns_tokens(thinking: Thinking) -> None:
+    """Conversation KV reuse serves what the next prompt shares with the last turn's prompt and
+    reply. In a tool loop on Qwen3.5, the turn as the model wrote it (reasoning, then the call)
+    is the start of the next prompt when its reasoning is sent back: all of it is reusable;
+    dropped, the next prompt parts from it before the reply (here: 267 tokens shared against
+    243, of a 244-token prompt and a 23-token reply)."""
+    from engine_adapter.engine_host import render_conversation
+    from prefix_cache.chat.anthropic_params import messages_conversation
+
+    tools = [{"name": "clock", "description": "Time.", "input_schema": {"type": "object"}}]
+    call = {"type": "tool_use", "id": "c1", "name": "clock", "input": {}}
+    thought = {"type": "thinking", "thinking": THOUGHT, "signature": ""}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1",
+                                           "content": "7:00"}]}
+
+    def prompt(*assistant: dict[str, Any]) -> list[int]:
+        turns = HI + ([{"role": "assistant", "content": list(assistant)}, result]
+                      if assistant else [])
+        return render_conversation(thinking.tokenizer, messages_conversation(
+            {"messages": turns, "tools": tools}))
+
+    first, kept, dropped = prompt(), prompt(thought, call), prompt(call)
+    end = kept.index(thinking.tokenizer.convert_tokens_to_ids("<|im_end|>"), len(first)) + 1
+    written = kept[:end]   # turn 1's prompt and the reply the template shows it wrote
+    assert written[:len(first)] == first
+
+    def shared(ids: list[int]) -> int:
+        return next((i for i, (a, b) in enumerate(zip(ids, written)) if a != b), len(written))
+
+    assert shared(kept) == len(written)
+    assert shared(dropped) < len(first)

@@ -16,7 +16,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 from engine_adapter.grammar import GrammarCache, output_grammar  # noqa: E402
-from engine_adapter.grammar.build import ENGINE_ENVELOPE, Envelope  # noqa: E402
+from engine_adapter.grammar.build import ENGINE_ENVELOPE, LLAMA_ENVELOPE, Envelope  # noqa: E402
 from engine_adapter.mlx_engine import GenerationRequest  # noqa: E402
 from engine_adapter.mlx_engine.model_info import vocab_size  # noqa: E402
 from engine_adapter.mlx_engine.sampling import allowed_tokens  # noqa: E402
@@ -170,11 +170,53 @@ def test_what_each_choice_allows():
     assert named.lark.splitlines()[0] == "start: call" and '"clear"' in named.lark
     assert '"paint"' not in named.lark and '"[C]"' in named.lark
     auto = output_grammar(OutputConstraints(), TOOLS, ENGINE_ENVELOPE)
-    assert auto is not None and auto.lark.splitlines()[0] == "start: (TEXT | call+)?"
+    assert auto is not None and auto.lark.splitlines()[0] == (
+        'start: TEXT? | (OPEN | "<tool_call>") body call*')   # text, then calls
+    # Llama 3.x: one bare {"name", "parameters"} call, forced; under auto its parser reads it.
+    bare = output_grammar(OutputConstraints(tool_choice="required"), TOOLS, LLAMA_ENVELOPE)
+    assert bare is not None and bare.lark.splitlines()[0] == "start: call"
+    assert "call: args_0 | args_1" in bare.lark.splitlines()
+    assert '"parameters"' in bare.lark and '"arguments"' not in bare.lark
+    assert output_grammar(OutputConstraints(), TOOLS, LLAMA_ENVELOPE) is None
     # Free text with no tools, or tools whose family format is not constrained: no grammar.
     assert output_grammar(OutputConstraints(), None, ENGINE_ENVELOPE) is None
     assert output_grammar(OutputConstraints(), TOOLS, None) is None
     assert output_grammar(OutputConstraints(tool_choice="none"), TOOLS, ENGINE_ENVELOPE) is None
+
+
+@pytest.mark.parametrize("envelope", ["qwen3", "text"])
+def test_auto_lets_text_and_reasoning_come_before_the_calls(target, envelope):
+    # A reasoning model reasons, says what it will do, then calls: the text may hold "<" but
+    # never START, so once START is written the call is finished under its schema.
+    model, tok = target
+    env = json_envelope(tok) if envelope == "qwen3" else Envelope("[CALL]", "[/CALL]")
+    assert (env.ids[0] is not None) == (envelope == "qwen3")   # one token, or plain text
+    cache = grammars(model, tok)
+    think = Envelope("<think>", "</think>", tuple(tok.convert_tokens_to_ids(["<think>",
+                                                                            "</think>"])))
+    grammar = output_grammar(OutputConstraints(), TOOLS, env, think)
+
+    def refused_at(ids: list[int]) -> int | None:
+        """The index of the first token the grammar refuses; None when it ends complete."""
+        run = cache.run(grammar)
+        for i, token in enumerate(ids):
+            if not run.matcher.consume_token(token):
+                return i
+        return None if run.matcher.is_accepting() else len(ids)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(text, add_special_tokens=False)
+
+    body = '\n{"name": "paint", "arguments": {"color": "red", "ok": true}}\n'
+    start, end = (([i] for i in env.ids) if env.ids[0] is not None
+                  else (encode(env.start), encode(env.end)))
+    call = start + encode(body) + end
+    head = encode("<think>\nIs 1 < 2? Yes.\n</think>\n\nI will paint it.\n")
+    opened = encode("Is 1 < 2? Yes.\n</think>\n\n")   # the prompt opened the block
+    for ids in (head, call, head + call, head + call + call, opened + call):
+        assert refused_at(ids) is None
+    # START inside the text starts a call: what follows must be the call's JSON.
+    assert refused_at(encode("Sure. ") + start + encode(" not a call")) is not None
 
 
 def test_a_model_with_no_tool_call_format_gets_calls_through_the_engines_envelope(engines,
