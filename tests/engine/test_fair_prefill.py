@@ -98,6 +98,9 @@ def test_a_quiet_tenants_first_token_comes_before_most_of_a_floods_chunks(
     if fair:  # its share of the first step: before 1/10 of the flood's prompt tokens
         assert flood_tokens_before <= FLOOD * FLOOD_TOKENS // 10, (flood_tokens_before, chunks)
         assert [e for e in log if e[0] == "token"][0] == ("token", "quiet")
+        # its step ends once its only prompt is in: no flood chunk before its first token
+        own = max(i for i, e in enumerate(log[:first]) if e[0] == "chunk" and e[2] == 39)
+        assert not [e for e in log[own + 1:first] if e[0] == "chunk"], log[own:first + 1]
     else:     # first come first served: behind every flood prompt
         assert flood_tokens_before >= FLOOD * FLOOD_TOKENS - 2 * STEP_TOKENS
         assert [e for e in log if e[0] == "token"][-1] == ("token", "quiet")
