@@ -304,8 +304,9 @@ class MLXEngine:
 
     def _prefill_step(self) -> bool:
         """This step's prefill work, as the budget picks it (``StepBudget.schedule``: decode
-        tokens first, the rest shared across namespaces); whether a prompt finished (it is in
-        the batch: the next ``_step`` moves it to generation)."""
+        tokens first, the rest shared across namespaces; while a stream runs, about a decode
+        step's time of it, ``StepClock``), ended early as the comment below says; whether a
+        prompt finished (it is in the batch: the next ``_step`` moves it to generation)."""
         assert self._budget is not None
         streaming = any(s.emitted for s in self._by_uid.values())
         limit = self._clock.prefill_tokens(self._budget.tokens, streaming)
