@@ -3,7 +3,8 @@ KV reused across requests and SpecPrefill on the rest of long prompts.
 
     submit(request) ──> engine thread: admit ──> prefill job ──> BatchGenerator (decode)
     each step:          decode first, then the prefill chunks ``StepBudget.schedule`` picks
-                        within the step's token budget, shared across namespaces (``budget``)
+                        within the step's token budget, shared across namespaces (``budget``);
+                        while a stream runs, about one decode step's time of them (``StepClock``)
     admit, dense:       what ``KVReuse.plan_dense`` restores (a conversation prefix, the static
                         prefix, or nothing), the rest computed in chunks (``ChunkedPrefill``);
                         the static prefix and the prompt are stored as their segments finish
@@ -40,7 +41,7 @@ from ..defaults import (
     DEFAULT_STEP_TOKENS,
 )
 from .kv import cache as kv_cache
-from .budget import StepBudget
+from .budget import StepBudget, StepClock, finishes
 from .delivery import async_events, blocking_events
 from .draft_layers import reused_layers
 from .kv.disk_setup import DiskKVStore, open_kv_disk
@@ -142,6 +143,7 @@ class MLXEngine:
         self._by_uid: dict[int, EngineSequence] = {}
         # Prompts being prefilled, dense and SpecPrefill, and each step's share of them.
         self._budget = StepBudget(step_tokens) if fair_prefill else None
+        self._clock = StepClock()   # a step's prefill sized by time while a stream runs
         # Without the budget: SpecPrefills in progress, oldest first, advanced one model chunk
         # per loop between BatchGenerator steps, so running sequences keep decoding.
         self._sparse_jobs: deque[SparseJob] = deque()
@@ -285,7 +287,9 @@ class MLXEngine:
         if not self._by_uid:
             return
         try:
+            started = time.perf_counter()
             self._step()
+            self._clock.decoded(time.perf_counter() - started)
         except Exception as exc:  # a failed model step fails what was running, not the engine
             log.exception("engine step failed")
             self._fail_all(EngineError(f"model step failed: {exc}"))
@@ -294,16 +298,39 @@ class MLXEngine:
 
     def _prefill_step(self) -> bool:
         """This step's prefill work, as the budget picks it (``StepBudget.schedule``: decode
-        tokens first, the rest shared across namespaces); whether a prompt finished (it is in
-        the batch: the next ``_step`` moves it to generation)."""
+        tokens first, the rest shared across namespaces; while a stream runs, about a decode
+        step's time of it, ``StepClock``), ended early as the comment below says; whether a
+        prompt finished (it is in the batch: the next ``_step`` moves it to generation)."""
         assert self._budget is not None
-        finished = False
-        for job, tokens in self._budget.schedule(len(self._by_uid)):
+        streaming = any(s.emitted for s in self._by_uid.values())
+        limit = self._clock.prefill_tokens(self._budget.tokens, streaming)
+        finished = drained = False
+        plan = self._budget.schedule(len(self._by_uid), limit)
+        for i, (job, tokens) in enumerate(plan):
+            # After its first chunk the step ends early (what it did not run keeps its place
+            # and its namespace's turn) once it has finished a namespace's last waiting prompt
+            # (a quiet tenant's first token comes next, not after a flood's chunks), or when a
+            # namespace with no prompt waiting sends one (it has a share from the next step on,
+            # so it waits for at most one chunk).
+            if i and ((drained and not finishes(job, tokens)) or self._newcomer()):
+                ran = {j.namespace for j, _ in plan[:i]}
+                self._budget.unrun([j for j, _ in plan[i:] if j.namespace not in ran])
+                break
             if isinstance(job, SparseJob):
-                finished |= self._advance_sparse(job)
+                done = self._advance_sparse(job)
             else:
-                finished |= self._advance_chunked(job, tokens)
+                done = self._advance_chunked(job, tokens)
+            finished |= done
+            drained |= done and not self._budget.waiting(job.namespace)
         return finished
+
+    def _newcomer(self) -> bool:
+        """Whether a request waits in the inbox from a namespace with no prefill work waiting
+        (another prompt of a namespace that has some would only queue behind it)."""
+        assert self._budget is not None
+        with self._wake:
+            return any(kind == "submit" and not self._budget.waiting(item.request.namespace)
+                       for kind, item in self._inbox)
 
     def _sparse_count(self) -> int:
         budgeted = self._budget or ()
@@ -503,8 +530,9 @@ class MLXEngine:
         try:
             with mx.stream(self._generator.stream):
                 while tokens > 0 and job.left > 0:
-                    before = job.done
+                    before, started = job.done, time.perf_counter()
                     end = job.advance(tokens)
+                    self._clock.prefilled(job.done - before, time.perf_counter() - started)
                     tokens -= job.done - before
                     if end is not None:   # the static prefix or the whole prompt is in
                         self._restart(self.reuse.on_segment(seq, end, lambda: (job.cache,)))

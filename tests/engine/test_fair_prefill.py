@@ -16,7 +16,7 @@ pytest.importorskip("mlx.core")
 pytest.importorskip("mlx_lm")
 
 from engine_adapter.mlx_engine import GenerationRequest  # noqa: E402
-from engine_adapter.mlx_engine.budget import StepBudget  # noqa: E402
+from engine_adapter.mlx_engine.budget import StepBudget, StepClock  # noqa: E402
 
 FLOOD, FLOOD_TOKENS, STEP_TOKENS = 6, 1024, 128
 
@@ -98,6 +98,9 @@ def test_a_quiet_tenants_first_token_comes_before_most_of_a_floods_chunks(
     if fair:  # its share of the first step: before 1/10 of the flood's prompt tokens
         assert flood_tokens_before <= FLOOD * FLOOD_TOKENS // 10, (flood_tokens_before, chunks)
         assert [e for e in log if e[0] == "token"][0] == ("token", "quiet")
+        # its step ends once its only prompt is in: no flood chunk before its first token
+        own = max(i for i, e in enumerate(log[:first]) if e[0] == "chunk" and e[2] == 39)
+        assert not [e for e in log[own + 1:first] if e[0] == "chunk"], log[own:first + 1]
     else:     # first come first served: behind every flood prompt
         assert flood_tokens_before >= FLOOD * FLOOD_TOKENS - 2 * STEP_TOKENS
         assert [e for e in log if e[0] == "token"][-1] == ("token", "quiet")
@@ -146,8 +149,12 @@ def test_the_budget_decodes_first_and_shares_prefill_across_namespaces() -> None
     for job in [*a, b]:
         budget.add(job)
     plan = budget.schedule(decoding=12)                # 500 to prefill, two namespaces
-    # 250 each; b needs 100, so a's oldest takes the other 150 too
-    assert [(j.request_id, n) for j, n in plan] == [("a0", 400), ("b0", 100)]
+    # 250 each; b needs 100, so a's oldest takes the other 150 too; b finishes: it runs first
+    assert [(j.request_id, n) for j, n in plan] == [("b0", 100), ("a0", 400)]
+    budget.discard("b0")
+    budget.add(b)
+    assert [(j.request_id, n) for j, n in budget.schedule(decoding=12, prefill=64)] == [
+        ("a0", 32), ("b0", 32)]                        # a step sized by time (StepClock)
     b.left = 0
     budget.discard("b0")
     a[0].left -= 400
@@ -169,6 +176,29 @@ def test_the_budget_decodes_first_and_shares_prefill_across_namespaces() -> None
     assert {f"n{i}" for i in range(20)} <= seen
     with pytest.raises(ValueError, match="budget"):
         StepBudget(0)
+
+
+def test_a_step_ended_early_keeps_the_turn_of_what_it_did_not_run() -> None:
+    budget = StepBudget(64, min_chunk=32)
+    x, y = _Job("x0", "x", 1000), _Job("y0", "y", 1000)
+    budget.add(x)
+    budget.add(y)
+    plan = budget.schedule(decoding=0)
+    assert [j.request_id for j, _ in plan] == ["x0", "y0"]
+    budget.unrun([y])                                  # the engine ran x's chunk only
+    assert [j.request_id for j, _ in budget.schedule(decoding=0, prefill=32)] == ["y0"]
+
+
+def test_while_a_stream_runs_a_steps_prefill_takes_about_one_decode_step() -> None:
+    clock = StepClock(floor=16)
+    assert clock.prefill_tokens(1024, streaming=True) == 1024     # nothing measured yet
+    clock.decoded(0.010)
+    clock.prefilled(100, 0.050)                                    # 0.5 ms a token
+    assert clock.prefill_tokens(1024, streaming=True) == 20        # 10 ms of prefill
+    assert clock.prefill_tokens(1024, streaming=False) == 1024     # no stream to hold up
+    clock.prefilled(10, 1.0)                                       # deep in a long prompt
+    assert clock.prefill_tokens(1024, streaming=True) == 16        # never under the floor
+    assert clock.prefill_tokens(8, streaming=True) == 8            # nor over the budget
 
 
 def test_a_budget_the_decode_batch_fills_is_refused_naming_both_options() -> None:
