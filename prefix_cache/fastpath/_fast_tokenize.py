@@ -27,12 +27,14 @@ from ..cache.prompt_tokens import (
     validate_check_rate,
 )
 from ..render.render import TemplateRenderer
-from ..render.split import SplitRule, split_rule, tail_from_split
+from ..render.split import SplitRule, tail_from_split
+from ..render.tokenizer_model import TokenizerModel
 from ..util.token_ids import TokenIds, pack_ids, unpack_ids
 from ._fast_text import FastPromptText
 from ._tail_pieces import PieceMemo
 
 log = logging.getLogger("prefix_cache")
+MAX_RULES = 64   # tokenizer states whose split rule one tokenizer keeps
 
 
 class FastPromptTokenizer(PromptTokenizer):
@@ -50,6 +52,7 @@ class FastPromptTokenizer(PromptTokenizer):
         self.pieces = PieceMemo()
         self._rng = rng or random.Random()
         self._off: dict[bytes, str] = {}   # tokenizer fingerprint -> why the split is off
+        self._rules: dict[bytes, SplitRule] = {}   # tokenizer fingerprint -> its split rule
         self._lock = threading.Lock()
         self._first_draw: float | None = None
         self._checking_s = 0.0  # what the checks took so far
@@ -110,8 +113,18 @@ class FastPromptTokenizer(PromptTokenizer):
         return self._checking_s <= CHECK_TIME_SHARE * (now - self._first_draw)
 
     def split_rule(self, renderer: TemplateRenderer) -> SplitRule | None:
-        return split_rule(renderer.tokenizer, renderer.tokenizer_digest,
-                          renderer.split_special_tokens)
+        """The renderer's tokenizer's rule, built once per tokenizer state (its fingerprint)."""
+        digest = renderer.tokenizer_digest
+        rule = self._rules.get(digest)
+        if rule is None:
+            model = renderer.tokenizer_model or TokenizerModel(renderer.tokenizer,
+                                                               renderer.split_special_tokens)
+            rule = SplitRule(model)
+            with self._lock:
+                if len(self._rules) >= MAX_RULES:
+                    del self._rules[next(iter(self._rules))]
+                self._rules[digest] = rule
+        return rule
 
     def _from_split(self, renderer: TemplateRenderer, text: str, entry: Entry | None,
                     scope: str) -> tuple[TokenIds | None, str]:

@@ -42,7 +42,7 @@ from ._template_clock import (
     watch_randomness,
 )
 from .tokenizer_identity import TokenizerState, TokenizerStates
-from .tokenizer_model import TokenizerModel, tokenizer_model
+from .tokenizer_model import TokenizerModel
 
 log = logging.getLogger("prefix_cache")
 
@@ -178,7 +178,7 @@ class TemplateRenderer:
         self._wrapped = self.tokenizer is not target
         # The tokenizer as the key read it (None for a wrapper's: it encodes its own way).
         self.tokenizer_model: TokenizerModel | None = None if self._wrapped else \
-            tokenizer_model(self.tokenizer, tokenizer_digest, self.split_special_tokens)
+            TokenizerModel(self.tokenizer, self.split_special_tokens)
         self._backend = None if self.tokenizer_model is None else self.tokenizer_model.backend
 
     @property

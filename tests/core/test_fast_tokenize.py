@@ -31,7 +31,6 @@ from prefix_cache.render.render import Renderers, get_renderer
 from prefix_cache.render.split import SplitRule, StaticSplit, split_rule
 from prefix_cache.cache._stats import CacheStats
 from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make_model_dir
-from prefix_cache.render.tokenizer_identity import TokenizerStates
 from tests.support import reference
 from tests.support.templates import BEFORE_LAST_USER, DEFAULT_SYSTEM, TOOLS_IN_FIRST_USER
 from tests.support.tokenizers import fresh
@@ -60,7 +59,7 @@ def with_flags(tok: Any, flags: dict[str, dict[str, bool]]) -> Any:
 
 
 def rule_of(tok: Any) -> SplitRule:
-    return split_rule(tok, TokenizerStates().fingerprint(tok))
+    return split_rule(tok)
 
 
 def cut_contents(rule: SplitRule, text: str) -> list[str]:

@@ -124,7 +124,7 @@ def test_the_cap_from_the_split_equals_the_full_tokenization(stem: str) -> None:
         tok = load_offline_tokenizer(name)
         for tools in (None, make_tools(3)):
             renderer = get_renderer(tok, template, tools)
-            rule = split_rule(tok, renderer.tokenizer_digest, renderer.split_special_tokens)
+            rule = split_rule(tok, renderer.split_special_tokens)
             def render(conv: Any, choice: Any, r: Any = renderer) -> str:
                 return r.render_text(conv, choice, KWARGS)
             try:  # as a cache with its accelerators probes: the split looked for
