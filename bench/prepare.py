@@ -135,23 +135,25 @@ def breakdown(label: str, tok: Any, template: str, tools: list[dict[str, Any]],
     """Where a hit's time goes: the render's parts and the tokenization, medians of 30."""
     from transformers.utils.chat_template_utils import _plain_template_data
 
-    from prefix_cache.cache.entry import decode_entry
-    from prefix_cache.fastpath import Accelerators
     from prefix_cache.cache._plan import make_plan
-    from prefix_cache.render.render import get_renderer
+    from prefix_cache.cache.entry import decode_entry
+    from prefix_cache.cache.keys import KeyPacker
+    from prefix_cache.fastpath import FastPromptText
 
-    fast = Accelerators()
-    renderer = get_renderer(tok, template, tools)
+    fast = FastPromptText()
     plan = make_plan(tok, messages, tools, None, template, "default", None, prefix=cache.prefix,
-                     protect_default_prefix=False, renderers=cache._renderers, fast=fast)
+                     protect_default_prefix=False, renderers=cache._renderers,
+                     packer=KeyPacker())
+    renderer, compiled, memo_key = plan.renderer, fast.compile(plan.renderer), (plan.key, plan.check)
     entry = decode_entry(cache.store.get(plan.key), plan.key, plan.check)
-    text = renderer.render_text(messages, tools, {}, fast=fast, memo_key=plan.memo_key)
+    text = fast.render(plan, messages, tools)
     indent = 4 if "tojson(indent=4)" in template else None
     parts = {
-        "transformers render": lambda: renderer.official_text(messages, tools, {}),
-        "without the copy": lambda: renderer.render_text(messages, tools, {}, fast=fast),
-        "a hit's render": lambda: renderer.render_text(messages, tools, {}, fast=fast,
-                                                       memo_key=plan.memo_key),
+        "transformers render": lambda: renderer.render_text(messages, tools, {}),
+        "without the copy": lambda: fast.render_direct(compiled, plan, messages, tools, None,
+                                                       False),
+        "a hit's render": lambda: fast.render_direct(compiled, plan, messages, tools, memo_key,
+                                                     False),
         "the copy alone": lambda: _plain_template_data(tools),
         "tojson alone": lambda: [json.dumps(t, ensure_ascii=False, indent=indent) for t in tools],
         "tokenize the whole text": lambda: renderer.tokenize(text),

@@ -8,14 +8,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import boundary, keys
-from ..util.hints import FastPath, Hints
 from .messages import count_static, validate_kwargs, validate_messages, validate_tools
 from ..render.render import (
     DEFAULT_OPTIONS,
     Renderers,
     RenderOptions,
     TemplateRenderer,
-    default_renderers,
 )
 
 
@@ -36,18 +34,11 @@ class Plan:
     model: str
     started: float
     options: RenderOptions = DEFAULT_OPTIONS  # how the prompt itself is rendered
-    json_messages: bool = False  # every message is JSON a body parser made (``Hints``)
-    fast: FastPath | None = None  # the accelerators; None (off): the plain computation
+    json_messages: bool = False  # every message is JSON a body parser made (the packer knows)
 
     @property
     def probe_shape(self) -> bool:
         return boundary.is_probe_shape(self.messages, self.n_static)
-
-    @property
-    def memo_key(self) -> tuple[str, int] | None:
-        """What fixes the tools' content: the key and its independent check value (None when
-        the fast path is off: nothing is remembered)."""
-        return (self.key, self.check) if self.key and self.fast is not None else None
 
     @property
     def cached(self) -> bool:
@@ -58,24 +49,17 @@ class Plan:
 def make_plan(tokenizer: Any, messages: Any, tools: Any, kwargs: Any,
               chat_template: str | None, namespace: str, model: str | None,
               options: RenderOptions = DEFAULT_OPTIONS, *, prefix: str,
-              protect_default_prefix: bool, renderers: Renderers | None = None,
-              packer: keys.KeyPacker | None = None, hints: Hints | None = None,
-              fast: FastPath | None = None) -> Plan:
+              protect_default_prefix: bool, renderers: Renderers,
+              packer: keys.KeyPacker) -> Plan:
     """Validates a request's inputs, picks its renderer and computes its key (none when there
-is nothing static to protect, or when the render cannot be reproduced). ``hints``: parts of the
-key material its body's parse (or a frozen tool list) already packed. ``renderers``: the
-cache's own (its renderers and tokenizer states; the process default when None); ``packer``:
-what packs the key's fields (the plain packer when None). ``fast``: the
-accelerators; None (off): no hints are used, and the key is packed by the plain walk."""
+is nothing static to protect, or when the render cannot be reproduced). ``renderers``: the
+cache's own (its renderers and tokenizer states); ``packer``: what packs the key's fields, for
+this request (``KeyPacker.request``)."""
     started = time.perf_counter()
-    renderers = renderers or default_renderers()
-    packer = keys.KeyPacker() if packer is None else packer
     keys.validate_label(namespace, "namespace")
     messages = validate_messages(messages)
-    if fast is None:
-        hints = None
-    json_messages = hints is not None and hints.all_json(messages)
-    tools = validate_tools(tools, hints)
+    json_messages = packer.all_json(messages)
+    tools = validate_tools(tools, packer.frozen(tools))
     kwargs = validate_kwargs(kwargs)
     renderer = renderers.get(tokenizer, chat_template, tools)
     n_static = count_static(messages)
@@ -85,12 +69,12 @@ accelerators; None (off): no hints are used, and the key is packed by the plain 
         # Not keyed, but refused alike: what would be refused in a key is refused here too.
         packer.fields(messages[:n_static], tools, kwargs)
         return Plan(renderer, messages, tools, kwargs, n_static, None, "", 0, None,
-                     namespace, label, started, options, json_messages, fast)
+                     namespace, label, started, options, json_messages)
     static = messages[:n_static]
     if renderer.uncacheable is not None:  # no key: computed like a miss, never stored
         packer.fields(static, tools, kwargs)
         return Plan(renderer, messages, tools, kwargs, n_static, static, "", 0, None,
-                     namespace, label, started, options, json_messages, fast)
+                     namespace, label, started, options, json_messages)
     date = renderer.date_tag()
     material = keys.key_material(
         namespace=namespace, identity=renderer.identity, static=static,
@@ -99,4 +83,4 @@ accelerators; None (off): no hints are used, and the key is packed by the plain 
     key = keys.format_key(prefix, namespace, label, keys.key_hash(material))
     return Plan(renderer, messages, tools, kwargs, n_static, static, key,
                  keys.check_value(material), date, namespace, label, started, options,
-                 json_messages, fast)
+                 json_messages)

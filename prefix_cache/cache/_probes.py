@@ -13,17 +13,19 @@ tools whose probes fail on ``None``, ``[]``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from . import boundary
 from ..errors import TemplateRenderError
-from ..util.hints import FastPath
 from ..render.render import TemplateRenderer, tool_choices
-from ..render.split import StaticSplit, find_split, split_rule, tail_from_split
+from ..render.split import SplitRule, StaticSplit, find_split, tail_from_split
 
 NO_SPLIT_HERE = "no safe split in this static text"
+
+# Renders a conversation with a tools argument to text (the cache's renderer, bound to a plan).
+Render = Callable[[Sequence[Mapping[str, Any]], list[Mapping[str, Any]] | None], str]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,41 +40,36 @@ class Probed:
     split_off: str | None       # why there is no split
 
 
-def probe(renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
-          tools: list[dict[str, Any]] | None, kwargs: Mapping[str, Any],
-          memo_key: tuple[str, int] | None = None, fast: FastPath | None = None) -> Probed:
-    """Run the probes of ``static`` (four renders; two more tail tokenizations per split
-    candidate verified). ``static``, ``tools`` and ``kwargs`` are the key's plain data;
-    ``memo_key`` names it (the direct render's memo). ``fast`` None (the fast path off):
-    rendered through ``apply_chat_template`` and tokenized whole, no split looked for."""
+def probe(render: Render, renderer: TemplateRenderer, static: Sequence[Mapping[str, Any]],
+          tools: list[dict[str, Any]] | None, rule: SplitRule | None) -> Probed:
+    """Run the probes of ``static`` (four renders through ``render``; two more tail
+    tokenizations per split candidate verified), tokenized by ``renderer``. ``rule``: where
+    its texts may be cut (None: no split looked for)."""
     count = 0
     choices = tool_choices(tools)
     for i, choice in enumerate(choices):
         try:
             conv_a, conv_b = boundary.probe_conversations(static)
             count += 2
-            text_a = renderer.render_text(conv_a, choice, kwargs, fast=fast, memo_key=memo_key)
-            text_b = renderer.render_text(conv_b, choice, kwargs, fast=fast, memo_key=memo_key)
+            text_a, text_b = render(conv_a, choice), render(conv_b, choice)
         except TemplateRenderError:
             if i == len(choices) - 1:
                 raise
             continue
         ids_a, ids_b = renderer.tokenize(text_a), renderer.tokenize(text_b)
         ids = ids_a[: boundary.common_prefix_len(ids_a, ids_b)]
-        rule = split_rule(renderer.tokenizer, renderer.tokenizer_digest,
-                          renderer.split_special_tokens) if fast is not None else None
         if rule is None:  # off by configuration: not a finding to report
             split, off = None, None
         else:
             split = None if rule.off else find_split(rule, renderer.tokenize, text_a, ids_a,
                                                      text_b, ids_b, len(ids))
             off = rule.off if rule.off else (None if split else NO_SPLIT_HERE)
-        render = _CapRender(renderer, choice, kwargs, memo_key, split, ids_a, fast)
+        cap_render = _CapRender(render, renderer, choice, split, ids_a)
         try:
-            cap = boundary.text_start_cap(render, static)
+            cap = boundary.text_start_cap(cap_render, static)
         except TemplateRenderError:
             cap = 0  # no multi-turn layout known: every other shape is checked on its own
-        return Probed(ids, cap, tools is None and choice is not None, count + render.count,
+        return Probed(ids, cap, tools is None and choice is not None, count + cap_render.count,
                       split, off)
     raise AssertionError("tool_choices is never empty")  # pragma: no cover
 
@@ -83,19 +80,16 @@ class _CapRender:
     from ``split`` (the stored ``ids`` up to it, then the probe's own tail) when its text
     allows, whole otherwise; counts its renders."""
 
+    render: Render
     renderer: TemplateRenderer
     tools: Any
-    kwargs: Mapping[str, Any]
-    memo_key: tuple[str, int] | None
     split: StaticSplit | None
     ids: list[int]
-    fast: FastPath | None = None
     count: int = 0
 
     def __call__(self, conv: list[boundary.Message]) -> list[int]:
         self.count += 1
-        text = self.renderer.render_text(conv, self.tools, self.kwargs, fast=self.fast,
-                                         memo_key=self.memo_key)
+        text = self.render(conv, self.tools)
         if self.split is not None:
             index = self.split.index
             anchor_id = self.ids[index] if index < len(self.ids) else None

@@ -28,14 +28,15 @@ from typing import Any, Unpack
 from . import boundary, keys
 from .entry import DecodedEntries, Entry, decode_entry, encode_entry
 from ..errors import EntryError, PrefixCacheError, StoreUnavailableError, TemplateRenderError
-from ..fastpath import Accelerators, FastKeyPacker, fast_path_setting, plain_tools
+from ..fastpath import FastKeyPacker, FastPromptText, FastPromptTokenizer, fast_path_setting
 from .messages import dynamic_chars
 from .observer import CacheObserver, ObserverGroup
 from ._plan import Plan as _Plan
 from ._plan import make_plan
 from ._probes import probe
-from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer
-from ..render.render import Renderers, default_renderers
+from .prompt_text import PromptText
+from .prompt_tokens import DEFAULT_CHECK_RATE, PromptTokenizer, validate_check_rate
+from ..render.render import Renderers, default_renderers, with_choice
 from ._request import (
     Driven,
     Flight,
@@ -76,12 +77,6 @@ class StaticPrefixCache:
         tokenize_check_rate: float = DEFAULT_CHECK_RATE,
         fast_path: bool | None = None,
     ) -> None:
-        # The accelerators (``fastpath``): on unless turned off here or by
-        # PREFIX_CACHE_FAST_PATH=off; off gives the same answers by the plain computation.
-        self.fast_path = fast_path_setting(fast_path)
-        self._fast = Accelerators() if self.fast_path else None
-        # The key's fields packed the plain way, or in C (the same bytes and refusals).
-        self._packer: keys.KeyPacker = FastKeyPacker() if self.fast_path else keys.KeyPacker()
         self.store: Store = store if store is not None else MemoryStore()
         self.prefix = keys.validate_label(prefix, "key prefix")
         if ttl_seconds is not None and ttl_seconds <= 0:
@@ -96,9 +91,23 @@ class StaticPrefixCache:
         self.stats = CacheStats()
         self.observer = observer or CacheObserver()
         self._events = ObserverGroup(self.stats, self.observer)
-        # Rendered prompts are tokenized from the entry's split, checked at this sampled rate.
-        self._tokens = PromptTokenizer(self._events, tokenize_check_rate)
-        self._flights, self._decoded = SingleFlight(), DecodedEntries()
+        # The collaborators, plain or accelerated (``fastpath``: the same answers, cheaper):
+        # accelerated unless turned off here or by PREFIX_CACHE_FAST_PATH=off. The key packer
+        # (fields packed in C), the renderer (direct renders), the prompt tokenizer (from the
+        # entry's split, checked at ``tokenize_check_rate``) and stored entries' decoding
+        # (decoded entries remembered per key).
+        self.fast_path = fast_path_setting(fast_path)
+        check_rate = validate_check_rate(tokenize_check_rate)
+        self._packer: keys.KeyPacker = keys.KeyPacker()
+        self._text = PromptText()
+        self._tokens = PromptTokenizer(self._events)
+        self._decode_entry = decode_entry
+        if self.fast_path:
+            self._packer = FastKeyPacker(self._packer)
+            self._text = FastPromptText(self._text)
+            self._tokens = FastPromptTokenizer(self._tokens, self._text, check_rate)
+            self._decode_entry = DecodedEntries().decode
+        self._flights = SingleFlight()
         # This cache's renderers; the tokenizer states through the process's one memo: a full
         # fingerprint reads the whole vocabulary (0.2-0.4 s at 150k tokens), and a new cache on
         # a tokenizer already read must not pay it again (each call still reads the settings
@@ -197,7 +206,7 @@ class StaticPrefixCache:
             elif stored is not None:
                 entry = stored
                 check = self._tokens.sampled()
-                if check or plan.fast is None or \
+                if check or not self._tokens.inline_hits or \
                         dynamic_chars(plan.messages, plan.n_static) > INLINE_HIT_CHARS:
                     prompt, end = yield Work(self._prepare, (plan, None, entry, check))
                 else:  # a short dynamic part: rendered and tokenized faster than a thread hop
@@ -224,24 +233,17 @@ class StaticPrefixCache:
     # -- steps --------------------------------------------------------------------------------
 
     def _plan(self, r: PrefixRequest) -> _Plan:
-        if self._fast is None:  # off: a frozen tool list is read back as a plain one
-            tools, hints, packer = plain_tools(r.tools), None, self._packer
-        else:
-            tools, hints = r.tools, self._fast.with_frozen(r.tools, r.hints)
-            packer = self._packer.hinted(hints)  # type: ignore[attr-defined]
+        tools, packer = self._packer.request(r.tools, r.hints)
         return make_plan(r.tokenizer, r.messages, tools, r.chat_template_kwargs,
                          r.chat_template, r.namespace, r.model, r.options, prefix=self.prefix,
                          protect_default_prefix=self.protect_default_prefix,
-                         renderers=self._renderers, packer=packer, hints=hints, fast=self._fast)
+                         renderers=self._renderers, packer=packer)
 
     def _render(self, plan: _Plan) -> RenderedText:
-        """The request's prompt text, with the documented tools fallback (tools and kwargs are
-        plain data once they are in a key: the render may skip its defensive copy)."""
+        """The request's prompt text, with the documented tools fallback."""
         self._events.prompt_rendered()
-        text, tools = plan.renderer.text_with_choice(
-            plan.messages, plan.tools, plan.kwargs,
-            fast=plan.fast if plan.static is not None else None,
-            memo_key=plan.memo_key, options=plan.options, json_messages=plan.json_messages)
+        text, tools = with_choice(plan.tools, lambda choice: self._text.render(
+            plan, plan.messages, choice, plan.options))
         return RenderedText(text, plan.tools is None and tools is not None)
 
     def _prepare(self, plan: _Plan, text: RenderedText | None, entry: Entry | None,
@@ -258,19 +260,13 @@ class StaticPrefixCache:
             text = self._render(plan)
         if entry is not None and text.empty_tools != entry.empty_tools:
             text = self._rerender(plan, text, entry)
-        def official() -> str:  # what a sampled check compares a direct render with
-            tools = [] if text.empty_tools else plan.tools
-            return plan.renderer.official_text(plan.messages, tools, plan.kwargs, plan.options)
-        return self._tokens.tokenize(plan.renderer, text.text, entry, plan.model, official, check,
-                                     plan.namespace, plan.fast)
+        return self._tokens.tokenize(plan, text, entry, check)
 
     def _rerender(self, plan: _Plan, text: RenderedText, entry: Entry) -> RenderedText:
         """The prompt again, in the rare case its tools argument is not the probes'."""
         self._events.prompt_rendered()
         try:
-            again = plan.renderer.render_text(plan.messages, _tools(plan, entry), plan.kwargs,
-                                              fast=plan.fast, memo_key=plan.memo_key,
-                                              options=plan.options)
+            again = self._text.render(plan, plan.messages, _tools(plan, entry), plan.options)
         except TemplateRenderError as exc:
             raise TemplateRenderError(
                 f"the template renders this prompt only with tools={'[]' if text.empty_tools else 'None'}"
@@ -389,10 +385,8 @@ class StaticPrefixCache:
             return None
 
     def _decode(self, plan: _Plan, value: bytes) -> Entry:
-        """``decode_entry``, from the decoded-entry memo when the fast path is on."""
-        if plan.fast is not None:
-            return self._decoded.decode(value, plan.key, plan.check)
-        return decode_entry(value, plan.key, plan.check)
+        """``decode_entry`` (from the decoded-entry memo when accelerated)."""
+        return self._decode_entry(value, plan.key, plan.check)
 
     def _compute(self, plan: _Plan) -> tuple[Entry, bool]:
         """The entry for the plan's key, and whether it may be stored under that key: only if
@@ -401,8 +395,9 @@ class StaticPrefixCache:
         renders = 0
         for _ in range(2):  # probes that straddle midnight are rendered again, on one date
             day = plan.renderer.date_tag()
-            probed = probe(plan.renderer, plan.static or [], plan.tools, plan.kwargs,
-                           plan.memo_key, plan.fast)
+            probed = probe(lambda conv, tools: self._text.render(plan, conv, tools),
+                           plan.renderer, plan.static or [], plan.tools,
+                           self._tokens.split_rule(plan.renderer))
             renders += probed.renders
             settled = plan.renderer.date_tag() == day
             if settled:

@@ -85,6 +85,22 @@ class KeyPacker:
         """The key's field bytes for these inputs; InvalidRequestError for what is refused."""
         return canonical_bytes(static, tools, kwargs)
 
+    def request(self, tools: Any, hints: Any) -> tuple[Any, KeyPacker]:
+        """(``tools`` as this packer takes them, the packer for one request). The plain packer
+        uses no hints (what a body's parse packed), and reads a frozen tool list back as the
+        plain list it stands for (``fastpath.FrozenTools``: whatever has ``unfrozen()``)."""
+        unfrozen = getattr(tools, "unfrozen", None)
+        return (unfrozen() if callable(unfrozen) else tools), self
+
+    def frozen(self, tools: Any) -> bool:
+        """Whether ``tools`` is a tool list checked when it was frozen (not to check again)."""
+        return False
+
+    def all_json(self, messages: Sequence[Any]) -> bool:
+        """Whether every message is JSON a body parser made, nothing changed (rendered
+        without transformers' copies by the accelerated renderer)."""
+        return False
+
 
 @dataclass(frozen=True, slots=True)
 class KeyField:

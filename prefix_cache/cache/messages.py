@@ -9,7 +9,6 @@ from typing import Any
 import orjson
 
 from ..errors import InvalidRequestError
-from ..util.hints import Hints
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 STATIC_ROLES = frozenset(("system", "developer"))
@@ -74,11 +73,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def validate_tools(tools: Any, hints: Hints | None = None) -> list[dict[str, Any]] | None:
+def validate_tools(tools: Any, frozen: bool = False) -> list[dict[str, Any]] | None:
     """Tools are a list of JSON-schema objects, or None. ``[]`` stays ``[]``: templates that
     test ``tools is not none``, and transformers' choice of a ``tool_use`` named template, tell
-    it from None. A tool list ``hints`` know as frozen was checked when it was frozen."""
-    if tools is None or (hints is not None and hints.frozen(tools)):
+    it from None. A ``frozen`` tool list was checked when it was frozen."""
+    if tools is None or frozen:
         return tools  # type: ignore[no-any-return]
     if not isinstance(tools, list):
         raise InvalidRequestError("tools must be a list of tool objects")

@@ -64,8 +64,9 @@ _scope: ContextVar[_Scope | None] = ContextVar("prefix_cache_tojson_scope", defa
 
 
 @dataclass
-class _Memo:
-    """tojson texts per cache key (and check value), least recently used out."""
+class TojsonMemo:
+    """tojson texts per cache key (and check value), least recently used out (one per
+    ``FastPromptText``, so per cache)."""
 
     lru: ByteLRU[tuple[str, int], _Texts] = field(default_factory=lambda: ByteLRU(MEMO_BYTES))
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -83,18 +84,15 @@ class _Memo:
             self.lru.put(key, texts, size)
 
 
-_memo = _Memo()
-
-
-def remembered(key: str) -> dict[tuple[int, Any], str]:
-    """The texts ``_memo`` holds for the cache key ``key`` (see ``Accelerators``)."""
-    with _memo.lock:
-        found = [texts for (k, _), texts in _memo.lru.items() if k == key]
-    out: dict[tuple[int, Any], str] = {}
-    for texts in found:
-        out.update({(i, None): t for i, t in enumerate(texts.plain) if t is not None})
-        out.update({(at[0], at[1]): text for at, text in texts.other.items()})
-    return out
+    def remembered(self, key: str) -> dict[tuple[int, Any], str]:
+        """The texts held for the cache key ``key`` (a read-only snapshot)."""
+        with self.lock:
+            found = [texts for (k, _), texts in self.lru.items() if k == key]
+        out: dict[tuple[int, Any], str] = {}
+        for texts in found:
+            out.update({(i, None): t for i, t in enumerate(texts.plain) if t is not None})
+            out.update({(at[0], at[1]): text for at, text in texts.other.items()})
+        return out
 
 
 class _Helpers:
@@ -181,10 +179,12 @@ def _base_apply() -> Any:
 
 def render(template: Any, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
            tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any],
-           memo_key: tuple[str, int] | None = None, json_messages: bool = False) -> str:
+           memo: TojsonMemo | None = None, memo_key: tuple[str, int] | None = None,
+           json_messages: bool = False) -> str:
     """The text of ``tokenizer.apply_chat_template(messages, tools, add_generation_prompt=True,
     tokenize=False, **kwargs)`` for plain ``tools`` and ``kwargs``; ``memo_key``: the cache key
-    and check value those tools are the content of (their tojson texts are reused).
+    and check value those tools are the content of (their tojson texts are reused from and
+    kept in ``memo``).
     ``json_messages``: every message is a dict of JSON values a parser made (nothing else in
     them), so transformers' two rebuilding walks over them would only copy them: its one other
     step, dropping the top-level keys whose value is None, is done here."""
@@ -196,15 +196,15 @@ def render(template: Any, tokenizer: Any, messages: Sequence[Mapping[str, Any]],
     variables = h.plain({**tokenizer.special_tokens_map, **kwargs})
     listed = None if tools is None else list(tools)
     scope = None
-    if memo_key is not None and listed:
+    if memo is not None and memo_key is not None and listed:
         scope = _Scope(dict(zip(map(id, listed), range(len(listed)), strict=True)),
-                       _memo.texts(memo_key, len(listed)))
+                       memo.texts(memo_key, len(listed)))
     token = _scope.set(scope)
     try:
         text: str = template.render(messages=chat, tools=listed, documents=None,
                                     add_generation_prompt=True, **variables)
     finally:
         _scope.reset(token)
-    if scope is not None and memo_key is not None:
-        _memo.keep(memo_key, scope.texts, scope.added)
+    if scope is not None and memo is not None and memo_key is not None:
+        memo.keep(memo_key, scope.texts, scope.added)
     return text

@@ -25,6 +25,8 @@ import xxhash
 from ..cache import keys
 from ..cache.keys import KEY_FIELDS, KeyPacker, packed_array, packed_part
 from ..util.hints import Hints
+from ._frozen_tools import FrozenTools
+from ._known_parts import KnownParts
 
 MAX_SEEN = 1 << 16   # digests of packings walked once (16 bytes each, per cache)
 _NIL = packed_part(None)
@@ -44,9 +46,12 @@ class FastKeyPacker(KeyPacker):
                kwargs: Mapping[str, Any] | None) -> bytes:
         return self.hinted_fields(static, tools, kwargs, None)
 
-    def hinted(self, hints: Hints | None) -> KeyPacker:
-        """This packer, with what one request's ``hints`` already packed put in as it is."""
-        return _Hinted(self, hints) if hints else self
+    def request(self, tools: Any, hints: Hints | None) -> tuple[Any, KeyPacker]:
+        """``tools`` as they are (a ``FrozenTools`` stays frozen: its packing is known), and
+        this packer with what the request's ``hints`` (and a frozen tool list) already packed
+        put in as it is."""
+        hints = _with_frozen(tools, hints)
+        return tools, (_Hinted(self, hints) if hints else self)
 
     def hinted_fields(self, static: Sequence[Mapping[str, Any]],
                       tools: Sequence[Mapping[str, Any]] | None,
@@ -82,6 +87,19 @@ class _Hinted(KeyPacker):
                tools: Sequence[Mapping[str, Any]] | None,
                kwargs: Mapping[str, Any] | None) -> bytes:
         return self._packer.hinted_fields(static, tools, kwargs, self._hints)
+
+    def frozen(self, tools: Any) -> bool:
+        return self._hints.frozen(tools)
+
+    def all_json(self, messages: Sequence[Any]) -> bool:
+        return self._hints.all_json(messages)
+
+
+def _with_frozen(tools: Any, hints: Hints | None) -> Hints | None:
+    """``hints`` knowing ``tools``' packing too when they are a ``FrozenTools``."""
+    if not isinstance(tools, FrozenTools):
+        return hints
+    return tools.known(hints if isinstance(hints, KnownParts) else None)
 
 
 def _with_hints(given: tuple[Any, ...], hints: Hints) -> bytes | None:

@@ -33,7 +33,6 @@ import orjson
 import xxhash
 
 from ..errors import InvalidRequestError, NoChatTemplateError, TemplateRenderError
-from ..util.hints import FastPath
 from ._template_clock import (
     DAY_FORMAT,
     NO_CLOCK,
@@ -43,10 +42,9 @@ from ._template_clock import (
     watch_randomness,
 )
 from .tokenizer_identity import TokenizerState, TokenizerStates
-from .tokenizer_model import TokenizerModel, tokenizer_model
+from .tokenizer_model import TokenizerModel
 
 log = logging.getLogger("prefix_cache")
-_UNCOMPILED: Any = object()  # a renderer's direct render not looked at yet
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
@@ -68,6 +66,19 @@ def tool_choices(tools: Tools) -> tuple[list[Mapping[str, Any]] | None, ...]:
     if tools is None:
         return (None, [])
     return (list(tools),)
+
+
+def with_choice(tools: Tools, render: Callable[[list[Mapping[str, Any]] | None], Any]
+                ) -> tuple[Any, list[Mapping[str, Any]] | None]:
+    """``render(choice)`` for the first of ``tool_choices(tools)`` that renders, and that
+    choice; the last choice's TemplateRenderError when none does."""
+    choices = tool_choices(tools)
+    for choice in choices[:-1]:
+        try:
+            return render(choice), choice
+        except TemplateRenderError:
+            pass
+    return render(choices[-1]), choices[-1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,13 +176,9 @@ class TemplateRenderer:
         self.split_special_tokens = bool(getattr(self.tokenizer, "split_special_tokens", False)
                                          if split_special_tokens is None else split_special_tokens)
         self._wrapped = self.tokenizer is not target
-        # The direct render's compiled template (``FastPath.compile_template``), made on the
-        # first fast render; None: this renderer renders through apply_chat_template.
-        self._direct: Any = None if self._wrapped else _UNCOMPILED
-        self._direct_checked = False
         # The tokenizer as the key read it (None for a wrapper's: it encodes its own way).
         self.tokenizer_model: TokenizerModel | None = None if self._wrapped else \
-            tokenizer_model(self.tokenizer, tokenizer_digest, self.split_special_tokens)
+            TokenizerModel(self.tokenizer, self.split_special_tokens)
         self._backend = None if self.tokenizer_model is None else self.tokenizer_model.backend
 
     @property
@@ -199,73 +206,26 @@ class TemplateRenderer:
             ids = out["input_ids"] if isinstance(out, Mapping) else out
             return list(ids)
         except Exception as exc:
-            raise TemplateRenderError(_template_message(exc)) from exc
+            raise TemplateRenderError(template_message(exc)) from exc
 
     def render_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                    *, fast: FastPath | None = None, memo_key: tuple[str, int] | None = None,
-                    options: RenderOptions = DEFAULT_OPTIONS, json_messages: bool = False) -> str:
-        """The text ``apply`` tokenizes: the same call with ``tokenize=False``.
-
-        ``fast``: the accelerators, given when ``tools`` and ``kwargs`` are known to be exactly
-        plain JSON data (the cache checked them for the key): a bare transformers tokenizer
-        may then render them through its own template without ``render_jinja_template``'s
-        defensive deep copy (the direct render: the same text), reusing the tools' ``tojson``
-        texts of ``memo_key`` (the cache key and check value whose content ``tools`` is). The
-        first such render per renderer is compared with the official one; a difference turns
-        it off. Other ``options`` than the defaults render the official way.
-        ``json_messages``: the messages are JSON a body parser made and nothing changed
-        (``Hints.all_json``): rendered without their copies too."""
-        if fast is not None and options == DEFAULT_OPTIONS and self._direct is not None \
-                and fast.renders_directly(self.tokenizer, kwargs):
-            if self._direct is _UNCOMPILED:
-                self._direct = fast.compile_template(self.target, self.template)
-            if self._direct is not None:
-                return self._direct_text(fast, messages, tools, kwargs, memo_key, json_messages)
-        return self.official_text(messages, tools, kwargs, options)
-
-    def official_text(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                      options: RenderOptions = DEFAULT_OPTIONS) -> str:
-        """The render through the renderer's own ``apply_chat_template``."""
+                    options: RenderOptions = DEFAULT_OPTIONS) -> str:
+        """The text ``apply`` tokenizes: the same call through the renderer's own
+        ``apply_chat_template``, with ``tokenize=False``."""
         try:
             out = self._call(list(messages), None if tools is None else list(tools), kwargs,
                              tokenize=False, options=options)
         except Exception as exc:
-            raise TemplateRenderError(_template_message(exc)) from exc
+            raise TemplateRenderError(template_message(exc)) from exc
         if not isinstance(out, str):
             raise TemplateRenderError(f"chat template error: the render is a {type(out).__name__}, "
                                       "not text")
         return out
 
-    def _direct_text(self, fast: FastPath, messages: Messages, tools: Tools,
-                     kwargs: Mapping[str, Any], memo_key: tuple[str, int] | None,
-                     json_messages: bool) -> str:
-        with randomness_seen() as drawn:
-            try:
-                text = fast.render(self._direct, self.tokenizer, messages, tools, kwargs,
-                                   memo_key, json_messages)
-            except Exception as exc:
-                raise TemplateRenderError(_template_message(exc)) from exc
-            finally:
-                if drawn:
-                    self._drew(drawn[0])
-        if not self._direct_checked:
-            official = self.official_text(messages, tools, kwargs)
-            if official != text:
-                self.direct_off("the first direct render differs from apply_chat_template's")
-                return official
-            self._direct_checked = True
-        return text
-
-    def direct_off(self, reason: str) -> None:
-        """Render through ``apply_chat_template`` from now on (logged once)."""
-        if self._direct is not None:
-            self._direct = None
-            log.warning("direct template render off for this renderer: %s", reason)
-
     @property
-    def renders_direct(self) -> bool:
-        """Whether fast renders of this renderer take the direct render (once compiled)."""
-        return self._direct is not None and self._direct is not _UNCOMPILED
+    def wrapped(self) -> bool:
+        """Whether the renderer is a wrapper with its own ``apply_chat_template``."""
+        return self._wrapped
 
     @property
     def backend(self) -> Any:
@@ -307,19 +267,11 @@ class TemplateRenderer:
             raise TemplateRenderError(f"tokenizer error: {exc}") from exc
 
     def text_with_choice(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
-                         *, fast: FastPath | None = None, memo_key: tuple[str, int] | None = None,
-                         options: RenderOptions = DEFAULT_OPTIONS, json_messages: bool = False
+                         options: RenderOptions = DEFAULT_OPTIONS
                          ) -> tuple[str, list[Mapping[str, Any]] | None]:
         """``render_text`` with the documented tools fallback, and the ``tools`` it rendered with."""
-        choices = tool_choices(tools)
-        for i, choice in enumerate(choices):
-            try:
-                return (self.render_text(messages, choice, kwargs, fast=fast, memo_key=memo_key,
-                                         options=options, json_messages=json_messages), choice)
-            except TemplateRenderError:
-                if i == len(choices) - 1:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        return with_choice(tools, lambda choice: self.render_text(messages, choice, kwargs,
+                                                                  options))
 
     def render_ids(self, messages: Messages, tools: Tools, kwargs: Mapping[str, Any],
                    options: RenderOptions = DEFAULT_OPTIONS) -> list[int]:
@@ -330,14 +282,7 @@ class TemplateRenderer:
                            options: RenderOptions = DEFAULT_OPTIONS
                            ) -> tuple[list[int], list[Mapping[str, Any]] | None]:
         """``render_ids`` and the ``tools`` argument it rendered with."""
-        choices = tool_choices(tools)
-        for i, choice in enumerate(choices):
-            try:
-                return self.apply(messages, choice, kwargs, options), choice
-            except TemplateRenderError:
-                if i == len(choices) - 1:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        return with_choice(tools, lambda choice: self.apply(messages, choice, kwargs, options))
 
     def _call(self, messages: list[Mapping[str, Any]], tools: list | None,
               kwargs: Mapping[str, Any], tokenize: bool = True,
@@ -349,9 +294,9 @@ class TemplateRenderer:
                 return self._render_call(messages, tools, kwargs, tokenize, options)
             finally:
                 if drawn:
-                    self._drew(drawn[0])
+                    self.drew(drawn[0])
 
-    def _drew(self, why: str) -> None:
+    def drew(self, why: str) -> None:
         """A render drew at random: this renderer's renders are never cached from now on."""
         if self.clock.uncacheable is None:
             self.clock = ClockUse(self.clock.formats, why)
@@ -384,7 +329,7 @@ def _check_text(text: str) -> None:
                                   f"({exc.object[exc.start:exc.end]!r})") from None
 
 
-def _template_message(exc: Exception) -> str:
+def template_message(exc: Exception) -> str:
     message = str(exc).strip() or type(exc).__name__
     return f"chat template error: {message}"
 

@@ -39,14 +39,12 @@ index, and the cache re-checks the fast path against a full tokenization at a sa
 from __future__ import annotations
 
 import re
-import threading
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from ..util.prefix_len import common_prefix_len
-from .tokenizer_model import TokenizerModel, tokenizer_model
+from .tokenizer_model import TokenizerModel
 
 Tokenize = Callable[[str], list[int]]
 
@@ -204,21 +202,8 @@ def line_heads(backend: Any) -> str:
     return "".join(sorted(safe))
 
 
-# -- memo: one rule per tokenizer state ----------------------------------------------------------
-
-# By the tokenizer's model: a new state is a new model, and the old one's rule goes with it.
-_rules: weakref.WeakKeyDictionary[TokenizerModel, SplitRule] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-
-
-def split_rule(tokenizer: Any, digest: bytes,
-               split_special_tokens: bool | None = None) -> SplitRule:
-    """The rule of ``tokenizer`` in the state its fingerprint ``digest`` names (built once);
-    ``split_special_tokens``: the flag as that state has it (read now when None)."""
-    model = tokenizer_model(tokenizer, digest, split_special_tokens)
-    rule = _rules.get(model)
-    if rule is None:
-        rule = SplitRule(model)
-        with _lock:
-            _rules[model] = rule
-    return rule
+def split_rule(tokenizer: Any, split_special_tokens: bool | None = None) -> SplitRule:
+    """The rule of ``tokenizer`` as it is now, built here (its owner keeps it: the accelerated
+    prompt tokenizer, per tokenizer state); ``split_special_tokens``: the flag as that state
+    has it (read now when None)."""
+    return SplitRule(TokenizerModel(tokenizer, split_special_tokens))

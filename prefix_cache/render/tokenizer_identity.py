@@ -22,8 +22,10 @@ compiler.
 
 from __future__ import annotations
 
+import operator
 import threading
 import types
+from collections.abc import Callable
 import weakref
 from dataclasses import dataclass
 from functools import lru_cache
@@ -69,32 +71,41 @@ def pipeline_settings(backend: Any) -> tuple[Any, ...]:
     """Every settable part of a ``tokenizers.Tokenizer`` that changes its encode, as values:
     the serialized state of its normalizer, pre-tokenizer, post-processor and decoder, its
     padding and truncation, and its model's kind, settings, vocabulary size and sampled tokens
-    (``encode_special_tokens`` is transformers' ``split_special_tokens``, read there)."""
+    (``encode_special_tokens`` is transformers' ``split_special_tokens``, read there). Read
+    flat, one C call per part where one does (the re-check runs on every request)."""
     model = backend.model
     kind = type(model)
     size = backend.get_vocab_size(with_added_tokens=False)
     token = model.id_to_token
+    normalizer, pre, post, decoder = (backend.normalizer, backend.pre_tokenizer,
+                                      backend.post_processor, backend.decoder)
     return (
-        *[None if part is None else part.__getstate__()
-          for part in (backend.normalizer, backend.pre_tokenizer, backend.post_processor,
-                       backend.decoder)],
+        None if normalizer is None else normalizer.__getstate__(),
+        None if pre is None else pre.__getstate__(),
+        None if post is None else post.__getstate__(),
+        None if decoder is None else decoder.__getstate__(),
         backend.padding,
         backend.truncation,
         kind,
-        [getattr(model, name) for name in _model_settings(kind)],
+        _model_settings(kind)(model),
         size,
-        [token(size * k // _VOCAB_SAMPLES) for k in range(_VOCAB_SAMPLES)],
+        *[token(size * k // _VOCAB_SAMPLES) for k in range(_VOCAB_SAMPLES)],
         token(size - 1),
     )
 
 
 @lru_cache(maxsize=16)
-def _model_settings(kind: type) -> tuple[str, ...]:
-    """The settable fields a tokenizers model class exposes (BPE's ``dropout``, ``unk_token``,
-    ``byte_fallback``...; WordPiece's ``max_input_chars_per_word``...), read from the class."""
-    return tuple(sorted(name for klass in kind.__mro__ for name, value in vars(klass).items()
-                        if isinstance(value, types.GetSetDescriptorType)
-                        and not name.startswith("__")))
+def _model_settings(kind: type) -> Callable[[Any], Any]:
+    """What reads the settable fields a tokenizers model class exposes (BPE's ``dropout``,
+    ``unk_token``, ``byte_fallback``...; WordPiece's ``max_input_chars_per_word``...), found on
+    the class: one ``attrgetter`` call."""
+    names = sorted(name for klass in kind.__mro__ for name, value in vars(klass).items()
+                   if isinstance(value, types.GetSetDescriptorType) and not name.startswith("__"))
+    return operator.attrgetter(*names) if names else _nothing
+
+
+def _nothing(model: Any) -> tuple[()]:
+    return ()
 
 
 def tokenizer_fingerprint(tokenizer: Any, split_special_tokens: bool | None = None) -> bytes:

@@ -2,7 +2,8 @@
 (``fastpath``) read it: whether its calls go straight to a tokenizers backend through
 transformers' own encode, its added tokens with their flags, and what its pipeline does
 locally. Read once per tokenizer state: the state its key read (fingerprint and
-``split_special_tokens``), whatever the tokenizer's attributes say later.
+``split_special_tokens``), whatever the tokenizer's attributes say later: each renderer keeps
+the model of its state (no memo here).
 
 A tokenizers backend cuts its input at the added tokens matched on the raw text first; the
 pieces between them are normalized and pre-tokenized one by one. Two questions follow, each
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
-import weakref
 from typing import Any
 
 # Pre-tokenizers that act on each piece alone, whatever came before it in the text.
@@ -150,21 +149,3 @@ def own_encode_off(tokenizer: Any) -> str | None:
             or {"_encode_plus", "__call__"} & vars(tokenizer).keys()):
         return f"{kind.__name__} encodes its own way"
     return None
-
-
-_models: weakref.WeakKeyDictionary[Any, tuple[bytes, TokenizerModel]] = (
-    weakref.WeakKeyDictionary())
-_lock = threading.Lock()
-
-
-def tokenizer_model(tokenizer: Any, digest: bytes,
-                    split_special_tokens: bool | None = None) -> TokenizerModel:
-    """The model of ``tokenizer`` in the state its fingerprint ``digest`` names (built once);
-    ``split_special_tokens``: the flag as that state has it (read now when None)."""
-    found = _models.get(tokenizer)
-    if found is not None and found[0] == digest:
-        return found[1]
-    model = TokenizerModel(tokenizer, split_special_tokens)
-    with _lock:
-        _models[tokenizer] = (digest, model)
-    return model

@@ -143,7 +143,7 @@ def test_remembered_parts_come_with_their_key_material() -> None:
         assert known.packed(parsed["messages"][1]) is None  # small: not remembered
         assert parsed["prompt_ids"] == [1, 2, 3]  # a list, unless the caller shares parts
         static = parsed["messages"][:1]
-        assert FastKeyPacker().hinted(known).fields(static, parsed["tools"], {"k": 1}) == \
+        assert FastKeyPacker().request(None, known)[1].fields(static, parsed["tools"], {"k": 1}) == \
             keys.canonical_bytes(static, parsed["tools"], {"k": 1})
     assert data2["tools"] is not data["tools"]  # not shared unless asked
 
@@ -220,7 +220,7 @@ def test_known_parts_are_found_by_identity_only() -> None:
     assert known.packed([dict(t) for t in TOOLS]) is None  # equal, but not the parsed object
     # a part whose packing is wrong for the object given would change the key: only the very
     # object parsed is ever looked up, never an equal one
-    assert FastKeyPacker().hinted(known).fields([], [dict(t) for t in TOOLS], None) == \
+    assert FastKeyPacker().request(None, known)[1].fields([], [dict(t) for t in TOOLS], None) == \
         keys.canonical_bytes([], TOOLS, None)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefix_cache.fastpath import Accelerators, PartMemo, parse_body
+from prefix_cache.fastpath import PartMemo, _direct_render, parse_body
 
 TEMPLATE = (
     "{% for m in messages %}{{ m | tojson }}|{{ m.role }}|{{ m.content }}|"
@@ -33,11 +33,10 @@ messages = st.lists(st.fixed_dictionaries(
 @settings(max_examples=300, deadline=None)
 @given(messages)
 def test_json_messages_render_as_the_full_walk(qwen3: Any, chat: list[dict[str, Any]]) -> None:
-    fast = Accelerators()
-    template = fast.compile_template(qwen3, TEMPLATE)
+    template = _direct_render.compiled(qwen3, TEMPLATE)
     assert template is not None
-    full = fast.render(template, qwen3, chat, None, {}, None, json_messages=False)
-    assert fast.render(template, qwen3, chat, None, {}, None, json_messages=True) == full
+    full = _direct_render.render(template, qwen3, chat, None, {}, json_messages=False)
+    assert _direct_render.render(template, qwen3, chat, None, {}, json_messages=True) == full
 
 
 def test_only_a_shared_bodys_messages_are_known_as_json() -> None:

@@ -19,15 +19,18 @@ import pytest
 from prefix_cache import MemoryStore, StaticPrefixCache, cli
 from prefix_cache.cache import prompt_tokens
 from prefix_cache.cache.entry import decode_entry, encode_entry
-from prefix_cache.fastpath import Accelerators
+from prefix_cache.cache._result import RenderedText
+from prefix_cache.cache.keys import KeyPacker
+from prefix_cache.cache.prompt_tokens import PromptTokenizer
+from prefix_cache.fastpath import FastPromptText, FastPromptTokenizer
+from prefix_cache.fastpath import _fast_tokenize
 from prefix_cache.metrics import Metrics
 from prefix_cache.cache.observer import CacheObserver
 from prefix_cache.cache._plan import make_plan
-from prefix_cache.render.render import get_renderer
+from prefix_cache.render.render import Renderers, get_renderer
 from prefix_cache.render.split import SplitRule, StaticSplit, split_rule
 from prefix_cache.cache._stats import CacheStats
 from prefix_cache.testing.offline_tokenizers import load_offline_tokenizer, make_model_dir
-from prefix_cache.render.tokenizer_identity import TokenizerStates
 from tests.support import reference
 from tests.support.templates import BEFORE_LAST_USER, DEFAULT_SYSTEM, TOOLS_IN_FIRST_USER
 from tests.support.tokenizers import fresh
@@ -56,7 +59,7 @@ def with_flags(tok: Any, flags: dict[str, dict[str, bool]]) -> Any:
 
 
 def rule_of(tok: Any) -> SplitRule:
-    return split_rule(tok, TokenizerStates().fingerprint(tok))
+    return split_rule(tok)
 
 
 def cut_contents(rule: SplitRule, text: str) -> list[str]:
@@ -155,7 +158,8 @@ def test_line_splits_cut_inside_tools_rendered_in_the_first_user_turn(llama3) ->
 
 def _check_of(cache: StaticPrefixCache, tok: Any, tools: Any) -> int:
     return make_plan(tok, conv("x"), tools, None, TOOLS_IN_FIRST_USER, "default", None,
-                     prefix=cache.prefix, protect_default_prefix=False).check
+                     prefix=cache.prefix, protect_default_prefix=False,
+                     renderers=cache._renderers, packer=KeyPacker()).check
 
 
 @pytest.mark.parametrize("normalizer,pre_tokenizer,reason", [
@@ -226,7 +230,8 @@ def test_a_mismatch_turns_the_fast_path_off_logs_once_and_counts(qwen3, caplog) 
     cache = StaticPrefixCache(MemoryStore(), tokenize_check_rate=1.0, observer=metrics)
     first = cache.resolve(qwen3, conv("Ship it."), chat_template=DEFAULT_SYSTEM, model="m")
     plan = make_plan(qwen3, conv("x"), None, None, DEFAULT_SYSTEM, "default", "m",
-                     prefix=cache.prefix, protect_default_prefix=False)
+                     prefix=cache.prefix, protect_default_prefix=False,
+                     renderers=cache._renderers, packer=KeyPacker())
     good = decode_entry(cache.store.get(first.key), first.key, plan.check)
     assert good.split is not None
     # The same marker's first occurrence: the guard on the tail's first id lets it through.
@@ -262,23 +267,33 @@ def test_check_rate_is_validated() -> None:
 # -- the direct render ------------------------------------------------------------------------
 
 
-class Miscompiled(Accelerators):
-    """Real accelerators whose direct render compiles another real template than it is given
-    (the fault: a direct render that differs from apply_chat_template's)."""
+class Miscompiled(FastPromptText):
+    """The real accelerated renderer, its direct render compiling another real template than
+    it is given (the fault: a direct render that differs from apply_chat_template's)."""
 
-    def compile_template(self, tokenizer: Any, template: str | None) -> Any:
-        return super().compile_template(tokenizer, (template or "").replace("system", "sys"))
+    def compile(self, renderer: Any) -> Any:
+        from prefix_cache.fastpath import _direct_render
+
+        return _direct_render.compiled(renderer.target,
+                                       (renderer.template or "").replace("system", "sys"))
 
 
-class Drifting(Accelerators):
-    """Real accelerators whose direct render goes wrong after its first (checked) render."""
+class Drifting(FastPromptText):
+    """The real accelerated renderer, its direct render going wrong after its first (checked)
+    render."""
 
     renders = 0
 
-    def render(self, *args: Any, **kwargs: Any) -> str:
+    def render_direct(self, *args: Any) -> str:
         self.renders += 1
-        text = super().render(*args, **kwargs)
+        text = super().render_direct(*args)
         return text if self.renders == 1 else text.replace("system", "sys")
+
+
+def plan_of(tok: Any, template: str, text: str = "Hi") -> Any:
+    """A real plan of ``conv(text)`` (keyed: its system message is static)."""
+    return make_plan(tok, conv(text), None, None, template, "default", "m", prefix="pc",
+                     protect_default_prefix=False, renderers=Renderers(), packer=KeyPacker())
 
 
 def test_a_direct_render_that_differs_is_turned_off(qwen3) -> None:
@@ -286,26 +301,26 @@ def test_a_direct_render_that_differs_is_turned_off(qwen3) -> None:
     sampled check compares later ones: a difference turns it off and the official text wins.
     (Each case renders a template of its own, a Jinja comment apart, so it has its own
     renderer.)"""
-    first = DEFAULT_SYSTEM + "{# first render #}"
-    renderer = get_renderer(qwen3, first)
-    official = renderer.official_text(conv("Hi"), None, {})
-    assert renderer.render_text(conv("Hi"), None, {}, fast=Miscompiled()) == official
-    assert not renderer.renders_direct
-    assert renderer.render_text(conv("Hi"), None, {}, fast=Accelerators()) == official
-    assert not renderer.renders_direct  # off for good
+    plan = plan_of(qwen3, DEFAULT_SYSTEM + "{# first render #}")
+    official = plan.renderer.render_text(conv("Hi"), None, {})
+    text = Miscompiled()
+    assert text.render(plan, conv("Hi"), None) == official
+    assert not text.renders_direct(plan.renderer)
+    assert text.render(plan, conv("Hi"), None) == official
+    assert not text.renders_direct(plan.renderer)  # off for good
     later = DEFAULT_SYSTEM + "{# a later render #}"
-    renderer, fast = get_renderer(qwen3, later), Drifting()
-    renderer.render_text(conv("warm"), None, {}, fast=fast)  # the first: checked, equal
-    assert renderer.renders_direct
-    text = renderer.render_text(conv("Ship it."), None, {}, fast=fast)
+    plan, text = plan_of(qwen3, later, "Ship it."), Drifting()
+    text.render(plan, conv("warm"), None)  # the first: checked, equal
+    assert text.renders_direct(plan.renderer)
+    drifted = text.render(plan, plan.messages, None)
     expected = reference.render(qwen3, conv("Ship it."), None, None, later)
-    assert renderer.tokenize(text) != expected  # the drifted render
+    assert plan.renderer.tokenize(drifted) != expected  # the drifted render
     stats = CacheStats()
-    ids = prompt_tokens.PromptTokenizer(stats, 1.0).tokenize(
-        renderer, text, None, "m", lambda: renderer.official_text(conv("Ship it."), None, {}),
-        fast=fast)
+    tokens = FastPromptTokenizer(PromptTokenizer(stats), text, 1.0)
+    ids = tokens.tokenize(plan, RenderedText(drifted, False), None)
     assert ids.ids == expected
-    assert not renderer.renders_direct and stats.snapshot()["tokenize_mismatches"] == 1
+    assert not text.renders_direct(plan.renderer)
+    assert stats.snapshot()["tokenize_mismatches"] == 1
 
 
 # -- everywhere a prompt is prepared ------------------------------------------------------------
@@ -384,7 +399,8 @@ def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None
                                                     TOOLS_IN_FIRST_USER)
         keys[ns] = r.key
     assert keys["tenant-a"] != keys["tenant-b"]
-    remembered = {ns: Accelerators.remembered_tojson(key) for ns, key in keys.items()}
+    remembered = {ns: cache._text.remembered_tojson(key)  # type: ignore[attr-defined]
+                  for ns, key in keys.items()}
     assert remembered["tenant-a"] and remembered["tenant-b"]  # each key its own texts
     texts = remembered["tenant-a"]  # the template asks tojson(indent=4): not the plain call
     assert sorted(at[0] for at in texts) == list(range(len(tools)))  # one text per tool
@@ -393,16 +409,19 @@ def test_tojson_texts_are_reused_per_key_and_never_across_tenants(qwen3) -> None
         json.dumps(tools[0], ensure_ascii=False, indent=4)
 
 
-def checked(sampler: prompt_tokens.PromptTokenizer, monkeypatch: Any, seconds: float) -> None:
+def sampler_of(rate: float, rng: random.Random | None = None) -> FastPromptTokenizer:
+    return FastPromptTokenizer(PromptTokenizer(CacheObserver()), FastPromptText(), rate, rng)
+
+
+def checked(sampler: FastPromptTokenizer, monkeypatch: Any, seconds: float) -> None:
     """One real sampled check (a direct render's, of the demo template) that took ``seconds``
     on the checks' clock."""
-    tok = load_offline_tokenizer("qwen3")
-    renderer, fast = get_renderer(tok, DEFAULT_SYSTEM), Accelerators()
-    text = renderer.render_text(conv("Hi"), None, {}, fast=fast)
+    plan = plan_of(load_offline_tokenizer("qwen3"), DEFAULT_SYSTEM)
+    text = sampler.text.render(plan, plan.messages, None)
     ticks = iter([0.0, seconds])
     with monkeypatch.context() as patched:
-        patched.setattr(prompt_tokens.time, "perf_counter", lambda: next(ticks))
-        sampler.tokenize(renderer, text, None, "m", lambda: text, check=True, fast=fast)
+        patched.setattr(_fast_tokenize.time, "perf_counter", lambda: next(ticks))
+        sampler.tokenize(plan, RenderedText(text, False), None, check=True)
     assert next(ticks, None) is None  # the check was timed
 
 
@@ -411,19 +430,18 @@ def test_sampled_checks_are_held_to_their_share_of_the_time(monkeypatch: Any) ->
     CHECK_TIME_SHARE of the time since the first draw (the first drawn check always runs); a
     rate of 1 checks every prompt whatever they cost."""
     clock = [1000.0]
-    monkeypatch.setattr(prompt_tokens.time, "monotonic", lambda: clock[0])
-    sampler = prompt_tokens.PromptTokenizer(CacheObserver(), 0.5, random.Random(3))
+    monkeypatch.setattr(_fast_tokenize.time, "monotonic", lambda: clock[0])
+    sampler = sampler_of(0.5, random.Random(3))
     drawn = [sampler.sampled() for _ in range(200)]
     assert 60 < sum(drawn) < 140  # the rate alone while the checks cost nothing
     checked(sampler, monkeypatch, 1.0)  # a check took 1 s, no time has passed
     assert not any(sampler.sampled() for _ in range(200))
     clock[0] += 1.0 / prompt_tokens.CHECK_TIME_SHARE  # their share of 100 s is 1 s: due again
     assert any(sampler.sampled() for _ in range(20))
-    always = prompt_tokens.PromptTokenizer(CacheObserver(), 1.0)
+    always = sampler_of(1.0)
     checked(always, monkeypatch, 1e9)
     assert all(always.sampled() for _ in range(20))
-    assert not any(prompt_tokens.PromptTokenizer(CacheObserver(), 0.0).sampled()
-                   for _ in range(20))
+    assert not any(sampler_of(0.0).sampled() for _ in range(20))
 
 
 @pytest.mark.parametrize("name", ["qwen3", "llama3.1", "deepseek", "spm-v7"])

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from prefix_cache import StaticPrefixCache, TemplateRenderError
 from prefix_cache.cache import boundary
-from prefix_cache.fastpath import Accelerators
+from prefix_cache.render.split import split_rule
 from prefix_cache.cache._probes import probe
 from prefix_cache.render.render import get_renderer
 from prefix_cache.testing.offline_tokenizers import (
@@ -68,7 +68,6 @@ def check(cache_: StaticPrefixCache, tok: Any, messages: list[dict[str, Any]],
     return True
 
 
-FAST = Accelerators()
 TOTALS = {"fast": 0, "full": 0, "caps checked": 0, "caps from a split": 0}
 
 
@@ -125,8 +124,11 @@ def test_the_cap_from_the_split_equals_the_full_tokenization(stem: str) -> None:
         tok = load_offline_tokenizer(name)
         for tools in (None, make_tools(3)):
             renderer = get_renderer(tok, template, tools)
+            rule = split_rule(tok, renderer.split_special_tokens)
+            def render(conv: Any, choice: Any, r: Any = renderer) -> str:
+                return r.render_text(conv, choice, KWARGS)
             try:  # as a cache with its accelerators probes: the split looked for
-                probed = probe(renderer, [SYSTEM], tools, KWARGS, fast=FAST)
+                probed = probe(render, renderer, [SYSTEM], tools, rule)
             except TemplateRenderError:
                 continue
             rendered_with = [] if probed.empty_tools else tools

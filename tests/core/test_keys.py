@@ -14,6 +14,7 @@ import pytest
 from prefix_cache import InvalidRequestError, StaticPrefixCache
 from prefix_cache.cache import keys
 from prefix_cache.cache._plan import make_plan
+from prefix_cache.cache.keys import KeyPacker
 from prefix_cache.render.render import get_renderer
 from prefix_cache.render.tokenizer_identity import tokenizer_fingerprint
 
@@ -83,7 +84,8 @@ def _key(cache: StaticPrefixCache, tok: Any, req: dict[str, Any], **kw: Any) -> 
     """The key ``cache`` would use (its plan: no render)."""
     return make_plan(tok, req["messages"], req["tools"], req["kwargs"],
                      kw.get("template", TEMPLATE), kw.get("namespace", "default"), None,
-                     prefix=cache.prefix, protect_default_prefix=False).key
+                     prefix=cache.prefix, protect_default_prefix=False,
+                     renderers=cache._renderers, packer=KeyPacker()).key
 
 
 @pytest.mark.parametrize("name", sorted(CHANGES_KEY))

@@ -21,7 +21,7 @@ from tests.support.tokenizers import fresh
 def readers(tok: Any) -> tuple[Any, Any, Any]:
     """What the split, the renderer and the tail pieces made of ``tok``."""
     renderer = get_renderer(tok, DEFAULT_SYSTEM)
-    rule = split_rule(renderer.tokenizer, renderer.tokenizer_digest, renderer.split_special_tokens)
+    rule = split_rule(renderer.tokenizer, renderer.split_special_tokens)
     return rule, renderer, PieceMemo().cuts(renderer)
 
 
