@@ -220,10 +220,14 @@ class SpeculativeBatch(GenerationBatch):
         previous = self._next_logprobs
         self._next_tokens = mx.array([p[-1] for p in picks], dtype=mx.uint32)
         self._next_logprobs = [logprobs[i, a] for i, a in enumerate(accepted)]
+        emitted_lps = [[previous[i], *(logprobs[i, j] for j in range(a))]
+                       for i, a in enumerate(accepted)]
+        # Evaluated here: the rows are read on other threads, which have no engine stream.
+        mx.eval(self._next_logprobs, emitted_lps)
         responses, keep = [], []
         for i, uid in enumerate(self.uids):
             emitted = [pending[i], *drafts[i][:accepted[i]]]
-            lps = [previous[i], *(logprobs[i, j] for j in range(accepted[i]))]
+            lps = emitted_lps[i]
             drafter = spec.drafters.get(uid)
             if drafter is not None:
                 drafter.verified(len(drafts[i]), accepted[i])
