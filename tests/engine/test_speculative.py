@@ -174,3 +174,18 @@ def test_drafter_looks_up_the_latest_continuation_and_backs_off():
     assert d.draft_len == 6 and d.ready()
     assert accepted_prefix([3, 7, 4], [3, 7]) == [3, 7, 4]
     assert accepted_prefix([3, 8, 4], [3, 7]) == [3, 8]
+
+
+def test_the_counts_are_metrics_and_the_option_turns_it_off(pair):
+    from engine_adapter.options import EngineOptions
+    from prefix_cache.metrics.engine import engine_exposition
+
+    on, _ = pair
+    stats = on.snapshot_stats()
+    text = engine_exposition("tiny", on)[0].decode()
+    assert (f'prefix_cache_spec_decode_num_draft_tokens_total{{model="tiny"}} '
+            f'{float(stats.spec_decode_draft_tokens)}') in text
+    assert (f'prefix_cache_spec_decode_num_accepted_tokens_total{{model="tiny"}} '
+            f'{float(stats.spec_decode_accepted_tokens)}') in text
+    assert EngineOptions.parse({}).engine_kwargs()["speculative"] is True
+    assert EngineOptions.parse({"speculative": False}).engine_kwargs()["speculative"] is False
