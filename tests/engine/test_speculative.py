@@ -189,3 +189,22 @@ def test_the_counts_are_metrics_and_the_option_turns_it_off(pair):
             f'{float(stats.spec_decode_accepted_tokens)}') in text
     assert EngineOptions.parse({}).engine_kwargs()["speculative"] is True
     assert EngineOptions.parse({"speculative": False}).engine_kwargs()["speculative"] is False
+
+
+def test_the_demo_chat_model_writes_the_same_reply_with_drafts_taken(demo_chat_dir):
+    """Real weights, an agent-like prompt (rewrite a file shown): the greedy reply is the same
+    with speculation and drafts are taken."""
+    from mlx_lm import load
+
+    model, tok = load(str(demo_chat_dir))
+    code = "\n".join(f"def f{i}(x):\n    return x * {i} + {i % 3}\n" for i in range(6))
+    ids = list(tok.apply_chat_template(
+        [{"role": "user", "content": f"{code}\nRepeat this code exactly, with f2 renamed "
+          "to g2. Output only the code."}], add_generation_prompt=True))
+    request = GenerationRequest(ids, max_tokens=48, return_logprobs=True, request_id="demo")
+    options = {"stop_token_ids": sorted(tok.eos_token_ids), "reuse_conversation_kv": False}
+    with MLXEngine(model, **options) as on, \
+            MLXEngine(model, speculative=False, **options) as off:
+        (spec,), (plain,) = run_batch(on, [request]), run_batch(off, [request])
+        assert_same(spec, plain)
+        assert on.stats.spec_decode_accepted_tokens > 10
