@@ -3,11 +3,13 @@ demo chat model (SmolLM2-135M-Instruct), two in-process engines on the same weig
 rounds alternate which engine goes first. Workloads: an agent that rewrites a file it was
 shown with a small change (the reply repeats the context), and plain chat (a story: drafts
 rarely taken, the back-off's case); each single-stream and ``--concurrent`` at once.
-Per workload: decode tokens/s (first token to last, summed over the requests of a round),
+Prompts are restored from the conversation store after their first round (decode is what is
+measured). Per workload: decode tokens/s (first token to last, summed over the requests of a round),
 the on/off ratio per round and its median, acceptance (accepted / drafted), and whether the
 tokens were the same.
 
-    PYTHONPATH=. python bench/spec_decode.py [--repeats 3] [--max-tokens 160] [--concurrent 4]
+    LD_PRELOAD=<openblas> PYTHONPATH=. python bench/spec_decode.py [--repeats 3] \
+        [--max-tokens 160] [--concurrent 4] [--only agent|chat]
 """
 
 from __future__ import annotations
@@ -32,13 +34,13 @@ FILE = "\n".join(
     [f"def handler_{i}(request, limit={i * 3}):\n"
      f"    \"\"\"Serve request kind {i} within the limit.\"\"\"\n"
      f"    items = fetch_items(request.user, kind={i})\n"
-     f"    return [item.name for item in items[:limit]]\n" for i in range(12)])
+     f"    return [item.name for item in items[:limit]]\n" for i in range(8)])
 
 
 def agent_messages(i: int) -> list[dict[str, str]]:
     return [{"role": "system", "content": "You are a coding agent. Reply with the whole file."},
             {"role": "user", "content": f"Here is handlers.py:\n\n{FILE}\n\nRewrite the whole "
-             f"file with the default limit of handler_{i % 12} doubled. Output only the code."}]
+             f"file with the default limit of handler_{i % 8} doubled. Output only the code."}]
 
 
 def chat_messages(i: int) -> list[dict[str, str]]:
@@ -78,6 +80,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--concurrent", type=int, default=4)
+    parser.add_argument("--only", choices=["agent", "chat"], default=None,
+                        help="run one workload kind (both concurrencies)")
     args = parser.parse_args()
 
     from mlx_lm import load
@@ -87,7 +91,7 @@ def main() -> None:
 
     model, tok = load(str(demo_chat_model_dir()))
     stops = sorted(tok.eos_token_ids)
-    common = {"stop_token_ids": stops, "reuse_conversation_kv": False}
+    common = {"stop_token_ids": stops}   # prompts repeat: the conversation store restores them
     engines = {"on": MLXEngine(model, speculative=True, **common),
                "off": MLXEngine(model, speculative=False, **common)}
 
@@ -96,8 +100,10 @@ def main() -> None:
 
     workloads = {}
     for n in (1, args.concurrent):
-        workloads[f"agent edit x{n}"] = [ids(agent_messages(i)) for i in range(n)]
-        workloads[f"plain chat x{n}"] = [ids(chat_messages(i)) for i in range(n)]
+        if args.only != "chat":
+            workloads[f"agent edit x{n}"] = [ids(agent_messages(i)) for i in range(n)]
+        if args.only != "agent":
+            workloads[f"plain chat x{n}"] = [ids(chat_messages(i)) for i in range(n)]
     run_round(engines["on"], workloads["plain chat x1"], 8)   # warm both up
     run_round(engines["off"], workloads["plain chat x1"], 8)
     results = {}
