@@ -18,7 +18,8 @@ greedy, seeded, grammar, stop tokens, max_tokens and logprobs are those of plain
 Rounding aside: a forward over K+1 tokens sums in another order than one over one token.
 
 Back-off (``Drafter``): a sequence whose drafts are all rejected stops drafting for 1, 2, 4 ..
-64 steps; an accepted draft starts it again and lengthens the next draft.
+64 steps; an accepted draft starts it again and lengthens the next draft. A lookup that finds
+nothing waits 1, 2, 4, 8 steps before the next.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ from ..defaults import (
 from .sampling import greedy
 
 
+DRY_SKIP_MAX = 8    # steps without a lookup after lookups that found nothing
+
+
 class Drafter:
     """Prompt lookup for one sequence: the tokens that followed the latest earlier occurrence
     of its last n tokens (n from ``ngram`` down to ``min_ngram``), with its back-off state.
@@ -60,6 +64,7 @@ class Drafter:
         self.draft_len = 2          # the next draft's length: grows while drafts are taken
         self._misses = 0            # drafts rejected in a row
         self._skip = 0              # steps left without drafting
+        self._dry = 0               # lookups in a row that found nothing
         self.extend(tokens)
 
     def extend(self, tokens: Iterable[int]) -> None:
@@ -83,7 +88,12 @@ class Drafter:
                 continue
             start = self._index[n].get(tuple(context[-n:]))
             if start is not None:
+                self._dry = 0
                 return context[start:start + limit]
+        # Nothing to draft: look again after 1, 2, 4, 8 steps (a lookup syncs the batch on its
+        # pending tokens, which costs plain chat mlx-lm's overlap of one step with the next).
+        self._skip = min(1 << self._dry, DRY_SKIP_MAX)
+        self._dry += 1
         return []
 
     def ready(self) -> bool:

@@ -165,7 +165,8 @@ def test_drafter_looks_up_the_latest_continuation_and_backs_off():
     d.draft_len = 8
     assert d.propose(2, 8) == [3, 7, 5, 1, 2]    # (1, 2): its latest continuation, to the end
     assert d.propose(2, 2) == [3, 7]
-    assert d.propose(4, 8) == []                 # (1, 4) never seen
+    assert d.propose(4, 8) == []                 # (1, 4) never seen: no lookup next step
+    assert not d.ready() and d.ready()
     d.verified(3, 0)                             # rejected: one step without drafting
     assert not d.ready() and d.ready()
     d.verified(3, 0)
