@@ -29,3 +29,9 @@ DEFAULT_POOL_KERNEL = 13            # smoothing window of the scores
 # A GenerationRequest made directly (benchmarks, tests) decodes greedily; the API layers fill
 # the temperature in from the request (OpenAI's default, 1.0, in ``SamplingParams``).
 GREEDY = 0.0
+# Speculative decoding by prompt lookup (``mlx_engine/speculative.py``)
+DEFAULT_SPECULATIVE = True          # on: drafts from the sequence's own tokens, with back-off
+DEFAULT_SPEC_NGRAM = 3              # the longest n-gram looked up (then shorter ones)
+DEFAULT_SPEC_MIN_NGRAM = 2          # the shortest
+DEFAULT_SPEC_MAX_DRAFT = 8          # tokens a draft may have (it grows while drafts are taken)
+DEFAULT_SPEC_BACKOFF_MAX = 64       # steps without drafting after drafts were rejected in a row

@@ -32,6 +32,7 @@ from .defaults import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SPECPREFILL_THRESHOLD,
+    DEFAULT_SPECULATIVE,
     DEFAULT_STEP_TOKENS,
 )
 
@@ -82,6 +83,10 @@ class EngineOptions(BaseModel):
                              "prefill chunks; more than max_batch_size): smaller keeps first "
                              "and next tokens quicker under long prompts, larger prefills "
                              "faster")
+    speculative: bool = Field(default=DEFAULT_SPECULATIVE, description="speculative "
+                              "decoding: drafts looked up in each sequence's own tokens "
+                              "(prompt lookup), verified in the batch's decode step, backing "
+                              "off where they are rejected; the same tokens either way")
     specprefill_threshold: int = Field(default=DEFAULT_SPECPREFILL_THRESHOLD, ge=0,
                                        description="SpecPrefill engages "
                                        "above this many tokens left to compute")
@@ -120,6 +125,7 @@ class EngineOptions(BaseModel):
             "max_batch_size": self.max_batch_size,
             "fair_prefill": self.fair_prefill,
             "step_tokens": self.step_tokens,
+            "speculative": self.speculative,
             # Read by ``MLXEngine.load``, which knows the model folders the KV comes from.
             "kv_disk_dir": self.kv_disk_dir,
             "kv_disk_bytes": (int(self.kv_disk_bytes)

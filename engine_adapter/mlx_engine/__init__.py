@@ -9,7 +9,8 @@ prompt and reply kept for the next turn (``reply.py``); prefill, dense and spars
 prompt in budgeted chunks (``prefill.py``), each step's token budget shared across namespaces
 (``budget.py``), SpecPrefill jobs (``specprefill_jobs.py``) and their scoring and chunk choice
 (``specprefill.py``), a layer-truncated draft's layers reused by the target
-(``draft_layers.py``); the sampler with each sequence's grammar mask (``sampling.py``),
+(``draft_layers.py``); the sampler with each sequence's grammar mask (``sampling.py``), speculative decoding from
+each sequence's own tokens, verified in the batch's decode forward (``speculative.py``),
 ``rope.py``, mlx-lm's batch API and a config's vocabulary and window (``model_info.py``), mlx's
 device streams ended cleanly (``mlx_streams.py``). The KV itself, its snapshots, stores and disk
 tier: ``kv/``.

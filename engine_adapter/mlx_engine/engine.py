@@ -38,6 +38,7 @@ from ..defaults import (
     DEFAULT_MAX_BATCH_SIZE,
     DEFAULT_PREFILL_BATCH_SIZE,
     DEFAULT_PREFILL_STEP,
+    DEFAULT_SPECULATIVE,
     DEFAULT_STEP_TOKENS,
 )
 from .kv import cache as kv_cache
@@ -62,6 +63,7 @@ from .sampling import request_sampler
 from .sequence import Deliver, EngineSequence
 from .specprefill_jobs import SparseJob, SparsePrefill, sparse_capable, specprefill_steps
 from .specprefill import SpecPrefillConfig
+from .speculative import Speculation, speculation_supported
 from .mlx_streams import releasing_streams
 
 log = logging.getLogger("engine_adapter.mlx_engine")
@@ -93,6 +95,7 @@ class MLXEngine:
         kv_disk: DiskKVStore | None = None,
         fair_prefill: bool = True,      # the step's token budget (``budget``); off: FCFS
         step_tokens: int = DEFAULT_STEP_TOKENS,
+        speculative: bool = DEFAULT_SPECULATIVE,  # prompt-lookup drafts (``speculative``)
     ) -> None:
         if max_context is not None and max_context < 2:
             raise ValueError(f"max_context must be >= 2 tokens, got {max_context}")
@@ -135,6 +138,10 @@ class MLXEngine:
                              positioned=kv_cache.supports_positioned_cache(model),
                              reusable=kv_cache.supports_reuse(model), replies=reuse_reply_kv)
         self._batch = (max_batch_size, prefill_batch_size, prefill_step_size)
+        # Decode ahead: drafts from each sequence's own tokens, verified in the batch's forward
+        # (plain attention KV only: it is trimmed per row); None is plain decoding.
+        self._speculation = (Speculation(step_tokens, self.stats)
+                             if speculative and speculation_supported(model) else None)
         self._step_size = prefill_step_size
         self._inbox: deque[tuple[str, Any]] = deque()
         self._wake = threading.Condition()
@@ -305,7 +312,9 @@ class MLXEngine:
         streaming = any(s.emitted for s in self._by_uid.values())
         limit = self._clock.prefill_tokens(self._budget.tokens, streaming)
         finished = drained = False
-        plan = self._budget.schedule(len(self._by_uid), limit)
+        # The last verify forward scored each speculating row's drafts too: decode tokens.
+        drafted = self._speculation.last_step if self._speculation is not None else 0
+        plan = self._budget.schedule(len(self._by_uid) + drafted, limit)
         for i, (job, tokens) in enumerate(plan):
             # After its first chunk the step ends early (what it did not run keeps its place
             # and its namespace's turn) once it has finished a namespace's last waiting prompt
@@ -337,7 +346,11 @@ class MLXEngine:
         return len(self._sparse_jobs) + sum(isinstance(j, SparseJob) for j in budgeted)
 
     def _new_generator(self) -> BatchGenerator:
-        return new_batch_generator(self.model, self.stop_token_ids, *self._batch)
+        generator = new_batch_generator(self.model, self.stop_token_ids, *self._batch)
+        if self._speculation is not None:
+            self._speculation.drafters.clear()
+            self._speculation.attach(generator)
+        return generator
 
     def _extract(self, seq: EngineSequence) -> Callable[[], Any]:
         """Reads the sequence's cache out of the batch, when the reuse policy needs it."""
@@ -389,6 +402,8 @@ class MLXEngine:
                 job.steps.close()
         if seq.uid is not None:
             self._by_uid.pop(seq.uid, None)
+            if self._speculation is not None:
+                self._speculation.forget((seq.uid,))
         self._restart(self.reuse.forget(seq))
 
     def _restart(self, parked: list[tuple[EngineSequence, bool]]) -> None:
@@ -519,6 +534,8 @@ class MLXEngine:
     def _insert(self, seq: EngineSequence, segments: list[list[int]], cache: list[Any]) -> None:
         seq.uid = insert_sequence(self._generator, seq, segments, cache)
         self._by_uid[seq.uid] = seq
+        if self._speculation is not None:
+            self._speculation.track(seq.uid, seq.request.prompt_ids)
 
     def _advance_chunked(self, job: ChunkedPrefill, tokens: int) -> bool:
         """``tokens`` more of a dense prompt (segment ends stored, parked requests released);

@@ -276,6 +276,8 @@ class EngineCounts:
     parked: int = 0             # waited for a request computing the same static prefix
     conversation_hits: int = 0  # restored more than the static prefix from an earlier prompt
     reused_generated_tokens: int = 0  # of reused_tokens: an earlier reply's, sent back
+    spec_decode_draft_tokens: int = 0     # speculative decoding: draft tokens verified
+    spec_decode_accepted_tokens: int = 0  # of those, accepted (emitted without a step each)
     last_fallback: str | None = None
 
 

@@ -84,6 +84,12 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
                               "engine's KV capacity in RAM in use: bytes held by its "
                               "static-prefix and conversation stores over their caps.",
                               labels=["model"])
+    # vLLM's names (``spec_decode_*``) after the prefix, as the other vLLM-named metrics.
+    drafted = CounterMetricFamily("prefix_cache_spec_decode_num_draft_tokens", "Draft tokens "
+                                  "verified by speculative decoding.", labels=["model"])
+    accepted = CounterMetricFamily("prefix_cache_spec_decode_num_accepted_tokens", "Draft "
+                                   "tokens accepted (emitted without a decode step of their "
+                                   "own).", labels=["model"])
     kv_rejected = CounterMetricFamily(f"{NS}_kv_rejected", "KV snapshots not kept because "
                                       "they are larger than the whole store (raise its bytes).",
                                       labels=["model", "store"])
@@ -93,6 +99,8 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
         tokens.add_metric([name, "reused"], float(s.reused_tokens))
         tokens.add_metric([name, "computed"], float(s.prefilled_tokens))
         active.add_metric([name], float(s.active))
+        drafted.add_metric([name], float(s.spec_decode_draft_tokens))
+        accepted.add_metric([name], float(s.spec_decode_accepted_tokens))
         kv_stores: tuple[tuple[str, KVStoreStats | None], ...] = (
             ("static", s.kv_store), ("conversation", s.conversation_store))
         on = [kv for _, kv in kv_stores if kv is not None and kv.max_bytes > 0]
@@ -111,7 +119,7 @@ def engine_families(stats: Iterable[tuple[str, EngineStats]]) -> Iterator[Metric
         return
     yield from counters.values()
     yield from (tokens, active, kv_bytes, kv_entries, kv_lookups, kv_evictions, kv_rejected,
-                usage)
+                usage, drafted, accepted)
     yield from kv_disk_families(stats)
 
 

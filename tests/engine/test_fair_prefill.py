@@ -109,8 +109,10 @@ def test_a_quiet_tenants_first_token_comes_before_most_of_a_floods_chunks(
 def test_a_running_stream_gets_a_token_between_any_two_chunks_of_another_prompt(
         engines: Any, target: tuple[Any, Any]) -> None:
     log: list[tuple[Any, ...]] = []
+    # Plain decoding: a speculative step's verify forward (several tokens a row) would be
+    # logged as a chunk, and its drafts are charged to the next step's budget, not this one's.
     engine = engines(Recording(target[0], log), step_tokens=STEP_TOKENS,
-                     reuse_static_kv=False, reuse_conversation_kv=False)
+                     reuse_static_kv=False, reuse_conversation_kv=False, speculative=False)
     stream = GenerationRequest(list(range(200, 230)), max_tokens=100, namespace="chat",
                                request_id="stream")
     long = flood(engine.vocab_size, n=2)           # 2 x 1024 tokens: 16+ chunks
