@@ -160,7 +160,7 @@ class MLXBackend:
             return StreamedCalls(self.envelope)  # the grammar's shape: streamed as written
         if request.constraints.tool_choice == "none":
             return None
-        return ToolCallSplitter.for_tokenizer(self.tokenizer, request.tools)
+        return ToolCallSplitter.for_format(self.calls, request.tools)
 
     async def generate(self, checked: MLXRequest) -> AsyncGenerator[BackendOutput, None]:
         request, grammar, run = checked.request, checked.grammar, checked.engine.grammar

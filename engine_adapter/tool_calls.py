@@ -48,11 +48,10 @@ class ToolCallSplitter:
         self.calls = 0
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any,
-                      tools: Sequence[Mapping[str, Any]] | None) -> ToolCallSplitter | None:
-        """The splitter of the tokenizer's family, or None when it has no tool-call parser or
-        the request gives no tools."""
-        fmt = call_format(tokenizer)
+    def for_format(cls, fmt: CallFormat | None,
+                   tools: Sequence[Mapping[str, Any]] | None) -> ToolCallSplitter | None:
+        """The splitter of a family's call format (``families.call_format``, read once per
+        tokenizer), or None when it has none or the request gives no tools."""
         if not tools or fmt is None:
             return None
         return cls(fmt.start, fmt.end, fmt.parse, tools)

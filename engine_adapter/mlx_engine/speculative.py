@@ -82,14 +82,14 @@ class Drafter:
         limit = min(limit, self.draft_len)
         if limit <= 0:
             return []
-        context = self.tokens + [pending]
+        tokens, size = self.tokens, len(self.tokens) + 1   # the sequence, then ``pending``
         for n in self.sizes:
-            if len(context) <= n:
+            if size <= n:
                 continue
-            start = self._index[n].get(tuple(context[-n:]))
-            if start is not None:
+            start = self._index[n].get((*tokens[size - n:], pending))
+            if start is not None:   # a continuation inside ``tokens``; ``pending`` may end it
                 self._dry = 0
-                return context[start:start + limit]
+                return (tokens[start:start + limit] + [pending])[:limit]
         # Nothing to draft: look again after 1, 2, 4, 8 steps (a lookup syncs the batch on its
         # pending tokens, which costs plain chat mlx-lm's overlap of one step with the next).
         self._skip = min(1 << self._dry, DRY_SKIP_MAX)

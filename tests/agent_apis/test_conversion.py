@@ -442,6 +442,7 @@ def test_the_cli_detects_each_line_and_gives_the_chat_boundary(
 
 @pytest.mark.parametrize("end", ["</tool_call>", ""])
 def test_tool_call_markers_split_across_deltas_are_found(end: str) -> None:
+    from engine_adapter.families import call_format
     from engine_adapter.tool_calls import ToolCallSplitter
 
     def parse(text: str, _: Any) -> Any:
@@ -460,7 +461,7 @@ def test_tool_call_markers_split_across_deltas_are_found(end: str) -> None:
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1})] * (
         2 if end else 1)
     assert len({c.id for c in calls}) == len(calls) and splitter.calls == len(calls)
-    assert ToolCallSplitter.for_tokenizer(object(), [TOOL_CHAT]) is None  # no parser known
+    assert ToolCallSplitter.for_format(call_format(object()), [TOOL_CHAT]) is None  # no parser known
 
 
 @pytest.mark.parametrize("body, fragment", [
